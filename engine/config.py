@@ -1,0 +1,111 @@
+"""Frozen configuration dataclasses: the model's shape and the engine's knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import UnsupportedModelError
+
+# model_type -> whether q/k/v projections carry a bias. All are Llama-shaped decoders:
+# GQA attention, RoPE, RMSNorm, SwiGLU MLP.
+SUPPORTED_MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": True}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """fp32 K and V of one token over every layer: what a transfer ships per token."""
+        return 2 * self.num_layers * self.kv_size * 4
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Validate a Hugging Face ``config.json`` dict and keep what the runtime needs."""
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} (architectures={cfg.get('architectures')}) is not "
+                f"supported; supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {cfg['hidden_act']!r}: only 'silu' is supported")
+        rope = cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise UnsupportedModelError(f"rope_scaling type {rope_type!r} is not supported")
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window", model_type == "mistral"):
+            if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
+                raise UnsupportedModelError("sliding-window attention is not supported")
+        num_heads = cfg["num_attention_heads"]
+        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=cfg.get("attention_bias", SUPPORTED_MODEL_TYPES[model_type]),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int = 1024
+
+    @property
+    def num_slots(self) -> int:
+        return self.block_size * self.num_blocks
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # Token budget of one forward: prefill chunks and decode tokens share it.
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    # A prompt longer than this is prefilled in several chunks; 0 = no chunking beyond budget.
+    prefill_chunk_size: int = 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_model_len: int = 2048

@@ -1,0 +1,143 @@
+"""The colocated engine: add requests, step, collect outputs. The step is schedule, run, update."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.errors import InvalidRequestError
+from engine.loader import load_config, load_model, resolve_model_dir
+from engine.model import LlamaModel
+from engine.model_runner import ModelRunner
+from engine.request import Request, RequestStatus, SamplingParams
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer: Tokenizer | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        cache = config.cache
+        self.blocks = BlockManager(cache.num_blocks, cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, config.max_model_len)
+        self.runner = ModelRunner(model, cache.num_blocks, cache.block_size)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_model_path(
+        cls,
+        model: str | Path = "embedded",
+        cache: CacheConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
+        max_model_len: int = 2048,
+        progress: bool = True,
+    ) -> LLMEngine:
+        model_dir = resolve_model_dir(model, progress=progress)
+        cfg = load_config(model_dir)
+        max_model_len = min(max_model_len, cfg.max_position_embeddings)
+        engine_cfg = EngineConfig(cfg, cache or CacheConfig(), scheduler or SchedulerConfig(), max_model_len)
+        has_tokenizer = (model_dir / "tokenizer.json").is_file()
+        tokenizer = Tokenizer(model_dir) if has_tokenizer else None
+        return cls(engine_cfg, load_model(model_dir, cfg, max_model_len), tokenizer)
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        ids = self._encode(prompt)
+        request_id = request_id or f"req-{next(self._ids)}"
+        eos = tuple(self.config.model.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = tuple(sorted(set(eos) | {self.tokenizer.eos_token_id}))
+        req = Request(request_id, ids, sampling or SamplingParams(), eos_token_ids=eos)
+        self.scheduler.add(req)
+        self.requests[request_id] = req
+        if self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            self._forget(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        logits = self.runner.execute(plan.scheduled)
+        sampling = [s.request for s in plan.scheduled if s.samples]
+        tokens = self.sampler.sample(logits, sampling)
+        return [self._output(req) for req in self.scheduler.update(plan, tokens)]
+
+    def generate(self, prompts: list[str | list[int]], sampling: SamplingParams | None = None):
+        """Run prompts to completion as one continuous batch; returns finished ``Request``s."""
+        ids = [self.add_request(p, sampling) for p in prompts]
+        while self.has_unfinished():
+            self.step()
+        return [self.requests.pop(i) for i in ids]
+
+    # ---- internals ---------------------------------------------------------------------
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt", "text prompts need a tokenizer")
+            prompt = self.tokenizer.encode(prompt)
+        if not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        vocab = self.config.model.vocab_size
+        if any(not (0 <= t < vocab) for t in prompt):
+            raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
+        return list(prompt)
+
+    def _output(self, req: Request) -> RequestOutput:
+        token = req.output_token_ids[-1]
+        text = ""
+        detok = self._detok.get(req.request_id)
+        if detok is not None:
+            text = detok.push(token)
+            req.output_text = detok.text
+            text = self._apply_stop_strings(req, text)
+        if req.is_finished:
+            self._forget(req.request_id)
+        return RequestOutput(req.request_id, [token], text, req.is_finished, req.status.finish_reason)
+
+    def _apply_stop_strings(self, req: Request, delta: str) -> str:
+        for stop in req.sampling.stop:
+            idx = req.output_text.find(stop)
+            if idx >= 0:
+                cut = len(req.output_text) - idx
+                req.output_text = req.output_text[:idx]
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                return delta[: max(0, len(delta) - cut)]
+        return delta
+
+    def _forget(self, request_id: str) -> None:
+        self._detok.pop(request_id, None)
+        self.sampler.release(request_id)
+

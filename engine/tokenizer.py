@@ -1,0 +1,97 @@
+"""Tokenizer and chat template from a model folder, without torch or transformers.
+
+The router tokenizes too and must not import torch, so this reads ``tokenizer.json`` with the
+``tokenizers`` library and renders the chat template with a sandboxed jinja2, as
+``transformers`` does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from engine.errors import InvalidRequestError, ModelNotFoundError
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ModelNotFoundError(f"no tokenizer.json in {model_dir}")
+        self._tok = HFTokenizer.from_file(str(path))
+        cfg = _read_json(model_dir / "tokenizer_config.json")
+        self.chat_template = cfg.get("chat_template")
+        jinja = model_dir / "chat_template.jinja"
+        if self.chat_template is None and jinja.is_file():
+            self.chat_template = jinja.read_text()
+        ids = _read_json(model_dir / "pdserve_tokenizer.json")
+        self.bos_token_id = ids.get("bos_token_id", self._token_id(cfg.get("bos_token")))
+        self.eos_token_id = ids.get("eos_token_id", self._token_id(cfg.get("eos_token")))
+        self.bos_token = self._tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+        self.eos_token = self._tok.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
+        self._template = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise InvalidRequestError("messages", "this model has no chat template")
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # The template already writes any special tokens it wants.
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+    def _token_id(self, token) -> int | None:
+        if isinstance(token, dict):
+            token = token.get("content")
+        return None if token is None else self._tok.token_to_id(token)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
+            return ""
+        delta = text[len(self.text) :]
+        self.text = text
+        return delta
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _raise_template_error(message: str):
+    raise InvalidRequestError("messages", message)

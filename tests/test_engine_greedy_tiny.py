@@ -1,0 +1,59 @@
+"""Greedy output equals transformers' on random tiny Llamas (MHA/GQA, block sizes 1/16/32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.request import SamplingParams
+from tests.conftest import tiny_llama_dir
+from tests.greedy import assert_same_greedy, hf_greedy
+
+NEW_TOKENS = 20
+
+
+def boundary_lengths(block_size: int) -> list[int]:
+    """Prompt lengths that end exactly on, and one past, a block boundary (plus a short one)."""
+    return [block_size, block_size + 1, 2 * block_size, 2 * block_size + 1, 5]
+
+
+def random_prompts(lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 2)], ids=["mha", "gqa2", "gqa3"])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("chunk", [0, 16], ids=["whole", "chunk16"])
+def test_tiny_greedy_matches_transformers(tmp_path, make_engine, heads, kv_heads, block_size, chunk):
+    path, hf_model = tiny_llama_dir(tmp_path, num_heads=heads, num_kv_heads=kv_heads)
+    engine = make_engine(path, block_size=block_size, num_blocks=4096 // block_size, prefill_chunk_size=chunk)
+    prompts = random_prompts(boundary_lengths(block_size), hf_model.config.vocab_size)
+    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    outs = engine.generate(prompts, params)
+    for prompt, req in zip(prompts, outs):
+        assert_same_greedy(hf_model, prompt, req.output_token_ids, hf_greedy(hf_model, prompt, NEW_TOKENS))
+
+
+def test_small_token_budget_mixes_prefill_chunks_with_decodes(tmp_path, make_engine):
+    """A budget smaller than the prompts forces chunks of one prompt to share steps with
+    decodes of another; outputs must not change."""
+    path, hf_model = tiny_llama_dir(tmp_path, num_heads=4, num_kv_heads=2, seed=1)
+    engine = make_engine(path, block_size=16, max_num_batched_tokens=24)
+    prompts = random_prompts([3, 40, 70, 17], hf_model.config.vocab_size, seed=1)
+    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    outs = engine.generate(prompts, params)
+    for prompt, req in zip(prompts, outs):
+        assert_same_greedy(hf_model, prompt, req.output_token_ids, hf_greedy(hf_model, prompt, NEW_TOKENS))
+
+
+def test_preemption_by_recompute_keeps_outputs(tmp_path, make_engine):
+    """Too few blocks for every sequence at once: some are preempted and recomputed."""
+    path, hf_model = tiny_llama_dir(tmp_path, num_heads=4, num_kv_heads=2, seed=2)
+    engine = make_engine(path, block_size=4, num_blocks=24)
+    prompts = random_prompts([20, 20, 20, 20], hf_model.config.vocab_size, seed=2)
+    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    outs = engine.generate(prompts, params)
+    assert engine.scheduler.num_preemptions > 0
+    for prompt, req in zip(prompts, outs):
+        assert_same_greedy(hf_model, prompt, req.output_token_ids, hf_greedy(hf_model, prompt, NEW_TOKENS))
