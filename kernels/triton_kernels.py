@@ -1,0 +1,361 @@
+"""Triton kernels: KV-cache store, prefill flash attention and decode attention over paged KV.
+
+Shapes: T new tokens in a batch of B sequences, h query heads, kvh KV heads, d head dim,
+caches [num_blocks, block_size, kvh, d]. Keys are looked up one by one through the block
+table (block id = table[pos // block_size], row = pos % block_size), so a key tile need not
+line up with a cache block and any block size works, including 1.
+
+Importing this module needs Triton; ``kernels.ops`` guards the import. Under
+``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.metadata import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,  # [T, kvh, d]
+    value_ptr,  # [T, kvh, d]
+    k_cache_ptr,  # [num_blocks, block_size, kvh, d]
+    v_cache_ptr,  # [num_blocks, block_size, kvh, d]
+    slot_mapping_ptr,  # [T] int64, -1 = skip
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    block_size,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:  # padding token: nothing to cache
+        return
+    block = slot // block_size
+    row = slot % block_size
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(
+        key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
+        mask=mask,
+    )
+    v = tl.load(
+        value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
+        mask=mask,
+    )
+    dst = block * stride_cb + row * stride_cs + offs_h[:, None] * stride_ch
+    dst += offs_d[None, :] * stride_cd
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr,  # [T, h, d]
+    k_cache_ptr,  # [num_blocks, block_size, kvh, d]
+    v_cache_ptr,  # [num_blocks, block_size, kvh, d]
+    out_ptr,  # [T, h, d]
+    query_start_loc_ptr,  # [B + 1] int32
+    seq_lens_ptr,  # [B] int32
+    block_tables_ptr,  # [B, max_blocks] int32
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    stride_bt,
+    block_size,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    # The grid is sized for the longest query; shorter sequences have idle tail programs.
+    if m_block * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+    kv_head = head // GROUP
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    positions = context + offs_m
+    row_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    q_offs = (q_start + offs_m)[:, None] * stride_qt + head * stride_qh
+    q = tl.load(
+        q_ptr + q_offs + offs_d[None, :] * stride_qd,
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Keys past the last query row of this tile are causally invisible to all of its rows.
+    hi = tl.minimum(seq_len, context + (m_block + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < seq_len
+        blocks = tl.load(
+            block_tables_ptr + seq * stride_bt + offs_n // block_size, mask=n_mask, other=0
+        )
+        kv_offs = (
+            blocks.to(tl.int64) * stride_cb
+            + (offs_n % block_size) * stride_cs
+            + kv_head * stride_ch
+        )
+        kv_offs = kv_offs[:, None] + offs_d[None, :] * stride_cd
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        visible = (offs_n[None, :] <= positions[:, None]) & n_mask[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+        # Key 0 is visible to every row in the first tile, so m_new is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    o_offs = (q_start + offs_m)[:, None] * stride_ot + head * stride_oh
+    tl.store(
+        out_ptr + o_offs + offs_d[None, :] * stride_od,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
+    )
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr,  # [T, h, d], one token per sequence (T == B)
+    k_cache_ptr,  # [num_blocks, block_size, kvh, d]
+    v_cache_ptr,  # [num_blocks, block_size, kvh, d]
+    out_ptr,  # [T, h, d]
+    query_start_loc_ptr,  # [B + 1] int32
+    seq_lens_ptr,  # [B] int32
+    block_tables_ptr,  # [B, max_blocks] int32
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    stride_bt,
+    block_size,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # query heads of one KV head, padded to a tl.dot-sized tile
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # One program per (sequence, KV head): all query heads sharing the KV head ride along as
+    # rows of one tile, so each key is read from memory once (decode is bandwidth-bound).
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    token = tl.load(query_start_loc_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(
+        q_ptr + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for start_n in range(0, seq_len, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < seq_len
+        blocks = tl.load(
+            block_tables_ptr + seq * stride_bt + offs_n // block_size, mask=n_mask, other=0
+        )
+        kv_offs = (
+            blocks.to(tl.int64) * stride_cb
+            + (offs_n % block_size) * stride_cs
+            + kv_head * stride_ch
+        )
+        kv_offs = kv_offs[:, None] + offs_d[None, :] * stride_cd
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    tl.store(
+        out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=g_mask[:, None] & d_mask[None, :],
+    )
+
+
+def _tile(n: int) -> int:
+    """Power-of-two tile covering n, at least 16 (tl.dot's smallest operand)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # TF32 would cost fp32 inputs ~1e-3 relative error; fp16/bf16 ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _key_tile(query: torch.Tensor) -> int:
+    if not query.is_cuda:
+        # The interpreter pays per loop iteration, not per element: larger tiles run faster.
+        return 32
+    # Pipelined K and V tiles live in shared memory (2 tensors x ~3 stages); 64 rows of
+    # 128 fp32 would not fit on A100-class parts, so wide rows get a shorter tile.
+    row_bytes = query.shape[-1] * query.element_size()
+    return 64 if row_bytes <= 256 else 32
+
+
+def store_kv_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    assert k_cache.stride() == v_cache.stride() and value.shape == key.shape
+    _store_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        *key.stride(),
+        *value.stride(),
+        *k_cache.stride(),
+        k_cache.shape[1],
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+def _common_args(query, k_cache, v_cache, out, meta, scale):
+    assert k_cache.stride() == v_cache.stride()
+    return (
+        query,
+        k_cache,
+        v_cache,
+        out,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        scale * LOG2E,
+        *query.stride(),
+        *out.stride(),
+        *k_cache.stride(),
+        meta.block_tables.stride(0),
+        k_cache.shape[1],
+    )
+
+
+def prefill_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = query.shape
+    out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    block_m = 64 if query.is_cuda else 32
+    block_n = _key_tile(query)
+    grid = (triton.cdiv(meta.max_query_len, block_m), num_heads, meta.num_seqs)
+    _prefill_attention_kernel[grid](
+        *_common_args(query, k_cache, v_cache, out, meta, scale),
+        GROUP=num_heads // k_cache.shape[2],
+        HEAD_DIM=head_dim,
+        BLOCK_D=_tile(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        PRECISION=_precision(query.dtype),
+    )
+    return out
+
+
+def decode_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = query.shape
+    out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    _decode_attention_kernel[(meta.num_seqs, num_kv_heads)](
+        *_common_args(query, k_cache, v_cache, out, meta, scale),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=_tile(head_dim),
+        BLOCK_G=_tile(group),
+        BLOCK_N=_key_tile(query),
+        PRECISION=_precision(query.dtype),
+    )
+    return out

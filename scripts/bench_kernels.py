@@ -1,0 +1,141 @@
+"""Micro-benchmark of one attention layer: prefill and decode, Triton vs the torch path.
+
+On CUDA it times the Triton kernels and the torch path (SDPA over gathered KV) at serving
+shapes; on CPU only the torch path (the production CPU path), at smaller shapes. As the
+design asks, each result is reported against a limit measured here in the same run:
+decode against copy bandwidth (MBU), prefill against matmul throughput (MFU).
+
+    python scripts/bench_kernels.py [--dtype bfloat16] [--block-size 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import ops
+from kernels.metadata import AttentionMetadata
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def timeit(fn, device: str, reps: int, best: bool = False) -> float:
+    """Median (or best, for the limits) seconds per call after a warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times) if best else sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(device: str, dtype: torch.dtype) -> float:
+    """Bytes/s of a large device copy (read + write): the practical bandwidth ceiling."""
+    src = torch.empty(2**30 if device == "cuda" else 2**28, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / timeit(lambda: dst.copy_(src), device, 10, best=True)
+
+
+def matmul_flops(device: str, dtype: torch.dtype) -> float:
+    n = 4096 if device == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / timeit(lambda: a @ a, device, 10, best=True)
+
+
+def make_batch(query_lens, seq_lens, block_size, device, dtype):
+    needed = [-(-s // block_size) for s in seq_lens]
+    order = torch.randperm(sum(needed)).tolist()
+    tables, at = [], 0
+    for n in needed:
+        tables.append(order[at : at + n])
+        at += n
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device)
+    shape = (sum(needed), block_size, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, device=device, dtype=dtype)
+    v_cache = torch.randn(shape, device=device, dtype=dtype)
+    query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, device=device, dtype=dtype)
+    return query, k_cache, v_cache, meta
+
+
+def bench_prefill(device, dtype, block_size, backends, peak_flops, reps):
+    prompt = 2048 if device == "cuda" else 512
+    for name, q_lens, s_lens in [
+        ("prompt", [prompt] * 4, [prompt] * 4),
+        ("chunk", [prompt // 2] * 4, [prompt] * 4),  # second half of each prompt
+    ]:
+        q, kc, vc, meta = make_batch(q_lens, s_lens, block_size, device, dtype)
+        # Causal: query j attends to (context + j + 1) keys; 4 = two matmuls x multiply-add.
+        pairs = sum(
+            q_len * (s - q_len) + q_len * (q_len + 1) / 2 for q_len, s in zip(q_lens, s_lens)
+        )
+        flops = 4 * pairs * NUM_HEADS * HEAD_DIM
+        for backend in backends:
+            secs = timeit(
+                functools.partial(
+                    ops.prefill_attention, q, kc, vc, meta, HEAD_DIM**-0.5, backend=backend
+                ),
+                device,
+                reps,
+            )
+            print(
+                f"prefill {name:7s} {backend:6s} {secs * 1e3:8.3f} ms "
+                f"{flops / secs / 1e12:7.2f} TFLOP/s  MFU {flops / secs / peak_flops:6.1%}"
+            )
+
+
+def bench_decode(device, dtype, block_size, backends, bandwidth, reps):
+    batch, context = (64, 2048) if device == "cuda" else (16, 512)
+    q, kc, vc, meta = make_batch([1] * batch, [context] * batch, block_size, device, dtype)
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * kc.element_size()
+    for backend in backends:
+        secs = timeit(
+            functools.partial(
+                ops.decode_attention, q, kc, vc, meta, HEAD_DIM**-0.5, backend=backend
+            ),
+            device,
+            reps,
+        )
+        print(
+            f"decode  b{batch}x{context} {backend:6s} {secs * 1e3:8.3f} ms "
+            f"{kv_bytes / secs / 1e9:8.1f} GB/s  MBU {kv_bytes / secs / bandwidth:6.1%}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
+    backends = ["triton", "torch"] if device == "cuda" and ops.TRITON_AVAILABLE else ["torch"]
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth(device, dtype)
+    peak = matmul_flops(device, dtype)
+    print(
+        f"device={device} dtype={dtype} block_size={args.block_size} heads={NUM_HEADS}/"
+        f"{NUM_KV_HEADS} head_dim={HEAD_DIM} threads={torch.get_num_threads()}"
+    )
+    print(f"measured limits: copy {bandwidth / 1e9:.1f} GB/s, matmul {peak / 1e12:.2f} TFLOP/s")
+    bench_prefill(device, dtype, args.block_size, backends, peak, args.reps)
+    bench_decode(device, dtype, args.block_size, backends, bandwidth, args.reps)
+
+
+if __name__ == "__main__":
+    main()

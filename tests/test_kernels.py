@@ -1,0 +1,94 @@
+"""The CPU torch paths of kernels.ops against the reference ops."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import ops
+from kernels.metadata import AttentionMetadata
+from kernels.reference import paged_attention_ref
+from tests.kernel_cases import KernelCase, build_inputs, check_case, make_cases
+
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}
+
+CPU_CASES = make_cases(head_dim=32, max_len=120) + [
+    KernelCase("chunked-bs7-d40", (9, 50, 1), (60, 50, 13), 7, 6, 2, 40, seed=201),
+    KernelCase("mixed-fp16", (1, 20, 9), (30, 45, 9), 16, 8, 2, 32, dtype="float16", seed=202),
+    KernelCase("decode-bf16", (1, 1, 1), (33, 64, 5), 16, 8, 2, 32, dtype="bfloat16", seed=203),
+    KernelCase("single-token-prompt", (1,), (1,), 16, 4, 4, 16, seed=204),
+]
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
+def test_torch_ops_match_reference(case: KernelCase) -> None:
+    errors = check_case(case, backend="torch")
+    tolerance = TOLERANCE[case.dtype]
+    bad = {op: err for op, err in errors.items() if not err <= tolerance}
+    assert not bad, f"{case} exceeds {tolerance}: {bad}"
+
+
+def test_auto_backend_is_torch_on_cpu() -> None:
+    assert ops.kernel_backend("cpu") == "torch"
+    assert ops.kernel_backend("cpu", "torch") == "torch"
+    with pytest.raises(ValueError):
+        ops.kernel_backend("cpu", "cuda-magic")
+
+
+def test_store_kv_skips_negative_slots() -> None:
+    k_cache = torch.zeros(2, 4, 1, 8)
+    v_cache = torch.zeros(2, 4, 1, 8)
+    key = torch.ones(3, 1, 8)
+    ops.store_kv(key, 2 * key, k_cache, v_cache, torch.tensor([5, -1, 0]))
+    written = k_cache.view(8, 8).abs().sum(-1).nonzero().flatten().tolist()
+    assert written == [0, 5]
+    assert torch.equal(v_cache.view(8, 8)[5], torch.full((8,), 2.0))
+
+
+def test_chunked_prefill_equals_whole_prompt_prefill() -> None:
+    """Prefilling a prompt in two chunks gives the same outputs as one pass over it."""
+    case = KernelCase("whole", (50,), (50,), 16, 6, 2, 32, seed=7)
+    x = build_inputs(case)
+    q, k, v, meta = x["query"], x["key"], x["value"], x["meta"]
+    ops.store_kv(k, v, x["k_cache"], x["v_cache"], meta.slot_mapping)
+    whole = ops.prefill_attention(q, x["k_cache"], x["v_cache"], meta, x["scale"])
+    table = meta.block_tables[0].tolist()
+    chunks = []
+    for start, end in ((0, 20), (20, 50)):
+        chunk_meta = AttentionMetadata.build([end - start], [end], [table], 16)
+        chunks.append(
+            ops.prefill_attention(q[start:end], x["k_cache"], x["v_cache"], chunk_meta, x["scale"])
+        )
+    torch.testing.assert_close(torch.cat(chunks), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_ignores_table_padding_and_other_sequences_blocks() -> None:
+    """Garbage in blocks a sequence does not own must not change its output."""
+    case = KernelCase("decode", (1, 1), (3, 40), 16, 4, 2, 16, seed=9)
+    x = build_inputs(case)
+    args = (x["query"], x["k_cache"], x["v_cache"], x["meta"], x["scale"])
+    before = ops.decode_attention(*args)
+    owned = set(x["meta"].block_tables.flatten().tolist())
+    for block in range(x["k_cache"].shape[0]):
+        if block not in owned:
+            x["k_cache"][block] = 1e4
+    torch.testing.assert_close(ops.decode_attention(*args), before)
+    torch.testing.assert_close(before, paged_attention_ref(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_ops_import_and_run_without_triton() -> None:
+    """Platforms without a Triton wheel still get the torch paths."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "from kernels import ops\n"
+        "assert not ops.TRITON_AVAILABLE and ops.kernel_backend('cuda') == 'torch'\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
