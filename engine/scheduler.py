@@ -3,7 +3,12 @@
 Each step: running requests first (a decode token each, or the next chunk of a prefill), then
 waiting requests while budget, sequence slots and KV blocks last. When a running request
 cannot get a block, the most recently admitted request is preempted by recompute: its blocks
-are freed and it goes back to the front of the queue with its generated tokens kept.
+are freed and it goes back to the front of the queue with its generated tokens kept (colocated),
+or leaves the scheduler through ``SchedulerOutput.preempted`` so the router can send it for a
+fresh prefill elsewhere (a disaggregated decode worker, ``requeue_preempted=False``).
+
+A waiting request that already holds blocks (its KV arrived from a prefill worker) is admitted
+without allocation: prefilled and local requests share one queue and one policy.
 """
 
 from __future__ import annotations
@@ -42,8 +47,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, max_model_len: int):
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        blocks: BlockManager,
+        max_model_len: int,
+        requeue_preempted: bool = True,
+    ):
         self.cfg = cfg
+        self.requeue_preempted = requeue_preempted
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -60,6 +72,13 @@ class Scheduler:
                 f"{req.num_tokens} tokens leave no room to generate within the context of "
                 f"{self.max_model_len} tokens",
             )
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def attach_prefilled(self, req: Request) -> None:
+        """Queue a request whose KV for all but its last token is already in ``block_table``."""
+        if req.num_uncomputed_tokens < 1 or req.num_computed_tokens > len(req.block_table) * self.blocks.block_size:
+            raise ValueError(f"{req.request_id}: inconsistent prefilled state")
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
@@ -157,18 +176,10 @@ class Scheduler:
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            bs = self.blocks.block_size
-            cached = len(self.blocks.match_prefix(req.all_token_ids, (req.num_tokens - 1) // bs))
-            n = min(req.num_tokens - cached * bs, budget)
-            if self.cfg.prefill_chunk_size:
-                n = min(n, self.cfg.prefill_chunk_size)
-            try:
-                table, num_cached = self.blocks.allocate_for_tokens(req.all_token_ids, cached * bs + n)
-            except NoFreeBlocksError:
+            n = self._admit_prefilled(req, budget) if req.block_table else self._admit_new(req, budget)
+            if n == 0:
                 break
             self.waiting.popleft()
-            req.block_table, req.num_computed_tokens, req.block_hashes = table, num_cached, []
-            req.num_cached_tokens = max(req.num_cached_tokens, num_cached)
             req.status = RequestStatus.RUNNING
             req.mark("scheduled")
             self.running.append(req)
@@ -176,12 +187,36 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _admit_new(self, req: Request, budget: int) -> int:
+        """Allocate blocks (reusing cached prefix blocks); tokens scheduled, 0 if no room."""
+        bs = self.blocks.block_size
+        cached = len(self.blocks.match_prefix(req.all_token_ids, (req.num_tokens - 1) // bs))
+        n = min(req.num_tokens - cached * bs, budget)
+        if self.cfg.prefill_chunk_size:
+            n = min(n, self.cfg.prefill_chunk_size)
+        try:
+            table, num_cached = self.blocks.allocate_for_tokens(req.all_token_ids, cached * bs + n)
+        except NoFreeBlocksError:
+            return 0
+        req.block_table, req.num_computed_tokens, req.block_hashes = table, num_cached, []
+        req.num_cached_tokens = max(req.num_cached_tokens, num_cached)
+        return n
+
+    def _admit_prefilled(self, req: Request, budget: int) -> int:
+        n = self._chunk(req, budget)
+        needed = req.num_computed_tokens + n
+        if not self.blocks.can_allocate(self.blocks.slots_needed(req.block_table, needed)):
+            return 0
+        self.blocks.append_slots(req.block_table, needed)
+        return n
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._release_blocks(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(req)
+        if self.requeue_preempted:
+            self.waiting.appendleft(req)
         self.num_preemptions += 1
 
     def _release_blocks(self, req: Request) -> None:

@@ -20,7 +20,7 @@ from tests.kernel_cases import KernelCase, build_inputs, check_case, make_cases
 from tests.triton_interpret_check import interpreter_cases
 
 ROOT = Path(__file__).resolve().parents[1]
-TOLERANCE = {"float32": 1e-3, "float16": 4e-3, "bfloat16": 3e-2}
+TOLERANCE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 5e-2}
 INTERPRETER_CASES = interpreter_cases()
 
 needs_triton = pytest.mark.skipif(not ops.TRITON_AVAILABLE, reason="Triton is not installed")
