@@ -39,6 +39,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        eos = set(config.model.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
 
     @classmethod
     def from_model_path(
@@ -66,10 +70,7 @@ class LLMEngine:
     ) -> str:
         ids = self._encode(prompt)
         request_id = request_id or f"req-{next(self._ids)}"
-        eos = tuple(self.config.model.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos = tuple(sorted(set(eos) | {self.tokenizer.eos_token_id}))
-        req = Request(request_id, ids, sampling or SamplingParams(), eos_token_ids=eos)
+        req = Request(request_id, ids, sampling or SamplingParams(), eos_token_ids=self.eos_token_ids)
         self.scheduler.add(req)
         self.requests[request_id] = req
         if self.tokenizer is not None:

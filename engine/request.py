@@ -116,3 +116,23 @@ class Request:
         """Known tokens whose KV is not in the cache yet: the prompt (or, after a preemption,
         prompt + outputs) while prefilling, 1 while decoding."""
         return self.num_tokens - self.num_computed_tokens
+
+
+def sampling_from_message(msg, default_max_tokens: int = 16) -> SamplingParams:
+    """Build ``SamplingParams`` from a wire message with the same field names (a protobuf
+    ``SamplingParams``), where 0 means "not set" for max_tokens and top_p.
+
+    Raises ``InvalidRequestError`` naming the bad field.
+    """
+    seed = msg.seed if msg.HasField("seed") else None
+    return SamplingParams(
+        max_tokens=msg.max_tokens or default_max_tokens,
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p or 1.0,
+        seed=seed,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        stop=tuple(msg.stop),
+        ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,
+    )

@@ -94,6 +94,12 @@ class Scheduler:
             self.waiting.remove(req)
         self._release_blocks(req)
 
+    def detach(self, req: Request) -> list[int]:
+        """Take ``req`` out of the scheduler keeping its blocks; the caller frees them later."""
+        self.running.remove(req)
+        table, req.block_table = req.block_table, []
+        return table
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -116,10 +122,11 @@ class Scheduler:
             budget = self._admit_waiting(budget, out)
         return out
 
-    def update(self, plan: SchedulerOutput, sampled: list[int]) -> list[Request]:
+    def update(self, plan: SchedulerOutput, sampled: list[int], check_stop: bool = True) -> list[Request]:
         """Advance every scheduled request; ``sampled`` has one token per sampling sequence.
 
-        Returns the requests that got a new token this step.
+        Returns the requests that got a new token this step. A prefill worker passes
+        ``check_stop=False``: its requests leave through ``detach`` once their KV is shipped.
         """
         tokens = iter(sampled)
         updated = []
@@ -135,7 +142,7 @@ class Scheduler:
             req.output_token_ids.append(next(tokens))
             req.mark("first_token")
             updated.append(req)
-            status = self.check_stop(req)
+            status = self.check_stop(req) if check_stop else None
             if status is not None:
                 self.finish(req, status)
         return updated

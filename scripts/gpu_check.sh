@@ -7,6 +7,6 @@ cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
-timeout 360 python -m pytest -m gpu tests/ -q -x --timeout=300 -p no:cacheprovider
-timeout 90 python scripts/bench_kernels.py --dtype bfloat16 --block-size 16
-timeout 60 python scripts/bench_kernels.py --dtype float16 --block-size 32 --reps 10
+timeout 300 python -m pytest -m gpu tests/ -q -x --timeout=300 -p no:cacheprovider
+timeout 60 python scripts/bench_kernels.py --dtype bfloat16 --block-size 16
+timeout 45 python scripts/bench_kernels.py --dtype float16 --block-size 32 --reps 10

@@ -38,7 +38,29 @@ def tiny_llama_dir(tmp_path, *, num_heads=4, num_kv_heads=4, seed=0, vocab=128, 
     model = LlamaForCausalLM(cfg).float().eval()
     path = tmp_path / f"tiny-h{num_heads}-kv{num_kv_heads}-s{seed}"
     model.save_pretrained(path)
+    write_word_tokenizer(path, vocab)
     return path, model
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def write_word_tokenizer(path, vocab: int) -> None:
+    """A word-level tokenizer over ``w3 .. w{vocab-1}`` so tiny models speak text too."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(path / "tokenizer.json"))
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": TINY_CHAT_TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
 class EngineFactory:

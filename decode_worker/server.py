@@ -1,0 +1,123 @@
+"""gRPC face of the decode worker: DecodeWorker service, plus KvTransfer when KV comes by gRPC."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from concurrent import futures
+
+import grpc
+
+from decode_worker.worker import DecodeWorker, ReservationError
+from engine.errors import InvalidRequestError
+from kv_transfer.frame import FrameError
+from kv_transfer.transports import add_kv_servicer, start_receiver_server
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger("pdserve.decode")
+
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 8 * 2**20),
+    ("grpc.max_send_message_length", 8 * 2**20),
+]
+
+
+class DecodeServicer(pb_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: DecodeWorker, kv_endpoint: str, kv_transport: str):
+        self.worker = worker
+        self.kv_endpoint = kv_endpoint
+        self.kv_transport = kv_transport
+
+    def Reserve(self, request, context):
+        try:
+            lease = self.worker.reserve(request.request_id, request.num_tokens, request.lease_seconds or None)
+        except ReservationError as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.ReserveResponse(
+            lease_id=lease.lease_id,
+            block_ids=lease.block_ids,
+            block_size=self.worker.block_size,
+            kv_endpoint=self.kv_endpoint,
+            kv_transport=self.kv_transport,
+            deadline_s=max(0.0, lease.deadline - time.monotonic()),
+        )
+
+    def Release(self, request, context):
+        return pb.ReleaseResponse(released=self.worker.release(request.lease_id))
+
+    def Decode(self, request, context):
+        try:
+            stream = self.worker.attach(
+                request.request_id,
+                request.lease_id,
+                list(request.prompt_token_ids),
+                list(request.output_token_ids),
+                request.sampling,
+            )
+        except FrameError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, e.reason)
+        except TimeoutError as e:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        # Runs when the RPC ends for any reason; a no-op for a request that already finished.
+        # If the caller left while we waited for the KV, abort now.
+        if not context.add_callback(lambda: self.worker.abort(request.request_id)):
+            self.worker.abort(request.request_id)
+            return
+        req = stream.req
+        first = True
+        while True:
+            tokens, reason = _drain(stream.items)
+            chunk = pb.TokenChunk(token_ids=tokens, finish_reason=reason or "")
+            if first and "scheduled" in req.events:
+                chunk.decode_queue_s = req.events["scheduled"] - req.events["kv_ready"]
+                first = False
+            yield chunk
+            if reason is not None:
+                return
+
+    def Status(self, request, context):
+        st = self.worker.status()
+        return pb.WorkerStatus(kv_endpoint=self.kv_endpoint, kv_transport=self.kv_transport, **st)
+
+
+def _drain(items: queue.Queue) -> tuple[list[int], str | None]:
+    """Block for one item, then take whatever else is ready: a slow reader gets bigger chunks."""
+    tokens: list[int] = []
+    item = items.get()
+    while True:
+        if isinstance(item, str):
+            return tokens, item
+        tokens.append(item)
+        try:
+            item = items.get_nowait()
+        except queue.Empty:
+            return tokens, None
+
+
+def serve_decode_worker(
+    worker: DecodeWorker, host: str = "127.0.0.1", port: int = 0, kv_transport: str = "grpc", max_workers: int = 64
+):
+    """Start the worker's engine thread and gRPC server; returns (server, address, kv server)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    address = f"{host}:{bound}"
+    kv_server = None
+    if kv_transport == "grpc":
+        add_kv_servicer(server, worker.receiver)
+        kv_endpoint = address
+    else:
+        kv_server = start_receiver_server(kv_transport, worker.receiver, host=host)
+        kv_endpoint = kv_server.endpoint
+    pb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker, kv_endpoint, kv_transport), server)
+    worker.start()
+    server.start()
+    log.info("decode worker %s serving on %s (KV %s at %s)", worker.worker_id, address, kv_transport, kv_endpoint)
+    return server, address, kv_server

@@ -1,0 +1,189 @@
+"""Decode worker: reserves blocks under leases, receives KV, runs the continuous-batching loop.
+
+Queue lifecycle of a request here:
+  Reserve        -> blocks allocated under a lease (expire by themselves after a deadline)
+  KV frames      -> written straight into the leased blocks by the KV receiver
+  Decode (RPC)   -> waits for the lease's commit, then the request joins the waiting queue
+  engine thread  -> admitted to the running batch; one token per step, streamed back
+  finish / abort / preempt -> blocks freed exactly once by the scheduler
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine
+from engine.loop import EngineThread
+from engine.request import Request, RequestStatus, sampling_from_message
+from kv_transfer.lease import LeaseTable
+from kv_transfer.receiver import KVReceiver
+
+log = logging.getLogger("pdserve.decode")
+
+PREEMPTED = "preempted"
+
+
+class ReservationError(Exception):
+    """Not enough free KV blocks for a reservation (the router tries elsewhere or queues)."""
+
+
+class _Stream:
+    """Tokens of one request on their way from the engine thread to its Decode RPC."""
+
+    def __init__(self, req: Request):
+        self.req = req
+        self.items: queue.Queue = queue.Queue()
+
+
+class DecodeWorker:
+    def __init__(self, engine: LLMEngine, worker_id: str | None = None, lease_ttl_s: float = 30.0):
+        self.engine = engine
+        self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:8]}"
+        self.scheduler = engine.scheduler
+        self.scheduler.requeue_preempted = False  # preempted requests go back through the router
+        self.blocks = engine.blocks
+        self.leases = LeaseTable(lease_ttl_s)
+        self.receiver = KVReceiver(engine.runner.kv_caches, self.leases)
+        self.loop = EngineThread(self._step, self._fail_all, name=f"{self.worker_id}-engine")
+        self._streams: dict[str, _Stream] = {}
+        self._aborts: set[str] = set()
+        self.draining = False
+
+    @property
+    def block_size(self) -> int:
+        return self.blocks.block_size
+
+    def start(self) -> None:
+        self.loop.start()
+
+    def stop(self) -> None:
+        self.loop.stop()
+
+    # ---- reservations ------------------------------------------------------------------
+    def reserve(self, request_id: str, num_tokens: int, ttl_s: float | None = None):
+        """Allocate blocks for ``num_tokens`` tokens of KV under a new lease."""
+        if num_tokens < 1:
+            raise InvalidRequestError("num_tokens", "must be >= 1")
+        if num_tokens >= self.engine.config.max_model_len:
+            raise InvalidRequestError("num_tokens", f"exceeds the context of {self.engine.config.max_model_len}")
+        n_blocks = self.blocks.blocks_needed(num_tokens)
+        with self.loop.lock:
+            if self.draining:
+                raise ReservationError(f"{self.worker_id} is draining")
+            if not self.blocks.can_allocate(n_blocks):
+                raise ReservationError(f"need {n_blocks} blocks, {self.blocks.num_free} free")
+            return self.leases.open(request_id, tuple(self.blocks.allocate(n_blocks)), ttl_s)
+
+    def release(self, lease_id: str) -> bool:
+        """Give a lease's blocks back (the prefill failed or the client went away)."""
+        with self.loop.lock, self.receiver.lock:
+            lease = self.leases.close(lease_id)
+            if lease is not None:
+                self.blocks.free(lease.block_ids)
+        return lease is not None
+
+    def _expire_leases(self) -> None:
+        with self.receiver.lock:  # no frame may land in a block once it is free again
+            for lease in self.leases.pop_expired():
+                log.warning("lease %s of %s expired; freeing %d blocks", lease.lease_id, lease.request_id, len(lease.block_ids))
+                self.blocks.free(lease.block_ids)
+
+    # ---- decode ------------------------------------------------------------------------
+    def attach(self, request_id: str, lease_id: str, prompt: list[int], outputs: list[int], sampling_msg) -> _Stream:
+        """Wait for the lease's KV, then queue the request for decoding; returns its stream."""
+        sampling = sampling_from_message(sampling_msg)
+        if not prompt or not outputs:
+            raise InvalidRequestError("output_token_ids", "prompt and the first token are required")
+        lease = self.leases.get(lease_id)
+        if not lease.committed.wait(max(0.0, lease.deadline - time.monotonic())):
+            self.release(lease_id)
+            raise TimeoutError(f"KV for lease {lease_id} did not arrive before its deadline")
+        req = Request(request_id, list(prompt), sampling, eos_token_ids=self.engine.eos_token_ids,
+                      output_token_ids=list(outputs))
+        req.num_computed_tokens = req.num_tokens - 1
+        req.mark("kv_ready")
+        stream = _Stream(req)
+        with self.loop.lock:
+            lease = self.leases.close(lease_id)
+            if lease is None:  # expired between the commit and now
+                raise TimeoutError(f"lease {lease_id} expired")
+            req.block_table = list(lease.block_ids)
+            self._streams[request_id] = stream
+            status = self.scheduler.check_stop(req)  # the prefill's token may already end it
+            if status is not None:
+                self._finish(req, status)
+            else:
+                self.scheduler.attach_prefilled(req)
+        self.loop.wake()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort from an RPC thread: applied by the engine thread between steps, so a batch in
+        flight never loses blocks it is writing."""
+        with self.loop.lock:
+            self._aborts.add(request_id)
+        self.loop.wake()
+
+    def _step(self) -> bool:
+        with self.loop.lock:
+            self._apply_aborts()
+            self._expire_leases()
+            plan = self.scheduler.schedule()
+            for req in plan.preempted:
+                self._end_stream(req, PREEMPTED)
+        if plan.is_empty:
+            return False
+        logits = self.engine.runner.execute(plan.scheduled)
+        sampling = [s.request for s in plan.scheduled if s.samples]
+        tokens = self.engine.sampler.sample(logits, sampling)
+        with self.loop.lock:
+            for req in self.scheduler.update(plan, tokens):
+                stream = self._streams.get(req.request_id)
+                if stream is not None:
+                    stream.items.put(req.output_token_ids[-1])
+                if req.is_finished:
+                    self._end_stream(req, req.status.finish_reason)
+        return True
+
+    def _apply_aborts(self) -> None:
+        for request_id in self._aborts:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                self._finish(stream.req, RequestStatus.FINISHED_ABORTED)
+        self._aborts.clear()
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(req, status)
+        self._end_stream(req, status.finish_reason)
+
+    def _end_stream(self, req: Request, reason: str) -> None:
+        stream = self._streams.pop(req.request_id, None)
+        self.engine.sampler.release(req.request_id)
+        if stream is not None:
+            stream.items.put(reason)  # a str ends the stream; ints are tokens
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self.loop.lock:
+            for stream in list(self._streams.values()):
+                self._finish(stream.req, RequestStatus.FINISHED_ABORTED)
+
+    # ---- status ------------------------------------------------------------------------
+    def status(self) -> dict:
+        with self.loop.lock:
+            return {
+                "worker_id": self.worker_id,
+                "role": "decode",
+                "num_free_blocks": self.blocks.num_free,
+                "num_total_blocks": self.blocks.num_total,
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "draining": self.draining,
+                "num_preemptions": self.scheduler.num_preemptions,
+                "num_leases": len(self.leases),
+                "frames_rejected": self.receiver.frames_rejected,
+            }

@@ -1,0 +1,239 @@
+"""KV frame wire format: a msgpack header plus the raw bytes of one tensor.
+
+A "kv" frame carries one layer's K and V for a list of destination blocks; its payload is a
+C-contiguous tensor ``[2, n_blocks, block_size, num_kv_heads, head_dim]`` (K then V) in native
+(little-endian) byte order. A "commit" frame has an empty payload and tells the receiver how many
+kv frames it should have accepted for the lease. The header is a msgpack map:
+
+    {"version": 1, "kind": "kv" | "commit", "request_id": str, "lease_id": str,
+     "layer": int, "block_ids": [int], "dtype": str, "shape": [int], "checksum": int,
+     "num_frames": int}
+
+``checksum`` is ``zlib.crc32`` of the payload: it runs at ~4.7 GB/s on one core, well above
+what any transport here moves, so a faster hash is not worth a dependency. No pickle: the
+receiver parses untrusted bytes and must never execute them.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import zlib
+from dataclasses import dataclass
+
+import msgpack
+import torch
+
+FORMAT_VERSION = 1
+# gRPC's default message limit is 4 MiB; leave room for the header and protobuf framing.
+MAX_FRAME_BYTES = 3 * 1024 * 1024 + 512 * 1024
+# Bounds the header (block ids) so a hostile header cannot make us allocate much.
+MAX_HEADER_BYTES = 64 * 1024
+MAX_BLOCKS_PER_FRAME = 4096
+MAX_ID_LEN = 256
+
+KINDS = ("kv", "commit")
+# Only plain numeric dtypes travel; names map to torch dtypes without getattr on user input.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+_KV_RANK = 5
+
+# decode_frame views read-only buffers (protobuf bytes) without copying and only ever reads
+# them; torch warns about that once per process. Scoped to this module.
+warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning, __name__)
+
+
+class FrameError(Exception):
+    """A frame the receiver refuses; ``reason`` is safe to log and to send back."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    version: int
+    kind: str  # "kv" | "commit"
+    request_id: str
+    lease_id: str
+    layer: int  # -1 on commit frames
+    block_ids: tuple[int, ...]  # DESTINATION block ids (the decode side's reservation)
+    dtype: str  # a key of DTYPES; "" on commit frames
+    shape: tuple[int, ...]  # [2, n_blocks, block_size, num_kv_heads, head_dim]; () on commit
+    checksum: int  # zlib.crc32 of the payload
+    num_frames: int = 0  # commit frames only: kv frames sent for the lease before the commit
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name} cannot travel in a KV frame; allowed: {sorted(DTYPES)}")
+    return name
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (any dtype, bfloat16 included)."""
+    flat = t.reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def encode_kv_frame(
+    request_id: str, lease_id: str, layer: int, block_ids, kv: torch.Tensor
+) -> tuple[bytes, memoryview]:
+    """Encode one layer's K/V for ``block_ids``; the payload is a view of ``kv`` (no copy)."""
+    kv = kv.detach()
+    if kv.device.type != "cpu":
+        kv = kv.cpu()
+    kv = kv.contiguous()
+    block_ids = tuple(int(b) for b in block_ids)
+    if kv.dim() != _KV_RANK or kv.shape[0] != 2 or kv.shape[1] != len(block_ids):
+        raise ValueError(f"kv shape {tuple(kv.shape)} is not [2, {len(block_ids)}, bs, h, d]")
+    payload = tensor_bytes(kv)
+    header = {
+        "version": FORMAT_VERSION,
+        "kind": "kv",
+        "request_id": request_id,
+        "lease_id": lease_id,
+        "layer": int(layer),
+        "block_ids": list(block_ids),
+        "dtype": dtype_name(kv.dtype),
+        "shape": list(kv.shape),
+        "checksum": zlib.crc32(payload),
+        "num_frames": 0,
+    }
+    return msgpack.packb(header), payload
+
+
+def encode_commit_frame(request_id: str, lease_id: str, num_frames: int) -> tuple[bytes, bytes]:
+    header = {
+        "version": FORMAT_VERSION,
+        "kind": "commit",
+        "request_id": request_id,
+        "lease_id": lease_id,
+        "layer": -1,
+        "block_ids": [],
+        "dtype": "",
+        "shape": [],
+        "checksum": zlib.crc32(b""),
+        "num_frames": int(num_frames),
+    }
+    return msgpack.packb(header), b""
+
+
+def _unpack_header(header) -> dict:
+    try:
+        raw = memoryview(header)
+    except TypeError:
+        raise FrameError(f"header is {type(header).__name__}, not bytes") from None
+    if raw.nbytes > MAX_HEADER_BYTES:
+        raise FrameError(f"header of {raw.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        fields = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
+    # msgpack raises many exception types on garbage; all of them mean "not a header".
+    except Exception as e:  # noqa: BLE001
+        raise FrameError(f"malformed header: {type(e).__name__}") from None
+    if not isinstance(fields, dict):
+        raise FrameError(f"header is a msgpack {type(fields).__name__}, not a map")
+    return fields
+
+
+def _field(fields: dict, name: str, kind: type):
+    value = fields.get(name)
+    # bool is an int subclass; a bool where a number belongs is a malformed header.
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise FrameError(f"header field {name!r} missing or not {kind.__name__}")
+    return value
+
+
+def _int_list(fields: dict, name: str, max_len: int) -> tuple[int, ...]:
+    values = _field(fields, name, list)
+    if len(values) > max_len:
+        raise FrameError(f"header field {name!r} has {len(values)} entries (max {max_len})")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise FrameError(f"header field {name!r} must hold non-negative ints")
+    return tuple(values)
+
+
+def _parse_header(fields: dict) -> FrameHeader:
+    version = _field(fields, "version", int)
+    if version != FORMAT_VERSION:
+        raise FrameError(f"unsupported frame version {version} (expected {FORMAT_VERSION})")
+    kind = _field(fields, "kind", str)
+    if kind not in KINDS:
+        raise FrameError(f"unknown frame kind {kind[:32]!r}")
+    ids = {name: _field(fields, name, str) for name in ("request_id", "lease_id")}
+    if not all(0 < len(v) <= MAX_ID_LEN for v in ids.values()):
+        raise FrameError("request_id and lease_id must be 1-256 characters")
+    dtype = _field(fields, "dtype", str)
+    if kind == "kv" and dtype not in DTYPES:
+        raise FrameError(f"dtype {dtype[:32]!r} not allowed")
+    return FrameHeader(
+        version=version,
+        kind=kind,
+        request_id=ids["request_id"],
+        lease_id=ids["lease_id"],
+        layer=_field(fields, "layer", int),
+        block_ids=_int_list(fields, "block_ids", MAX_BLOCKS_PER_FRAME),
+        dtype=dtype,
+        shape=_int_list(fields, "shape", 8),
+        checksum=_field(fields, "checksum", int),
+        num_frames=_field(fields, "num_frames", int),
+    )
+
+
+def _check_kv_header(h: FrameHeader) -> None:
+    if h.layer < 0:
+        raise FrameError(f"layer {h.layer} is negative")
+    if not h.block_ids:
+        raise FrameError("kv frame has no block ids")
+    if len(set(h.block_ids)) != len(h.block_ids):
+        raise FrameError("kv frame repeats a block id")
+    if len(h.shape) != _KV_RANK or h.shape[0] != 2 or h.shape[1] != len(h.block_ids):
+        raise FrameError(f"shape {list(h.shape)} is not [2, {len(h.block_ids)}, bs, h, d]")
+
+
+def _payload_view(payload) -> memoryview:
+    if isinstance(payload, torch.Tensor):
+        if payload.dtype != torch.uint8 or payload.device.type != "cpu":
+            raise FrameError("tensor payload must be a CPU uint8 tensor")
+        return tensor_bytes(payload.contiguous())
+    try:
+        return memoryview(payload).cast("B")
+    except (TypeError, ValueError):
+        raise FrameError(f"payload is {type(payload).__name__}, not a byte buffer") from None
+
+
+def decode_frame(header, payload) -> tuple[FrameHeader, torch.Tensor | None]:
+    """Validate a frame; return its header and (kv frames) a tensor viewing the payload.
+
+    ``payload`` may be bytes, any buffer, or a CPU uint8 tensor. Raises FrameError with a
+    reason on anything malformed; never anything else.
+    """
+    h = _parse_header(_unpack_header(header))
+    data = _payload_view(payload)
+    if h.kind == "commit":
+        if data.nbytes:
+            raise FrameError(f"commit frame carries {data.nbytes} payload bytes")
+        if h.num_frames < 0:
+            raise FrameError(f"commit num_frames {h.num_frames} is negative")
+        return h, None
+    _check_kv_header(h)
+    dtype = DTYPES[h.dtype]
+    expected = math.prod(h.shape) * dtype.itemsize
+    if data.nbytes != expected:
+        raise FrameError(f"payload is {data.nbytes} bytes; shape {list(h.shape)} needs {expected}")
+    if zlib.crc32(data) != h.checksum:
+        raise FrameError("payload checksum mismatch")
+    if expected == 0:
+        return h, torch.empty(h.shape, dtype=dtype)
+    flat = torch.frombuffer(data, dtype=torch.uint8)
+    return h, flat.view(dtype).view(h.shape)

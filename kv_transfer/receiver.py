@@ -1,0 +1,107 @@
+"""Decode side: validate KV frames against the lease table and write them into the cache."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from kv_transfer.frame import FrameError, FrameHeader, decode_frame
+from kv_transfer.lease import Lease, LeaseTable
+
+log = logging.getLogger("pdserve.kv")
+
+# on_event(kind, lease_id, layer): "kv" after a layer's blocks are written, "commit" (layer -1)
+# once the lease is complete. Runs on the transport's thread, so keep it short.
+EventHook = Callable[[str, str, int], None]
+
+
+class KVReceiver:
+    """Accepts frames from any transport; one instance per decode worker."""
+
+    def __init__(
+        self,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        leases: LeaseTable,
+        on_event: EventHook | None = None,
+    ):
+        self.kv_caches = kv_caches
+        self.leases = leases
+        self.on_event = on_event
+        self.frames_accepted = 0
+        self.frames_rejected = 0
+        self.bytes_received = 0
+        # One lock covers lease checks and cache writes; a worker that frees blocks (expiry,
+        # release) holds it too, so no frame lands in a block after it was freed.
+        self.lock = threading.Lock()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.kv_caches)
+
+    def accept(self, header, payload) -> None:
+        """Apply one frame; raise FrameError (after logging and counting it) if it is bad."""
+        try:
+            h, kv = decode_frame(header, payload)  # checksum runs outside the lock
+            with self.lock:
+                lease = self._lease_for(h)
+                if h.kind == "commit":
+                    self._commit(h, lease)
+                else:
+                    self._write(h, lease, kv)
+                self.frames_accepted += 1
+        except FrameError as e:
+            with self.lock:
+                self.frames_rejected += 1
+            log.warning("rejected kv frame: %s", e.reason)
+            raise
+        if self.on_event is not None:
+            self.on_event(h.kind, h.lease_id, h.layer)
+
+    def pop_expired(self, now: float | None = None) -> list[Lease]:
+        """LeaseTable.pop_expired, serialized with writes; workers should call this one."""
+        with self.lock:
+            return self.leases.pop_expired(now)
+
+    def _lease_for(self, h: FrameHeader) -> Lease:
+        lease = self.leases.get(h.lease_id)
+        if lease.request_id != h.request_id:
+            raise FrameError(f"lease {h.lease_id} belongs to another request")
+        if lease.is_committed:
+            raise FrameError(f"lease {h.lease_id} already committed")
+        return lease
+
+    def _commit(self, h: FrameHeader, lease: Lease) -> None:
+        if h.num_frames != lease.frames_received:
+            raise FrameError(
+                f"expected {h.num_frames} frames, got {lease.frames_received} "
+                f"for lease {h.lease_id}"
+            )
+        lease.committed_at = time.monotonic()
+        lease.committed.set()
+
+    def _write(self, h: FrameHeader, lease: Lease, kv: torch.Tensor) -> None:
+        if not 0 <= h.layer < self.num_layers:
+            raise FrameError(f"layer {h.layer} out of range [0, {self.num_layers})")
+        k_cache, v_cache = self.kv_caches[h.layer]
+        outside = set(h.block_ids).difference(lease.block_ids)
+        if outside:
+            raise FrameError(f"block ids {sorted(outside)[:8]} not in lease {h.lease_id}")
+        expected = (2, len(h.block_ids), *k_cache.shape[1:])
+        if tuple(h.shape) != expected:
+            raise FrameError(f"shape {list(h.shape)} does not match cache {list(expected)}")
+        if kv.dtype != k_cache.dtype:
+            raise FrameError(f"dtype {h.dtype} does not match cache {k_cache.dtype}")
+        idx = torch.tensor(h.block_ids, dtype=torch.long, device=k_cache.device)
+        kv = kv.to(k_cache.device, non_blocking=False)
+        k_cache.index_copy_(0, idx, kv[0])
+        v_cache.index_copy_(0, idx, kv[1])
+        nbytes = kv.numel() * kv.element_size()
+        lease.frames_received += 1
+        lease.bytes_received += nbytes
+        if lease.first_frame_at is None:
+            lease.first_frame_at = time.monotonic()
+        self.bytes_received += nbytes

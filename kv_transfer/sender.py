@@ -1,0 +1,280 @@
+"""Prefill side: stream a request's KV blocks to a decode worker while later layers compute.
+
+Threading: one background thread per KVSender (per destination endpoint). ``send_layer`` only
+enqueues; the thread gathers blocks, splits them into frames under MAX_FRAME_BYTES, encodes and
+pushes them, in FIFO order across all streams of the sender. One thread per destination keeps
+frames of one link in order (torch_dist needs that) and bounds threads by the number of decode
+workers rather than by in-flight requests; gathering and crc32 are far faster than any link.
+
+Transports plug in as a ``Link`` (a sender's connection, shared by its streams) that opens one
+``Channel`` per stream. They are chosen by name: see ``make_sender``/``start_receiver_server``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from kv_transfer.frame import MAX_FRAME_BYTES, dtype_name, encode_commit_frame, encode_kv_frame
+
+log = logging.getLogger("pdserve.kv")
+
+TRANSPORTS = {
+    "local": "kv_transfer.transport_local",
+    "grpc": "kv_transfer.transport_grpc",
+    "torch_dist": "kv_transfer.transport_dist",
+}
+
+
+class TransferError(Exception):
+    """A stream failed: frames were rejected by the receiver or the link broke."""
+
+    def __init__(self, reasons: list[str]):
+        super().__init__("; ".join(reasons) or "transfer failed")
+        self.reasons = list(reasons)
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    bytes: int  # kv payload bytes pushed
+    frames: int  # kv frames pushed (the commit frame not counted)
+    seconds: float  # from open_stream to the receiver's acknowledgement of the commit
+
+
+class Channel(ABC):
+    """One stream's pipe to the receiver. push* run on the sender thread."""
+
+    @abstractmethod
+    def push(self, header: bytes, payload) -> None: ...
+
+    @abstractmethod
+    def push_commit(self, header: bytes, payload) -> None: ...
+
+    @abstractmethod
+    def wait_ack(self, timeout: float) -> list[str]:
+        """Block until the receiver acknowledged the commit; return reasons for rejections."""
+
+    @abstractmethod
+    def cancel(self) -> None: ...
+
+
+class Link(ABC):
+    """A sender's connection to one receiver endpoint, shared by all its streams."""
+
+    idle_interval_s: float | None = None  # call on_idle when the sender thread idles this long
+
+    def on_idle(self) -> None:
+        """Keep the link alive (torch_dist pings; a silent gloo pair times out)."""
+
+    @abstractmethod
+    def open_channel(self, request_id: str, lease_id: str) -> Channel: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class ReceiverServer(ABC):
+    endpoint: str  # what make_sender needs to reach this server
+
+    @abstractmethod
+    def stop(self) -> None: ...
+
+
+@dataclass
+class _LayerJob:
+    layer: int
+    src: list[int]
+    dst: list[int]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    ready: object | None  # a CUDA event recorded after the layer's compute, or None
+
+
+def _blocks_per_frame(k_cache: torch.Tensor) -> int:
+    block_bytes = 2 * k_cache[0].numel() * k_cache.element_size()  # K and V of one block
+    if block_bytes > MAX_FRAME_BYTES:
+        raise ValueError(f"one block needs {block_bytes} bytes, over MAX_FRAME_BYTES")
+    return MAX_FRAME_BYTES // block_bytes
+
+
+def gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, src: list[int]) -> torch.Tensor:
+    """[2, n, block_size, kv_heads, head_dim] on CPU, with one copy out of the cache."""
+    idx = torch.tensor(src, dtype=torch.long, device=k_cache.device)
+    out = torch.empty((2, len(src), *k_cache.shape[1:]), dtype=k_cache.dtype, device=k_cache.device)
+    torch.index_select(k_cache, 0, idx, out=out[0])
+    torch.index_select(v_cache, 0, idx, out=out[1])
+    return out.cpu()
+
+
+class KVStream:
+    """One request's transfer to one lease. Methods may be called from any one thread."""
+
+    def __init__(self, sender: KVSender, request_id: str, lease_id: str, channel: Channel):
+        self.request_id = request_id
+        self.lease_id = lease_id
+        self._sender = sender
+        self._channel = channel
+        self._opened_at = time.monotonic()
+        self._frames = 0
+        self._bytes = 0
+        self._errors: list[str] = []  # set by the sender thread when the link fails
+        self._aborted = False
+        self._closed = False
+
+    def send_layer(self, layer, src_block_ids, dst_block_ids, k_cache, v_cache) -> None:
+        """Queue one layer's blocks; returns at once. Blocks must not change afterwards."""
+        if self._closed:
+            raise RuntimeError(f"stream for lease {self.lease_id} is closed")
+        src, dst = [int(b) for b in src_block_ids], [int(b) for b in dst_block_ids]
+        if len(src) != len(dst):
+            raise ValueError(f"{len(src)} source blocks but {len(dst)} destination blocks")
+        if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+            raise ValueError("k_cache and v_cache differ in shape or dtype")
+        dtype_name(k_cache.dtype)
+        _blocks_per_frame(k_cache)
+        ready = None
+        if k_cache.is_cuda:  # the sender thread must not read the layer before it is computed
+            ready = torch.cuda.Event()
+            ready.record()
+        self._sender._submit(self, _LayerJob(layer, src, dst, k_cache, v_cache, ready))
+
+    def commit(self, timeout: float = 60.0) -> TransferStats:
+        """Wait until all frames are pushed, commit the lease, and wait for the receiver's ack."""
+        if self._closed:
+            raise RuntimeError(f"stream for lease {self.lease_id} is closed")
+        self._closed = True
+        deadline = time.monotonic() + timeout
+        pushed: Future = Future()
+        self._sender._submit(self, pushed)
+        try:
+            pushed.result(timeout)
+            errors = self._channel.wait_ack(max(0.0, deadline - time.monotonic()))
+        except TransferError:
+            raise
+        except Exception as e:
+            self._channel.cancel()
+            raise TransferError([f"commit failed: {type(e).__name__}: {e}"]) from e
+        if errors:
+            raise TransferError(errors)
+        return TransferStats(self._bytes, self._frames, time.monotonic() - self._opened_at)
+
+    def abort(self) -> None:
+        """Drop queued frames and end the stream without a commit; the lease will expire."""
+        if self._aborted:
+            return
+        self._aborted = self._closed = True
+        self._sender._submit(self, None)
+
+    # --- sender thread ---
+
+    def _run_layer(self, job: _LayerJob) -> None:
+        if job.ready is not None:
+            job.ready.synchronize()
+        step = _blocks_per_frame(job.k_cache)
+        for start in range(0, len(job.src), step):
+            if self._aborted or self._errors:
+                return
+            kv = gather_blocks(job.k_cache, job.v_cache, job.src[start : start + step])
+            dst = job.dst[start : start + step]
+            header, payload = encode_kv_frame(self.request_id, self.lease_id, job.layer, dst, kv)
+            self._channel.push(header, payload)
+            self._frames += 1
+            self._bytes += payload.nbytes
+
+    def _run_commit(self, pushed: Future) -> None:
+        if self._errors:
+            pushed.set_exception(TransferError(self._errors))
+            self._channel.cancel()
+            return
+        header, payload = encode_commit_frame(self.request_id, self.lease_id, self._frames)
+        self._channel.push_commit(header, payload)
+        pushed.set_result(None)
+
+    def _run(self, job) -> None:
+        try:
+            if job is None:
+                self._channel.cancel()
+            elif isinstance(job, Future):
+                self._run_commit(job)
+            elif not self._aborted and not self._errors:
+                self._run_layer(job)
+        # A broken link fails this stream, never the sender thread that other streams share.
+        except Exception as e:  # noqa: BLE001
+            log.warning("kv stream %s failed: %s: %s", self.lease_id, type(e).__name__, e)
+            self._errors.append(f"{type(e).__name__}: {e}")
+            if isinstance(job, Future) and not job.done():
+                job.set_exception(TransferError(self._errors))
+
+
+class KVSender:
+    """Streams to one destination endpoint; reuse it across requests."""
+
+    def __init__(self, link: Link, endpoint: str):
+        self.endpoint = endpoint
+        self._link = link
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"kv-send {endpoint}", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def open_stream(self, request_id: str, lease_id: str) -> KVStream:
+        if self._closed:
+            raise RuntimeError(f"sender to {self.endpoint} is closed")
+        return KVStream(self, request_id, lease_id, self._link.open_channel(request_id, lease_id))
+
+    def close(self) -> None:
+        """Finish queued work, stop the sender thread and close the link."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._thread.join()
+        self._link.close()
+
+    def _submit(self, stream: KVStream, job) -> None:
+        self._jobs.put((stream, job))
+
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._jobs.get(timeout=self._link.idle_interval_s)
+            except queue.Empty:
+                self._ping()
+                continue
+            if item is None:
+                return
+            stream, job = item
+            stream._run(job)
+
+    def _ping(self) -> None:
+        try:
+            self._link.on_idle()
+        # The next stream on this link fails and reports it; nobody waits on a ping.
+        except Exception as e:  # noqa: BLE001
+            log.warning("kv link to %s failed while idle: %s", self.endpoint, e)
+
+
+def _transport(name: str):
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown transport {name!r}; known: {', '.join(sorted(TRANSPORTS))}")
+    return importlib.import_module(TRANSPORTS[name])
+
+
+def make_sender(transport: str, endpoint: str, **opts) -> KVSender:
+    """Connect to a receiver server's ``endpoint`` over the named transport."""
+    return KVSender(_transport(transport).connect(endpoint, **opts), endpoint)
+
+
+def start_receiver_server(
+    transport: str, receiver, host: str = "127.0.0.1", port: int = 0, **opts
+) -> ReceiverServer:
+    """Serve ``receiver`` on host:port (port 0 picks a free one); see ``.endpoint``."""
+    return _transport(transport).serve(receiver, host, port, **opts)

@@ -1,0 +1,185 @@
+"""gRPC transport: one client-streaming KvTransfer.PushFrames call per KVStream.
+
+Frames of a stream go through a bounded queue into the call's request iterator, so a slow
+receiver pushes back on the sender thread instead of buffering a whole request in memory.
+The receiver keeps consuming after a bad frame and reports every rejection in the PushAck.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import queue
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from kv_transfer.frame import FrameError
+from kv_transfer.sender import Channel, Link, ReceiverServer
+from protos import pdserve_pb2, pdserve_pb2_grpc
+
+log = logging.getLogger("pdserve.kv")
+
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # frames stay under 4 MiB; this is headroom, not a target
+MAX_QUEUED_FRAMES = 8  # per stream: ~28 MiB in flight at most
+MAX_REPORTED_ERRORS = 32
+TOKEN_KEY = "x-pdserve-token"
+PUSH_FRAMES = "/pdserve.v1.KvTransfer/PushFrames"
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def serialize_kv_frame(frame: tuple[bytes, memoryview]) -> bytes:
+    """KvFrame{header, payload} in protobuf wire format, copying the payload once.
+
+    Building a KvFrame would copy it twice (bytes() for the field, then SerializeToString);
+    this measured ~15% faster on loopback. Tested equal to the generated message's bytes.
+    """
+    header, payload = frame
+    # Field 1 (header) and field 2 (payload), both wire type 2 (length-delimited).
+    return b"".join(
+        (b"\x0a", _varint(len(header)), header, b"\x12", _varint(len(payload)), payload)
+    )
+
+
+def message_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_bytes),
+        ("grpc.max_send_message_length", max_bytes),
+    ]
+
+
+class KvTransferServicer(pdserve_pb2_grpc.KvTransferServicer):
+    def __init__(self, receiver, token: str | None = None):
+        self.receiver = receiver
+        self.token = token
+
+    def PushFrames(self, request_iterator, context):
+        if self.token is not None:
+            sent = dict(context.invocation_metadata()).get(TOKEN_KEY, "")
+            if not hmac.compare_digest(str(sent), self.token):
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad cluster token")
+        ack = pdserve_pb2.PushAck()
+        for frame in request_iterator:
+            reason = self._accept(frame)
+            if reason is None:
+                ack.frames_accepted += 1
+                continue
+            ack.frames_rejected += 1
+            if len(ack.errors) < MAX_REPORTED_ERRORS:
+                ack.errors.append(reason)
+        return ack
+
+    def _accept(self, frame) -> str | None:
+        try:
+            self.receiver.accept(frame.header, frame.payload)
+        except FrameError as e:
+            return e.reason
+        except Exception as e:  # a receiver bug must not kill the stream for other frames
+            log.exception("kv frame crashed the receiver")
+            return f"internal error: {type(e).__name__}"
+        return None
+
+
+def add_kv_servicer(server: grpc.Server, receiver, token: str | None = None) -> None:
+    """Host KvTransfer on an existing server (configure its message limits with
+    ``message_options()``)."""
+    pdserve_pb2_grpc.add_KvTransferServicer_to_server(KvTransferServicer(receiver, token), server)
+
+
+class GrpcReceiverServer(ReceiverServer):
+    def __init__(self, receiver, host: str, port: int, max_workers: int = 8, token=None):
+        self._server = grpc.server(
+            ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-recv"),
+            options=message_options(),
+        )
+        add_kv_servicer(self._server, receiver, token)
+        address = f"[{host}]" if ":" in host else host
+        bound = self._server.add_insecure_port(f"{address}:{port}")
+        self.endpoint = f"{address}:{bound}"
+        self._server.start()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._server.stop(grace_s).wait()
+
+
+class _GrpcChannel(Channel):
+    def __init__(self, push_frames, metadata, timeout_s: float):
+        self._frames: queue.Queue = queue.Queue(maxsize=MAX_QUEUED_FRAMES)
+        self._call = push_frames.future(self._requests(), timeout=timeout_s, metadata=metadata)
+
+    def _requests(self):
+        while (frame := self._frames.get()) is not None:
+            yield frame
+
+    def _put(self, frame) -> None:
+        while True:
+            try:
+                self._frames.put(frame, timeout=0.1)
+                return
+            except queue.Full:
+                if self._call.done():  # the call died; nobody will drain the queue
+                    raise ConnectionError(f"PushFrames ended early: {self._call.exception()}")
+
+    def push(self, header, payload) -> None:
+        self._put((header, payload))  # serialize_kv_frame makes the one copy, on grpc's thread
+
+    def push_commit(self, header, payload) -> None:
+        self.push(header, payload)
+        self._put(None)
+
+    def wait_ack(self, timeout: float) -> list[str]:
+        ack = self._call.result(timeout=timeout)
+        errors = list(ack.errors)
+        if ack.frames_rejected and not errors:
+            errors = [f"{ack.frames_rejected} frames rejected"]
+        return errors
+
+    def cancel(self) -> None:
+        self._call.cancel()
+        while True:  # unblock the request iterator so grpc's consumer thread can finish
+            try:
+                self._frames.get_nowait()
+            except queue.Empty:
+                break
+        try:
+            self._frames.put_nowait(None)
+        except queue.Full:  # the sender thread refilled it; the cancelled call ends anyway
+            pass
+
+
+class _GrpcLink(Link):
+    def __init__(self, endpoint: str, token: str | None = None, stream_timeout_s: float = 120.0):
+        # One channel per destination, shared by all streams: HTTP/2 multiplexes the calls.
+        self._channel = grpc.insecure_channel(
+            endpoint, options=message_options(), compression=grpc.Compression.NoCompression
+        )
+        # The generated stub would build KvFrame messages; same method, leaner serializer.
+        self._push_frames = self._channel.stream_unary(
+            PUSH_FRAMES,
+            request_serializer=serialize_kv_frame,
+            response_deserializer=pdserve_pb2.PushAck.FromString,
+        )
+        self._metadata = ((TOKEN_KEY, token),) if token is not None else None
+        self._timeout_s = stream_timeout_s
+
+    def open_channel(self, request_id: str, lease_id: str) -> Channel:
+        return _GrpcChannel(self._push_frames, self._metadata, self._timeout_s)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def connect(endpoint: str, **opts) -> Link:
+    return _GrpcLink(endpoint, **opts)
+
+
+def serve(receiver, host: str, port: int, **opts) -> ReceiverServer:
+    return GrpcReceiverServer(receiver, host, port, **opts)

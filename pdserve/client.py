@@ -1,0 +1,109 @@
+"""Python client for the pdserve gRPC API, sync and async, with streaming.
+
+    from pdserve.client import Client
+    with Client("127.0.0.1:50051") as client:
+        for chunk in client.stream(messages=[{"role": "user", "content": "Hi!"}], max_tokens=32):
+            print(chunk.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+
+SAMPLING_FIELDS = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields}
+
+
+@dataclass
+class Completion:
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: pb.Usage | None = None
+    timings: pb.Timings | None = None
+
+    def add(self, chunk: pb.GenerateResponse) -> None:
+        self.request_id = chunk.request_id
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        if chunk.finish_reason:
+            self.finish_reason = chunk.finish_reason
+            self.usage = chunk.usage
+            self.timings = chunk.timings if chunk.HasField("timings") else None
+
+
+def build_request(prompt=None, *, token_ids=None, messages=None, model="", request_id="",
+                  include_timings=False, **sampling) -> pb.GenerateRequest:
+    unknown = set(sampling) - SAMPLING_FIELDS
+    if unknown:
+        raise TypeError(f"unknown sampling parameters: {sorted(unknown)}")
+    req = pb.GenerateRequest(model=model, request_id=request_id, include_timings=include_timings,
+                             sampling=pb.SamplingParams(**sampling))
+    if prompt is not None:
+        req.prompt = prompt
+    elif token_ids is not None:
+        req.token_ids.ids.extend(token_ids)
+    elif messages is not None:
+        req.chat.messages.extend(pb.ChatMessage(**m) for m in messages)
+    return req
+
+
+def _metadata(api_key: str | None):
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
+class Client:
+    def __init__(self, address: str, api_key: str | None = None):
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._metadata = _metadata(api_key)
+
+    def stream(self, prompt=None, **kw) -> Iterator[pb.GenerateResponse]:
+        yield from self._stub.Generate(build_request(prompt, **kw), metadata=self._metadata)
+
+    def generate(self, prompt=None, **kw) -> Completion:
+        out = Completion()
+        for chunk in self.stream(prompt, **kw):
+            out.add(chunk)
+        return out
+
+    def list_models(self) -> list[pb.ModelInfo]:
+        return list(self._stub.ListModels(pb.ListModelsRequest(), metadata=self._metadata).models)
+
+    def health(self) -> pb.HealthResponse:
+        return self._stub.Health(pb.HealthRequest(), metadata=self._metadata)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, address: str, api_key: str | None = None):
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._metadata = _metadata(api_key)
+
+    async def stream(self, prompt=None, **kw) -> AsyncIterator[pb.GenerateResponse]:
+        async for chunk in self._stub.Generate(build_request(prompt, **kw), metadata=self._metadata):
+            yield chunk
+
+    async def generate(self, prompt=None, **kw) -> Completion:
+        out = Completion()
+        async for chunk in self.stream(prompt, **kw):
+            out.add(chunk)
+        return out
+
+    async def close(self) -> None:
+        await self._channel.close()

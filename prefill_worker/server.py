@@ -1,0 +1,106 @@
+"""gRPC face of the prefill worker: the PrefillWorker service."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from engine.errors import InvalidRequestError
+from engine.request import sampling_from_message
+from kv_transfer.sender import KVSender, TransferError, make_sender
+from prefill_worker.worker import PrefillWorker
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger("pdserve.prefill")
+
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 8 * 2**20),
+    ("grpc.max_send_message_length", 8 * 2**20),
+]
+
+
+class SenderPool:
+    """One KV sender per (transport, endpoint), reused across requests."""
+
+    def __init__(self):
+        self._senders: dict[tuple[str, str], KVSender] = {}
+        self._lock = threading.Lock()
+
+    def get(self, transport: str, endpoint: str) -> KVSender:
+        with self._lock:
+            sender = self._senders.get((transport, endpoint))
+            if sender is None:
+                sender = make_sender(transport, endpoint)
+                self._senders[(transport, endpoint)] = sender
+            return sender
+
+    def close(self) -> None:
+        with self._lock:
+            for sender in self._senders.values():
+                sender.close()
+            self._senders.clear()
+
+
+class PrefillServicer(pb_grpc.PrefillWorkerServicer):
+    def __init__(self, worker: PrefillWorker, senders: SenderPool):
+        self.worker = worker
+        self.senders = senders
+
+    def Prefill(self, request, context):
+        dest = request.destination
+        if dest.block_size != self.worker.block_size:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"destination.block_size {dest.block_size} != worker block size {self.worker.block_size}")
+        try:
+            sampling = sampling_from_message(request.sampling)
+            stream = self.senders.get(dest.transport, dest.endpoint).open_stream(request.request_id, dest.lease_id)
+            job = self.worker.submit(request.request_id, list(request.prompt_token_ids),
+                                     list(request.output_token_ids), sampling, stream, list(dest.block_ids))
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (ValueError, ConnectionError, OSError) as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"KV destination {dest.endpoint}: {e}")
+        context.add_callback(lambda: self.worker.abort(request.request_id))
+        try:
+            item = job.events.get()
+            if isinstance(item, BaseException):
+                context.abort(grpc.StatusCode.ABORTED, f"prefill failed: {item}")
+            ev = job.req.events
+            yield pb.PrefillEvent(first_token=pb.FirstToken(
+                token_id=item,
+                queue_s=ev.get("scheduled", ev["arrived"]) - ev["arrived"],
+                prefill_s=ev["prefilled"] - ev.get("scheduled", ev["arrived"]),
+                cached_tokens=job.req.num_cached_tokens,
+            ))
+            try:
+                stats = job.stream.commit()
+            except TransferError as e:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
+            yield pb.PrefillEvent(transfer_done=pb.TransferDone(
+                bytes=stats.bytes, frames=stats.frames, exposed_s=time.monotonic() - ev["prefilled"],
+            ))
+        finally:
+            self.worker.finish_transfer(job)
+
+    def Status(self, request, context):
+        return pb.WorkerStatus(**self.worker.status())
+
+
+def serve_prefill_worker(worker: PrefillWorker, host: str = "127.0.0.1", port: int = 0, max_workers: int = 64):
+    """Start the worker's engine thread and gRPC server; returns (server, address, senders)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    senders = SenderPool()
+    pb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker, senders), server)
+    worker.start()
+    server.start()
+    address = f"{host}:{bound}"
+    log.info("prefill worker %s serving on %s", worker.worker_id, address)
+    return server, address, senders

@@ -1,0 +1,188 @@
+"""Prefill worker: chunked prefill under a token budget, prefix cache, layer-wise KV streaming.
+
+Queue lifecycle of a request here:
+  Prefill (RPC)  -> a job (request + KV stream to the decode worker's lease) joins the queue
+  engine thread  -> prompt computed in chunks; after each layer of each chunk, that layer's
+                    finished blocks go to the sender thread, so transfer overlaps compute
+  last chunk     -> first token sampled and returned at once; the request leaves the scheduler
+  commit         -> the decode side acknowledged every frame; only then are the blocks freed
+                    (full ones stay in the prefix cache for the next prompt that shares them)
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine
+from engine.loop import EngineThread
+from engine.request import Request, RequestStatus
+from engine.scheduler import ScheduledSequence
+from kv_transfer.sender import KVStream
+
+log = logging.getLogger("pdserve.prefill")
+
+
+@dataclass
+class PrefillJob:
+    req: Request
+    stream: KVStream
+    dst_blocks: list[int]
+    # First block index not yet sent; a partially filled block is sent again with the next
+    # chunk (whole blocks are idempotent to overwrite).
+    next_block: int = 0
+    events: queue.Queue = field(default_factory=queue.Queue)
+
+
+class PrefillWorker:
+    def __init__(self, engine: LLMEngine, worker_id: str | None = None):
+        self.engine = engine
+        self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
+        self.scheduler = engine.scheduler
+        self.blocks = engine.blocks
+        self.loop = EngineThread(self._step, self._fail_all, name=f"{self.worker_id}-engine")
+        self._jobs: dict[str, PrefillJob] = {}
+        self._aborts: set[str] = set()
+        self.draining = False
+        # Hook for tests that check ordering: called as (layer, request ids) after each layer.
+        self.on_layer_computed = None
+
+    @property
+    def block_size(self) -> int:
+        return self.blocks.block_size
+
+    def start(self) -> None:
+        self.loop.start()
+
+    def stop(self) -> None:
+        self.loop.stop()
+
+    # ---- submission --------------------------------------------------------------------
+    def submit(self, request_id: str, prompt: list[int], outputs: list[int], sampling, stream: KVStream,
+               dst_blocks: list[int]) -> PrefillJob:
+        req = Request(request_id, list(prompt), sampling, eos_token_ids=self.engine.eos_token_ids,
+                      output_token_ids=list(outputs))
+        if len(dst_blocks) < self.blocks.blocks_needed(req.num_tokens):
+            raise InvalidRequestError("destination.block_ids", f"{len(dst_blocks)} blocks cannot hold {req.num_tokens} tokens")
+        job = PrefillJob(req, stream, list(dst_blocks))
+        with self.loop.lock:
+            self.scheduler.add(req)
+            self._jobs[request_id] = job
+        self.loop.wake()
+        return job
+
+    def finish_transfer(self, job: PrefillJob) -> None:
+        """Called once the KV stream is committed (or abandoned after the first token): every
+        frame has left, so the blocks may be reused. Full blocks stay in the prefix cache."""
+        with self.loop.lock:
+            if job.req.block_table:
+                self.blocks.free(job.req.block_table)
+                job.req.block_table = []
+            self._jobs.pop(job.req.request_id, None)
+        self.loop.wake()
+
+    def abort(self, request_id: str) -> None:
+        with self.loop.lock:
+            self._aborts.add(request_id)
+        self.loop.wake()
+
+    # ---- the step ----------------------------------------------------------------------
+    def _step(self) -> bool:
+        with self.loop.lock:
+            self._apply_aborts()
+            plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return False
+        sends = self._plan_sends(plan.scheduled)
+        logits = self.engine.runner.execute(plan.scheduled, self._layer_callback(sends))
+        sampling = [s.request for s in plan.scheduled if s.samples]
+        tokens = self.engine.sampler.sample(logits, sampling)
+        with self.loop.lock:
+            for req in self.scheduler.update(plan, tokens, check_stop=False):
+                job = self._jobs.get(req.request_id)
+                # Out of the batch now; blocks stay held until the transfer is committed.
+                table = self.scheduler.detach(req)
+                req.block_table = table
+                req.status = RequestStatus.FINISHED_LENGTH
+                req.mark("prefilled")
+                self.engine.sampler.release(req.request_id)
+                if job is not None:
+                    job.events.put(req.output_token_ids[-1])
+        return True
+
+    def _plan_sends(self, batch: list[ScheduledSequence]):
+        """Per sequence with a destination: (stream, src block ids, dst block ids) this step."""
+        sends = []
+        bs = self.block_size
+        for s in batch:
+            job = self._jobs.get(s.request.request_id)
+            if job is None:
+                continue
+            start = s.request.num_computed_tokens
+            end = start + s.num_new_tokens
+            # After a preemption the prompt is recomputed from ``start``: send from there again.
+            job.next_block = min(job.next_block, start // bs)
+            idx = range(job.next_block, (end - 1) // bs + 1)
+            src = torch.tensor([s.request.block_table[i] for i in idx], dtype=torch.int64)
+            sends.append((job.stream, src, [job.dst_blocks[i] for i in idx]))
+            job.next_block = end // bs
+        return sends
+
+    def _layer_callback(self, sends):
+        kv_caches = self.engine.runner.kv_caches
+        ids = [stream.request_id for stream, _, _ in sends]
+
+        def after_layer(layer: int) -> None:
+            k_cache, v_cache = kv_caches[layer]
+            for stream, src, dst in sends:
+                stream.send_layer(layer, src, dst, k_cache, v_cache)
+            if self.on_layer_computed is not None:
+                self.on_layer_computed(layer, ids)
+
+        return after_layer
+
+    def _apply_aborts(self) -> None:
+        """Aborts land between steps, so a batch in flight never loses blocks it is writing."""
+        for request_id in self._aborts:
+            job = self._jobs.get(request_id)
+            if job is None or job.req.is_finished:  # prefilled: finish_transfer frees it
+                continue
+            self._jobs.pop(request_id)
+            self.scheduler.finish(job.req, RequestStatus.FINISHED_ABORTED)
+            job.stream.abort()
+            job.events.put(RuntimeError("aborted"))
+        self._aborts.clear()
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self.loop.lock:
+            for job in list(self._jobs.values()):
+                if not job.req.is_finished:
+                    self.scheduler.finish(job.req, RequestStatus.FINISHED_ABORTED)
+                job.stream.abort()
+                job.events.put(error)
+            self._jobs.clear()
+
+    # ---- status ------------------------------------------------------------------------
+    def queued_prompt_tokens(self) -> int:
+        reqs = list(self.scheduler.waiting) + list(self.scheduler.running)
+        return sum(r.num_uncomputed_tokens for r in reqs)
+
+    def status(self) -> dict:
+        with self.loop.lock:
+            return {
+                "worker_id": self.worker_id,
+                "role": "prefill",
+                "num_free_blocks": self.blocks.num_free,
+                "num_total_blocks": self.blocks.num_total,
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "queued_prompt_tokens": self.queued_prompt_tokens(),
+                "draining": self.draining,
+                "prefix_hit_tokens": self.blocks.prefix_hit_tokens,
+                "prefix_query_tokens": self.blocks.prefix_query_tokens,
+            }

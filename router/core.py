@@ -1,0 +1,181 @@
+"""The router's request path shared by the gRPC and HTTP front doors: validate, tokenize,
+admit, run the flow, detokenize, apply stop strings, count usage."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+from engine.request import SamplingParams, sampling_from_message
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from protos import pdserve_pb2 as pb
+from router.flow import FlowConfig, FlowTimings, Overloaded, RequestFlow
+from router.policies import get_policy
+from router.pool import WorkerPool
+
+log = logging.getLogger("pdserve.router")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_dir: str
+    model_name: str = "smollm2"
+    max_model_len: int = 2048
+    block_size: int = 16
+    prefill_policy: str = "least_queued"
+    decode_policy: str = "most_free_blocks"
+    max_inflight_requests: int = 256  # admission: beyond this, 429 at once
+    default_max_tokens: int = 128
+    reserve_timeout_s: float = 30.0
+    status_poll_s: float = 0.1
+
+
+@dataclass
+class Delta:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    usage: pb.Usage | None = None
+    timings: FlowTimings | None = None
+
+
+@dataclass
+class GenerateInput:
+    prompt_ids: list[int]
+    sampling: pb.SamplingParams
+    params: SamplingParams
+    request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex[:16]}")
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig, prefill: list[str], decode: list[str]):
+        self.cfg = cfg
+        self.tokenizer = Tokenizer(cfg.model_dir)
+        self.prefill = WorkerPool("prefill")
+        self.decode = WorkerPool("decode")
+        for address in prefill:
+            self.prefill.add(address)
+        for address in decode:
+            self.decode.add(address)
+        flow_cfg = FlowConfig(
+            prefill_policy=get_policy("prefill", cfg.prefill_policy),
+            decode_policy=get_policy("decode", cfg.decode_policy),
+            block_size=cfg.block_size,
+            reserve_timeout_s=cfg.reserve_timeout_s,
+        )
+        self.flow = RequestFlow(self.prefill, self.decode, flow_cfg)
+        self.inflight = 0
+        self._poller: asyncio.Task | None = None
+        self._ids = itertools.count()
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.refresh()
+        self._poller = asyncio.ensure_future(self._poll_forever())
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        await self.prefill.close()
+        await self.decode.close()
+
+    async def refresh(self) -> None:
+        await asyncio.gather(self.prefill.poll(), self.decode.poll())
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.status_poll_s)
+            try:
+                await self.refresh()
+            except Exception:  # keep polling whatever one round did
+                log.exception("status poll failed")
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.prefill.routable()) and bool(self.decode.routable())
+
+    # ---- input -------------------------------------------------------------------------
+    def prepare(self, prompt_ids: list[int], sampling: pb.SamplingParams, request_id: str = "") -> GenerateInput:
+        """Validate everything a request carries; raises InvalidRequestError naming the field."""
+        params = sampling_from_message(sampling, self.cfg.default_max_tokens)
+        if not prompt_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        vocab = self.tokenizer.vocab_size
+        if any(t >= vocab for t in prompt_ids):
+            raise InvalidRequestError("prompt", f"token ids must be < {vocab}")
+        if len(prompt_ids) + params.max_tokens > self.cfg.max_model_len:
+            param = "prompt" if len(prompt_ids) >= self.cfg.max_model_len else "max_tokens"
+            raise InvalidRequestError(
+                param,
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context of {self.cfg.max_model_len} tokens",
+            )
+        wire = pb.SamplingParams()
+        wire.CopyFrom(sampling)
+        wire.max_tokens = params.max_tokens
+        return GenerateInput(list(prompt_ids), wire, params, request_id or f"req-{uuid.uuid4().hex[:16]}")
+
+    # ---- the request -------------------------------------------------------------------
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[Delta]:
+        if self.inflight >= self.cfg.max_inflight_requests:
+            raise Overloaded(f"{self.inflight} requests in flight (max {self.cfg.max_inflight_requests})")
+        self.inflight += 1
+        try:
+            async for delta in self._generate(inp):
+                yield delta
+        finally:
+            self.inflight -= 1
+
+    async def _generate(self, inp: GenerateInput) -> AsyncIterator[Delta]:
+        timings = FlowTimings()
+        start = time.monotonic()
+        text = _StopText(self.tokenizer, inp.params.stop)
+        n_out = 0
+        flow = self.flow.run(inp.request_id, inp.prompt_ids, inp.sampling, timings)
+        try:
+            async for tokens, reason in flow:
+                n_out += len(tokens)
+                delta_text, stopped = text.push(tokens, final=reason is not None)
+                if stopped:
+                    reason = "stop"
+                if reason is None:
+                    yield Delta(tokens, delta_text)
+                    continue
+                usage = pb.Usage(prompt_tokens=len(inp.prompt_ids), completion_tokens=n_out,
+                                 cached_prompt_tokens=timings.cached_tokens)
+                timings.e2e_s = time.monotonic() - start
+                yield Delta(tokens, delta_text, reason, usage, timings)
+                return
+        finally:
+            await flow.aclose()
+
+
+class _StopText:
+    """Detokenizes and applies stop strings, holding back text that may start a stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]):
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.sent = 0
+
+    def push(self, tokens: list[int], final: bool) -> tuple[str, bool]:
+        for t in tokens:
+            self.detok.push(t)
+        text = self.detok.text
+        for stop in self.stops:
+            idx = text.find(stop)
+            if idx >= 0:
+                return self._emit(text[:idx]), True
+        return self._emit(text if final else text[: max(self.sent, len(text) - self.hold)]), False
+
+    def _emit(self, upto: str) -> str:
+        delta = upto[self.sent :]
+        self.sent = max(self.sent, len(upto))
+        return delta

@@ -1,0 +1,197 @@
+"""One request's path through the cluster, decode-first:
+
+  Reserve blocks on a decode worker -> Prefill on a prefill worker toward that lease
+  -> first token out as soon as it is sampled -> Decode streams the rest.
+
+A decode worker that runs out of blocks preempts a request ("preempted"); it comes back here and
+goes around again with its generated tokens appended (recompute). The same retry covers a KV
+transfer that failed after the first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos import pdserve_pb2 as pb
+from router.pool import WorkerHandle, WorkerPool
+
+log = logging.getLogger("pdserve.router")
+
+PREEMPTED = "preempted"
+
+
+class Overloaded(Exception):
+    """No decode worker could reserve blocks in time (429 / RESOURCE_EXHAUSTED)."""
+
+
+class WorkerFailure(Exception):
+    """A worker failed the request and retries are used up (503 / UNAVAILABLE)."""
+
+
+@dataclass
+class FlowTimings:
+    prefill_queue_s: float = 0.0
+    prefill_s: float = 0.0
+    kv_transfer_s: float = 0.0
+    decode_queue_s: float = 0.0
+    ttft_s: float = 0.0
+    kv_bytes: int = 0
+    cached_tokens: int = 0
+    preemptions: int = 0
+
+
+@dataclass
+class FlowConfig:
+    prefill_policy: object
+    decode_policy: object
+    block_size: int = 16  # only to estimate blocks for the decode policy
+    reserve_timeout_s: float = 30.0
+    max_attempts: int = 8
+
+
+@dataclass
+class _Attempt:
+    decode: WorkerHandle
+    lease: pb.ReserveResponse
+    calls: list = field(default_factory=list)
+    transfer: asyncio.Future | None = None
+    attached: bool = False
+
+
+class RequestFlow:
+    def __init__(self, prefill: WorkerPool, decode: WorkerPool, cfg: FlowConfig):
+        self.prefill = prefill
+        self.decode = decode
+        self.cfg = cfg
+
+    async def run(
+        self, request_id: str, prompt: list[int], sampling: pb.SamplingParams, timings: FlowTimings
+    ) -> AsyncIterator[tuple[list[int], str | None]]:
+        """Yield (new tokens, finish reason or None) until the request finishes."""
+        outputs: list[int] = []
+        start = time.monotonic()
+        for attempt_no in range(self.cfg.max_attempts):
+            attempt = await self._reserve(request_id, len(prompt) + len(outputs))
+            try:
+                first = await self._prefill(attempt, request_id, prompt, outputs, sampling, timings)
+                outputs.append(first)
+                if len(outputs) == 1:
+                    timings.ttft_s = time.monotonic() - start
+                yield [first], None
+                async for tokens, reason in self._decode(attempt, request_id, prompt, outputs, sampling, timings):
+                    if reason == PREEMPTED:
+                        break
+                    yield tokens, reason
+                    if reason:
+                        return
+                timings.preemptions += 1
+                log.info("%s preempted after %d tokens; re-prefilling", request_id, len(outputs))
+            finally:
+                await self._cleanup(attempt)
+        raise WorkerFailure(f"{request_id}: gave up after {self.cfg.max_attempts} attempts")
+
+    # ---- steps -------------------------------------------------------------------------
+    async def _reserve(self, request_id: str, num_tokens: int) -> _Attempt:
+        """Decode first: never prefill into a pool that has no room. Waits, then 429."""
+        deadline = time.monotonic() + self.cfg.reserve_timeout_s
+        num_blocks = -(-num_tokens // self.cfg.block_size)
+        delay = 0.005
+        while True:
+            for w in self.cfg.decode_policy(self.decode.routable(), num_blocks):
+                try:
+                    lease = await w.stub.Reserve(pb.ReserveRequest(request_id=request_id, num_tokens=num_tokens))
+                except grpc.aio.AioRpcError as e:
+                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        raise
+                    continue
+                w.free_blocks -= len(lease.block_ids)
+                w.served_requests += 1
+                return _Attempt(w, lease)
+            if time.monotonic() > deadline:
+                raise Overloaded(f"no decode worker could hold {num_tokens} tokens of KV")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    async def _prefill(self, attempt, request_id, prompt, outputs, sampling, timings) -> int:
+        candidates = self.cfg.prefill_policy(self.prefill.routable(), prompt)
+        if not candidates:
+            raise WorkerFailure("no prefill worker is available")
+        p = candidates[0]
+        lease = attempt.lease
+        req = pb.PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            output_token_ids=outputs,
+            sampling=sampling,
+            destination=pb.KvDestination(
+                endpoint=lease.kv_endpoint,
+                transport=lease.kv_transport,
+                lease_id=lease.lease_id,
+                block_ids=lease.block_ids,
+                block_size=lease.block_size,
+            ),
+        )
+        n_tokens = len(prompt) + len(outputs)
+        p.inflight_tokens += n_tokens
+        p.inflight_requests += 1
+        p.served_requests += 1
+        try:
+            call = p.stub.Prefill(req)
+            attempt.calls.append(call)
+            event = await call.read()
+        finally:
+            p.inflight_tokens -= n_tokens
+            p.inflight_requests -= 1
+        if event is grpc.aio.EOF or not event.HasField("first_token"):
+            raise WorkerFailure(f"prefill worker {p.address} ended without a token")
+        ft = event.first_token
+        timings.prefill_queue_s += ft.queue_s
+        timings.prefill_s += ft.prefill_s
+        timings.cached_tokens = max(timings.cached_tokens, ft.cached_tokens)
+        attempt.transfer = asyncio.ensure_future(self._transfer_done(call, timings))
+        return ft.token_id
+
+    @staticmethod
+    async def _transfer_done(call, timings: FlowTimings) -> None:
+        event = await call.read()
+        if event is not grpc.aio.EOF and event.HasField("transfer_done"):
+            timings.kv_transfer_s += event.transfer_done.exposed_s
+            timings.kv_bytes += event.transfer_done.bytes
+
+    async def _decode(self, attempt, request_id, prompt, outputs, sampling, timings):
+        req = pb.DecodeRequest(
+            request_id=request_id,
+            lease_id=attempt.lease.lease_id,
+            prompt_token_ids=prompt,
+            output_token_ids=outputs,
+            sampling=sampling,
+        )
+        call = attempt.decode.stub.Decode(req)
+        attempt.calls.append(call)
+        attempt.attached = True  # from here the decode worker owns the lease's blocks
+        first = True
+        async for chunk in call:
+            if first:
+                timings.decode_queue_s += chunk.decode_queue_s
+                first = False
+                # Decoding starts only after the commit, so TransferDone is (nearly) in.
+                await asyncio.wait([attempt.transfer], timeout=1.0)
+            outputs.extend(chunk.token_ids)
+            yield list(chunk.token_ids), chunk.finish_reason or None
+
+    async def _cleanup(self, attempt: _Attempt) -> None:
+        for call in attempt.calls:
+            call.cancel()
+        if attempt.transfer is not None and not attempt.transfer.done():
+            attempt.transfer.cancel()
+        if not attempt.attached:
+            try:
+                await attempt.decode.stub.Release(pb.ReleaseRequest(lease_id=attempt.lease.lease_id), timeout=5)
+            except grpc.aio.AioRpcError as e:
+                log.warning("release of lease %s failed: %s", attempt.lease.lease_id, e.code().name)

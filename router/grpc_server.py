@@ -1,0 +1,85 @@
+"""The client API over gRPC (async): Generate (server streaming), ListModels, Health."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from engine.errors import InvalidRequestError
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+from router.core import Router
+from router.flow import Overloaded, WorkerFailure
+
+log = logging.getLogger("pdserve.router")
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, router: Router):
+        self.router = router
+
+    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("input")
+        tok = self.router.tokenizer
+        if kind == "prompt":
+            return tok.encode(request.prompt)
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        if kind == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            if not messages:
+                raise InvalidRequestError("chat.messages", "must not be empty")
+            return tok.encode_chat(messages)
+        raise InvalidRequestError("input", "one of prompt, token_ids or chat is required")
+
+    async def Generate(self, request, context):
+        if request.model and request.model != self.router.cfg.model_name:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served")
+        try:
+            inp = self.router.prepare(self._prompt_ids(request), request.sampling, request.request_id)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            async for delta in self.router.generate(inp):
+                msg = pb.GenerateResponse(request_id=inp.request_id, token_ids=delta.token_ids, text=delta.text)
+                if delta.finish_reason:
+                    msg.finish_reason = delta.finish_reason
+                    msg.usage.CopyFrom(delta.usage)
+                    if request.include_timings:
+                        t = delta.timings
+                        msg.timings.CopyFrom(pb.Timings(
+                            prefill_queue_s=t.prefill_queue_s, prefill_s=t.prefill_s,
+                            kv_transfer_s=t.kv_transfer_s, decode_queue_s=t.decode_queue_s,
+                            ttft_s=t.ttft_s, e2e_s=t.e2e_s, kv_bytes=t.kv_bytes,
+                        ))
+                yield msg
+        except Overloaded as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except WorkerFailure as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except grpc.aio.AioRpcError as e:
+            log.warning("%s failed at a worker: %s %s", inp.request_id, e.code().name, e.details())
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker error: {e.details()}")
+
+    async def ListModels(self, request, context):
+        cfg = self.router.cfg
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id=cfg.model_name, max_model_len=cfg.max_model_len)])
+
+    async def Health(self, request, context):
+        return pb.HealthResponse(
+            ready=self.router.ready,
+            prefill_workers=len(self.router.prefill.routable()),
+            decode_workers=len(self.router.decode.routable()),
+        )
+
+
+async def start_grpc_server(router: Router, host: str = "127.0.0.1", port: int = 0):
+    """Start the async gRPC server for ``router``; returns (server, address)."""
+    server = grpc.aio.server()
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(router), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    await server.start()
+    return server, f"{host}:{bound}"

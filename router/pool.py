@@ -1,0 +1,89 @@
+"""The router's view of the worker pools: clients, load counters, draining, status polling."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger("pdserve.router")
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 8 * 2**20),
+    ("grpc.max_send_message_length", 8 * 2**20),
+]
+
+
+@dataclass
+class WorkerHandle:
+    address: str
+    role: str  # "prefill" | "decode"
+    channel: grpc.aio.Channel
+    stub: object
+    draining: bool = False
+    healthy: bool = False
+    # What the router itself has in flight there: exact for a single router, no polling lag.
+    inflight_tokens: int = 0
+    inflight_requests: int = 0
+    served_requests: int = 0
+    # From the last Status poll, adjusted by reservations made since.
+    free_blocks: int = 0
+    total_blocks: int = 0
+    last_status: pb.WorkerStatus | None = field(default=None, repr=False)
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining
+
+
+class WorkerPool:
+    def __init__(self, role: str):
+        self.role = role
+        self.workers: dict[str, WorkerHandle] = {}
+
+    def add(self, address: str) -> WorkerHandle:
+        if address in self.workers:
+            return self.workers[address]
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        stub_cls = pb_grpc.PrefillWorkerStub if self.role == "prefill" else pb_grpc.DecodeWorkerStub
+        handle = WorkerHandle(address, self.role, channel, stub_cls(channel))
+        self.workers[address] = handle
+        return handle
+
+    async def remove(self, address: str) -> None:
+        handle = self.workers.pop(address, None)
+        if handle is not None:
+            await handle.channel.close()
+
+    def drain(self, address: str) -> None:
+        """No new requests go to a draining worker; those running there finish."""
+        self.workers[address].draining = True
+
+    def routable(self) -> list[WorkerHandle]:
+        return [w for w in self.workers.values() if w.routable]
+
+    async def poll(self, timeout: float = 2.0) -> None:
+        """Refresh every worker's status; a worker that does not answer is not routable."""
+        await asyncio.gather(*(self._poll_one(w, timeout) for w in list(self.workers.values())))
+
+    async def _poll_one(self, w: WorkerHandle, timeout: float) -> None:
+        try:
+            st = await w.stub.Status(pb.StatusRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            if w.healthy:
+                log.warning("%s worker %s is unreachable: %s", self.role, w.address, e.code().name)
+            w.healthy = False
+            return
+        w.last_status = st
+        w.free_blocks = st.num_free_blocks
+        w.total_blocks = st.num_total_blocks
+        w.healthy = True
+
+    async def close(self) -> None:
+        for address in list(self.workers):
+            await self.remove(address)

@@ -1,0 +1,51 @@
+"""Helpers for tests that run a whole cluster: concurrent requests and leak checks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pdserve.client import AsyncClient, Completion
+from pdserve.local_cluster import LocalCluster
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+
+
+async def _run_all(address: str, requests: list[dict]) -> list[Completion]:
+    client = AsyncClient(address)
+    try:
+        return list(await asyncio.gather(*(client.generate(**r) for r in requests)))
+    finally:
+        await client.close()
+
+
+def generate_concurrently(cluster: LocalCluster, requests: list[dict]) -> list[Completion]:
+    """Send every request at once through the router's gRPC API; wait for all."""
+    return asyncio.run(_run_all(cluster.address, requests))
+
+
+def worker_statuses(cluster: LocalCluster) -> list[pb.WorkerStatus]:
+    import grpc
+
+    out = []
+    for role, addresses in (("prefill", cluster.prefill_addresses), ("decode", cluster.decode_addresses)):
+        stub_cls = pb_grpc.PrefillWorkerStub if role == "prefill" else pb_grpc.DecodeWorkerStub
+        for address in addresses:
+            with grpc.insecure_channel(address) as ch:
+                out.append(stub_cls(ch).Status(pb.StatusRequest(), timeout=5))
+    return out
+
+
+def assert_all_blocks_free(cluster: LocalCluster, timeout: float = 10.0) -> None:
+    """Every block on every worker is free again and no lease is open (frees after a commit
+    are asynchronous, so poll briefly)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        statuses = worker_statuses(cluster)
+        busy = [s for s in statuses if s.num_free_blocks != s.num_total_blocks or s.num_leases
+                or s.num_running or s.num_waiting]
+        if not busy:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"blocks not returned: {busy}")
+        time.sleep(0.05)

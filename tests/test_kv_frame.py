@@ -1,0 +1,229 @@
+"""KV frames and leases: round trips, and every malformed frame rejected with a reason."""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+
+import msgpack
+import pytest
+import torch
+
+from kv_transfer import (
+    MAX_FRAME_BYTES,
+    FrameError,
+    KVReceiver,
+    LeaseTable,
+    decode_frame,
+    encode_commit_frame,
+    encode_kv_frame,
+)
+
+# decode_frame views protobuf bytes without copying; torch warns once about read-only buffers.
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+
+LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 4, 16, 4, 2, 8
+
+
+def make_cache(fill: float | None = None, dtype=torch.float32):
+    shape = (BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
+    new = (lambda: torch.full(shape, fill, dtype=dtype)) if fill is not None else None
+    new = new or (lambda: torch.randn(shape).to(dtype))
+    return [(new(), new()) for _ in range(LAYERS)]
+
+
+def kv_for(n_blocks: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(2, n_blocks, BLOCK_SIZE, HEADS, HEAD_DIM).to(dtype)
+
+
+def repack(header: bytes, **changes) -> bytes:
+    fields = msgpack.unpackb(header)
+    fields.update(changes)
+    return msgpack.packb(fields)
+
+
+@pytest.fixture
+def receiver():
+    events = []
+    rx = KVReceiver(
+        make_cache(0.0), LeaseTable(default_ttl_s=30.0), on_event=lambda *e: events.append(e)
+    )
+    rx.events = events
+    return rx
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kv_frame_round_trips_exactly(dtype):
+    kv = kv_for(3, dtype)
+    header, payload = encode_kv_frame("req-1", "lease-1", 2, [7, 1, 5], kv)
+    h, out = decode_frame(header, bytes(payload))
+    assert (h.kind, h.request_id, h.lease_id, h.layer) == ("kv", "req-1", "lease-1", 2)
+    assert h.block_ids == (7, 1, 5) and h.shape == tuple(kv.shape)
+    assert h.dtype == str(dtype).removeprefix("torch.")
+    assert h.checksum == zlib.crc32(payload)
+    assert torch.equal(out, kv)
+
+
+def test_kv_frame_payload_is_a_view_not_a_copy():
+    kv = kv_for(2)
+    _, payload = encode_kv_frame("r", "l", 0, [0, 1], kv)
+    kv.view(-1)[0] = 123.0
+    assert torch.frombuffer(bytearray(payload), dtype=torch.float32)[0] == 123.0
+
+
+def test_commit_frame_round_trips():
+    h, out = decode_frame(*encode_commit_frame("req-1", "lease-1", 12))
+    assert (h.kind, h.num_frames, out) == ("commit", 12, None)
+
+
+def test_decode_accepts_a_uint8_tensor_payload():
+    kv = kv_for(1)
+    header, payload = encode_kv_frame("r", "l", 0, [3], kv)
+    _, out = decode_frame(header, torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    assert torch.equal(out, kv)
+
+
+def garbage_headers():
+    good, _ = encode_commit_frame("r", "l", 0)
+    rng = torch.Generator().manual_seed(0)
+    random = bytes(torch.randint(0, 256, (64,), generator=rng, dtype=torch.uint8).tolist())
+    return {
+        "random bytes": random,
+        "empty": b"",
+        "truncated msgpack": good[: len(good) // 2],
+        "msgpack list": msgpack.packb([1, 2, 3]),
+        "msgpack int": msgpack.packb(7),
+        "int keys": msgpack.packb({1: 2}),
+        "version is str": repack(good, version="1"),
+        "version is bool": repack(good, version=True),
+        "block ids not ints": repack(good, block_ids=["a"]),
+        "negative block id": repack(good, block_ids=[-1]),
+        "lease id missing": msgpack.packb({"version": 1, "kind": "commit"}),
+        "not bytes": 12345,
+        "huge header": b"\x00" * (65 * 1024),
+        "os random": os.urandom(200),
+    }
+
+
+@pytest.mark.parametrize("name", list(garbage_headers()))
+def test_garbage_headers_raise_frame_error(name):
+    with pytest.raises(FrameError) as err:
+        decode_frame(garbage_headers()[name], b"")
+    assert err.value.reason
+
+
+def test_garbage_payload_types_raise_frame_error():
+    header, _ = encode_kv_frame("r", "l", 0, [0], kv_for(1))
+    for payload in (None, 3.5, torch.zeros(4), object()):
+        with pytest.raises(FrameError):
+            decode_frame(header, payload)
+
+
+def reject_reason(rx: KVReceiver, header, payload) -> str:
+    before = rx.frames_rejected
+    with pytest.raises(FrameError) as err:
+        rx.accept(header, payload)
+    assert rx.frames_rejected == before + 1
+    return err.value.reason
+
+
+def test_receiver_rejects_each_malformed_frame_then_keeps_serving(receiver):
+    leases = receiver.leases
+    lease = leases.open("req", [0, 1, 2, 3])
+    kv = kv_for(2)
+    header, payload = encode_kv_frame("req", lease.lease_id, 1, [2, 3], kv)
+    payload = bytes(payload)
+    short = leases.open("req-x", [4], ttl_s=0.0)
+    time.sleep(0.01)
+    cases = {
+        "unsupported frame version": (repack(header, version=2), payload),
+        "checksum mismatch": (header, payload[:-1] + bytes([payload[-1] ^ 1])),
+        "payload is": (header, payload[:-4]),
+        "does not match cache": (
+            encode_kv_frame("req", lease.lease_id, 1, [2, 3], kv[:, :, :, :1].contiguous())
+        ),
+        "dtype float16 does not match": (
+            encode_kv_frame("req", lease.lease_id, 1, [2, 3], kv.half())
+        ),
+        "not allowed": (repack(header, dtype="complex64"), payload),
+        "unknown lease": encode_kv_frame("req", "no-such-lease", 1, [2, 3], kv),
+        "expired": encode_kv_frame("req-x", short.lease_id, 0, [4], kv_for(1)),
+        "not in lease": encode_kv_frame("req", lease.lease_id, 1, [3, 9], kv),
+        "out of range": encode_kv_frame("req", lease.lease_id, LAYERS, [2, 3], kv),
+        "another request": encode_kv_frame("other", lease.lease_id, 1, [2, 3], kv),
+        "malformed header": (b"\xc1garbage", payload),
+    }
+    for expected, (bad_header, bad_payload) in cases.items():
+        assert expected in reject_reason(receiver, bad_header, bad_payload)
+    assert receiver.frames_accepted == 0 and lease.frames_received == 0
+    assert torch.count_nonzero(receiver.kv_caches[1][0]) == 0  # nothing bad was written
+
+    other = leases.open("req-2", [5, 6])
+    receiver.accept(*encode_kv_frame("req-2", other.lease_id, 0, [6, 5], kv))
+    receiver.accept(*encode_commit_frame("req-2", other.lease_id, 1))
+    k_cache, v_cache = receiver.kv_caches[0]
+    assert torch.equal(k_cache[6], kv[0, 0]) and torch.equal(v_cache[5], kv[1, 1])
+    assert other.committed.is_set() and receiver.frames_accepted == 2
+
+
+def test_commit_with_missing_frames_is_rejected(receiver):
+    lease = receiver.leases.open("req", [0, 1])
+    receiver.accept(*encode_kv_frame("req", lease.lease_id, 0, [0], kv_for(1)))
+    reason = reject_reason(receiver, *encode_commit_frame("req", lease.lease_id, 2))
+    assert "expected 2 frames, got 1" in reason
+    assert not lease.committed.is_set()
+
+
+def test_frames_after_commit_are_rejected(receiver):
+    lease = receiver.leases.open("req", [0])
+    receiver.accept(*encode_commit_frame("req", lease.lease_id, 0))
+    frame = encode_kv_frame("req", lease.lease_id, 0, [0], kv_for(1))
+    assert "already committed" in reject_reason(receiver, *frame)
+
+
+def test_events_report_layers_before_commit(receiver):
+    lease = receiver.leases.open("req", [0, 1])
+    for layer in range(LAYERS):
+        receiver.accept(*encode_kv_frame("req", lease.lease_id, layer, [1, 0], kv_for(2)))
+    receiver.accept(*encode_commit_frame("req", lease.lease_id, LAYERS))
+    expected = [("kv", lease.lease_id, layer) for layer in range(LAYERS)]
+    assert receiver.events == expected + [("commit", lease.lease_id, -1)]
+
+
+def test_max_frame_bytes_fits_under_grpc_default():
+    assert MAX_FRAME_BYTES + 64 * 1024 < 4 * 1024 * 1024
+
+
+def test_lease_expires_after_deadline():
+    table = LeaseTable(default_ttl_s=0.05)
+    lease = table.open("req", [1, 2])
+    assert table.get(lease.lease_id) is lease and table.pop_expired() == []
+    assert table.pop_expired(now=lease.deadline + 1.0) == [lease]
+    with pytest.raises(FrameError, match="unknown lease"):
+        table.get(lease.lease_id)
+    assert len(table) == 0
+
+
+def test_expired_lease_get_fails_before_pop():
+    table = LeaseTable(default_ttl_s=0.0)
+    lease = table.open("req", [1])
+    time.sleep(0.01)
+    with pytest.raises(FrameError, match="expired"):
+        table.get(lease.lease_id)
+
+
+def test_committed_lease_is_not_popped_and_close_is_idempotent():
+    table = LeaseTable(default_ttl_s=0.0)
+    lease = table.open("req", [1])
+    lease.committed.set()
+    assert table.pop_expired(now=lease.deadline + 10) == []
+    assert table.close(lease.lease_id) is lease
+    assert table.close(lease.lease_id) is None
+
+
+def test_extend_moves_the_deadline():
+    table = LeaseTable(default_ttl_s=0.0)
+    lease = table.open("req", [1])
+    table.extend(lease.lease_id, 60.0)
+    assert table.pop_expired() == [] and table.get(lease.lease_id) is lease
