@@ -35,6 +35,7 @@ class ClusterSpec:
     separate_processes: bool = False
     host: str = "127.0.0.1"
     router_port: int = 0
+    http_port: int | None = None  # None: no HTTP server
     extra_env: dict = field(default_factory=dict)
 
 
@@ -52,6 +53,7 @@ class LocalCluster:
         self._loop_thread = threading.Thread(target=self.loop.run_forever, name="router-loop", daemon=True)
         self.router = None
         self.address = ""
+        self.http_address = ""
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> LocalCluster:
@@ -162,8 +164,8 @@ class LocalCluster:
 
     # ---- router ------------------------------------------------------------------------
     async def _start_router(self) -> None:
-        from router.core import Router, RouterConfig
-        from router.grpc_server import start_grpc_server
+        from router.app import start_router
+        from router.core import RouterConfig
 
         s = self.spec
         cfg = RouterConfig(
@@ -173,13 +175,14 @@ class LocalCluster:
             prefill_policy=s.prefill_policy,
             decode_policy=s.decode_policy,
         )
-        self.router = Router(cfg, self.prefill_addresses, self.decode_addresses)
-        await self.router.start()
-        self._router_server, self.address = await start_grpc_server(self.router, s.host, s.router_port)
+        self.servers = await start_router(cfg, self.prefill_addresses, self.decode_addresses, s.host,
+                                          s.router_port, s.http_port)
+        self.router = self.servers.router
+        self.address = self.servers.grpc_address
+        self.http_address = self.servers.http_address
 
     async def _stop_router(self) -> None:
-        await self._router_server.stop(grace=None)
-        await self.router.close()
+        await self.servers.stop()
 
 
 def _wait_ready(proc: subprocess.Popen) -> str:

@@ -96,6 +96,44 @@ class Router:
             except Exception:  # keep polling whatever one round did
                 log.exception("status poll failed")
 
+    # ---- pools at runtime (the controller scales them) ---------------------------------
+    def _pool(self, role: str) -> WorkerPool:
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+        return self.prefill if role == "prefill" else self.decode
+
+    async def add_worker(self, role: str, address: str) -> None:
+        """The worker joins routing as soon as it answers a status poll."""
+        handle = self._pool(role).add(address)
+        await self._pool(role)._poll_one(handle, timeout=5.0)
+
+    def drain_worker(self, role: str, address: str) -> None:
+        self._pool(role).drain(address)
+
+    async def remove_worker(self, role: str, address: str) -> None:
+        await self._pool(role).remove(address)
+
+    def inflight_on(self, role: str, address: str) -> int:
+        w = self._pool(role).workers.get(address)
+        return 0 if w is None else w.inflight_requests
+
+    def pool_status(self) -> dict:
+        def one(w):
+            st = w.last_status
+            return {
+                "address": w.address, "healthy": w.healthy, "draining": w.draining,
+                "served_requests": w.served_requests,
+                "kv_usage": 1 - w.free_blocks / w.total_blocks if w.total_blocks else 0.0,
+                "running": st.num_running if st else 0, "waiting": st.num_waiting if st else 0,
+                "queued_prompt_tokens": st.queued_prompt_tokens if st else 0,
+            }
+
+        return {
+            "prefill": [one(w) for w in self.prefill.workers.values()],
+            "decode": [one(w) for w in self.decode.workers.values()],
+            "inflight_requests": self.inflight,
+        }
+
     @property
     def ready(self) -> bool:
         return bool(self.prefill.routable()) and bool(self.decode.routable())
