@@ -24,6 +24,7 @@ class ClusterSpec:
     kv_transport: str = "grpc"
     block_size: int = 16
     num_blocks: int = 2048
+    decode_num_blocks: int | None = None  # default: num_blocks
     max_model_len: int = 2048
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
@@ -95,12 +96,16 @@ class LocalCluster:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     # ---- workers -----------------------------------------------------------------------
-    def _engine_kwargs(self):
+    def _num_blocks(self, role: str) -> int:
+        s = self.spec
+        return (s.decode_num_blocks or s.num_blocks) if role == "decode" else s.num_blocks
+
+    def _engine_kwargs(self, role: str):
         from engine.config import CacheConfig, SchedulerConfig
 
         s = self.spec
         return dict(
-            cache=CacheConfig(block_size=s.block_size, num_blocks=s.num_blocks),
+            cache=CacheConfig(block_size=s.block_size, num_blocks=self._num_blocks(role)),
             scheduler=SchedulerConfig(s.max_num_batched_tokens, s.max_num_seqs, s.prefill_chunk_size),
             max_model_len=s.max_model_len,
         )
@@ -115,25 +120,25 @@ class LocalCluster:
         from prefill_worker.worker import PrefillWorker
 
         s = self.spec
-        kw = self._engine_kwargs()
         cfg = load_config(self.model_dir)
         # Weights are read-only during inference: in-process workers share one copy.
         model = load_model(self.model_dir, cfg, s.max_model_len)
         tok = Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
 
-        def engine():
+        def engine(role: str):
             from engine.config import EngineConfig
 
+            kw = self._engine_kwargs(role)
             return LLMEngine(EngineConfig(cfg, kw["cache"], kw["scheduler"], s.max_model_len), model, tok)
 
         for i in range(s.num_prefill):
-            worker = PrefillWorker(engine(), f"prefill-{i}")
+            worker = PrefillWorker(engine("prefill"), f"prefill-{i}")
             server, address, senders = serve_prefill_worker(worker, s.host)
             self.prefill_workers.append(worker)
             self.prefill_addresses.append(address)
             self._servers.append((server, senders.close))
         for i in range(s.num_decode):
-            worker = DecodeWorker(engine(), f"decode-{i}", s.lease_ttl_s)
+            worker = DecodeWorker(engine("decode"), f"decode-{i}", s.lease_ttl_s)
             server, address, kv_server = serve_decode_worker(worker, s.host, kv_transport=s.kv_transport)
             self.decode_workers.append(worker)
             self.decode_addresses.append(address)
@@ -141,8 +146,9 @@ class LocalCluster:
 
     def _worker_cmd(self, module: str) -> list[str]:
         s = self.spec
+        role = module.split("_")[0]
         cmd = [sys.executable, "-m", module, "--model", str(self.model_dir), "--host", s.host,
-               "--block-size", str(s.block_size), "--num-blocks", str(s.num_blocks),
+               "--block-size", str(s.block_size), "--num-blocks", str(self._num_blocks(role)),
                "--max-model-len", str(s.max_model_len), "--max-num-batched-tokens",
                str(s.max_num_batched_tokens), "--max-num-seqs", str(s.max_num_seqs),
                "--prefill-chunk-size", str(s.prefill_chunk_size), "--threads", str(s.threads_per_worker)]

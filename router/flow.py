@@ -86,6 +86,8 @@ class RequestFlow:
                 yield [first], None
                 async for tokens, reason in self._decode(attempt, request_id, prompt, outputs, sampling, timings):
                     if reason == PREEMPTED:
+                        if tokens:  # generated before the preemption: already in outputs
+                            yield tokens, None
                         break
                     yield tokens, reason
                     if reason:

@@ -33,10 +33,10 @@ def mixed_prompts(n: int, vocab: int = 128, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, vocab, (n_,), generator=g).tolist() for n_ in lengths]
 
 
-def engine_reference(model_path, prompts, block_size=16) -> list[list[int]]:
+def engine_reference(model_path, prompts, block_size=16, new_tokens=NEW_TOKENS) -> list[list[int]]:
     engine = LLMEngine.from_model_path(model_path, cache=CacheConfig(block_size, 1024),
                                        scheduler=SchedulerConfig(), progress=False)
-    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     return [r.output_token_ids for r in engine.generate(prompts, params)]
 
 

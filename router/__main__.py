@@ -1,0 +1,51 @@
+"""``python -m router``: the router over running workers; prints ``READY <grpc address>``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from engine.model_files import resolve_model_dir
+from router.app import start_router
+from router.core import RouterConfig
+
+
+def _addresses(text: str) -> list[str]:
+    return [a for a in text.split(",") if a]
+
+
+async def _serve(args) -> None:
+    cfg = RouterConfig(model_dir=str(resolve_model_dir(args.model)), max_model_len=args.max_model_len,
+                       block_size=args.block_size, prefill_policy=args.prefill_policy,
+                       decode_policy=args.decode_policy)
+    servers = await start_router(cfg, _addresses(args.prefill), _addresses(args.decode), args.host,
+                                 args.port, args.http_port)
+    print(f"READY {servers.grpc_address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await servers.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m router")
+    parser.add_argument("--model", default="embedded", help="for the tokenizer and chat template")
+    parser.add_argument("--prefill", required=True, help="comma-separated prefill worker addresses")
+    parser.add_argument("--decode", required=True, help="comma-separated decode worker addresses")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--http-port", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--prefill-policy", default="least_queued")
+    parser.add_argument("--decode-policy", default="most_free_blocks")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(_serve(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
