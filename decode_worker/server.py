@@ -11,6 +11,7 @@ import grpc
 
 from decode_worker.worker import DecodeWorker, ReservationError
 from engine.errors import InvalidRequestError
+from kv_transfer.auth import resolve_cluster_token, server_interceptors
 from kv_transfer.frame import FrameError
 from kv_transfer.transports import add_kv_servicer, start_receiver_server
 from protos import pdserve_pb2 as pb
@@ -50,14 +51,14 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         return pb.ReleaseResponse(released=self.worker.release(request.lease_id))
 
     def Decode(self, request, context):
+        args = (request.request_id, list(request.prompt_token_ids), list(request.output_token_ids))
         try:
-            stream = self.worker.attach(
-                request.request_id,
-                request.lease_id,
-                list(request.prompt_token_ids),
-                list(request.output_token_ids),
-                request.sampling,
-            )
+            if request.lease_id:
+                stream = self.worker.attach(request.request_id, request.lease_id, *args[1:], request.sampling)
+            else:  # no lease: prefill here
+                stream = self.worker.submit_local(*args, request.sampling)
+        except ReservationError as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except FrameError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, e.reason)
         except TimeoutError as e:
@@ -75,7 +76,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             tokens, reason = _drain(stream.items)
             chunk = pb.TokenChunk(token_ids=tokens, finish_reason=reason or "")
             if first and "scheduled" in req.events:
-                chunk.decode_queue_s = req.events["scheduled"] - req.events["kv_ready"]
+                ready = req.events.get("kv_ready", req.events["arrived"])
+                chunk.decode_queue_s = req.events["scheduled"] - ready
                 first = False
             yield chunk
             if reason is not None:
@@ -101,17 +103,22 @@ def _drain(items: queue.Queue) -> tuple[list[int], str | None]:
 
 
 def serve_decode_worker(
-    worker: DecodeWorker, host: str = "127.0.0.1", port: int = 0, kv_transport: str = "grpc", max_workers: int = 64
+    worker: DecodeWorker, host: str = "127.0.0.1", port: int = 0, kv_transport: str = "grpc", max_workers: int = 64,
+    cluster_token: str | None = None,
 ):
-    """Start the worker's engine thread and gRPC server; returns (server, address, kv server)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+    """Start the worker's engine thread and gRPC server; returns (server, address, kv server).
+    With a cluster token (argument or PDSERVE_CLUSTER_TOKEN), every call, KV frames over gRPC
+    included, must carry it."""
+    token = resolve_cluster_token(cluster_token)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS,
+                         interceptors=server_interceptors(token))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     address = f"{host}:{bound}"
     kv_server = None
     if kv_transport == "grpc":
-        add_kv_servicer(server, worker.receiver)
+        add_kv_servicer(server, worker.receiver, token)
         kv_endpoint = address
     else:
         kv_server = start_receiver_server(kv_transport, worker.receiver, host=host)

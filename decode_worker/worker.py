@@ -1,4 +1,5 @@
 """Decode worker: reserves blocks under leases, receives KV, runs the continuous-batching loop.
+It can also prefill requests itself (colocated mode, or prompts too short to be worth a transfer).
 
 Queue lifecycle of a request here:
   Reserve        -> blocks allocated under a lease (expire by themselves after a deadline)
@@ -119,6 +120,23 @@ class DecodeWorker:
                 self._finish(req, status)
             else:
                 self.scheduler.attach_prefilled(req)
+        self.loop.wake()
+        return stream
+
+    def submit_local(self, request_id: str, prompt: list[int], outputs: list[int], sampling_msg) -> _Stream:
+        """Colocated path: prefill here (chunked, mixed into the decode batch), then decode.
+
+        Used for every request in a colocated pool, and for prompts short enough that the
+        router skips the transfer."""
+        sampling = sampling_from_message(sampling_msg)
+        req = Request(request_id, list(prompt), sampling, eos_token_ids=self.engine.eos_token_ids,
+                      output_token_ids=list(outputs))
+        stream = _Stream(req)
+        with self.loop.lock:
+            if self.draining:
+                raise ReservationError(f"{self.worker_id} is draining")
+            self.scheduler.add(req)  # validates the prompt against the context
+            self._streams[request_id] = stream
         self.loop.wake()
         return stream
 

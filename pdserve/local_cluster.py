@@ -31,12 +31,15 @@ class ClusterSpec:
     prefill_chunk_size: int = 0
     threads_per_worker: int = 0
     lease_ttl_s: float = 30.0
+    local_prefill_max_tokens: int = 0  # prompts up to this are prefilled on the decode worker
     prefill_policy: str = "least_queued"
     decode_policy: str = "most_free_blocks"
     separate_processes: bool = False
     host: str = "127.0.0.1"
     router_port: int = 0
     http_port: int | None = None  # None: no HTTP server
+    api_key: str | None = None  # clients must send it (HTTP Bearer / gRPC metadata) when set
+    cluster_token: str | None = None  # router and workers authenticate each other with it
     extra_env: dict = field(default_factory=dict)
 
 
@@ -133,13 +136,14 @@ class LocalCluster:
 
         for i in range(s.num_prefill):
             worker = PrefillWorker(engine("prefill"), f"prefill-{i}")
-            server, address, senders = serve_prefill_worker(worker, s.host)
+            server, address, senders = serve_prefill_worker(worker, s.host, cluster_token=s.cluster_token)
             self.prefill_workers.append(worker)
             self.prefill_addresses.append(address)
             self._servers.append((server, senders.close))
         for i in range(s.num_decode):
             worker = DecodeWorker(engine("decode"), f"decode-{i}", s.lease_ttl_s)
-            server, address, kv_server = serve_decode_worker(worker, s.host, kv_transport=s.kv_transport)
+            server, address, kv_server = serve_decode_worker(worker, s.host, kv_transport=s.kv_transport,
+                                                             cluster_token=s.cluster_token)
             self.decode_workers.append(worker)
             self.decode_addresses.append(address)
             self._servers.append((server, kv_server.stop if kv_server else None))
@@ -158,6 +162,8 @@ class LocalCluster:
 
     def _start_processes(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **self.spec.extra_env}
+        if self.spec.cluster_token:
+            env["PDSERVE_CLUSTER_TOKEN"] = self.spec.cluster_token
         specs = [("prefill_worker", self.prefill_addresses)] * self.spec.num_prefill
         specs += [("decode_worker", self.decode_addresses)] * self.spec.num_decode
         started = []
@@ -180,9 +186,10 @@ class LocalCluster:
             block_size=s.block_size,
             prefill_policy=s.prefill_policy,
             decode_policy=s.decode_policy,
+            local_prefill_max_tokens=s.local_prefill_max_tokens,
         )
         self.servers = await start_router(cfg, self.prefill_addresses, self.decode_addresses, s.host,
-                                          s.router_port, s.http_port)
+                                          s.router_port, s.http_port, s.api_key, s.cluster_token)
         self.router = self.servers.router
         self.address = self.servers.grpc_address
         self.http_address = self.servers.http_address

@@ -238,7 +238,8 @@ class DecodeWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
-        """Attach a prefilled request to the running batch once its KV is in; stream its tokens.
+        """Attach a prefilled request to the running batch once its KV is in (or prefill it here
+        when it has no lease); stream its tokens.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

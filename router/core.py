@@ -4,6 +4,7 @@ admit, run the flow, detokenize, apply stop strings, count usage."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -16,6 +17,7 @@ from engine.request import SamplingParams, sampling_from_message
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from protos import pdserve_pb2 as pb
 from router.flow import FlowConfig, FlowTimings, Overloaded, RequestFlow
+from router.metrics import Metrics
 from router.policies import get_policy
 from router.pool import WorkerPool
 
@@ -34,6 +36,9 @@ class RouterConfig:
     default_max_tokens: int = 128
     reserve_timeout_s: float = 30.0
     status_poll_s: float = 0.1
+    local_prefill_max_tokens: int = 0  # see FlowConfig
+    api_key: str | None = None  # clients must send it (HTTP Bearer, gRPC metadata) when set
+    cluster_token: str | None = None  # sent to workers as x-pdserve-token when set
 
 
 @dataclass
@@ -57,8 +62,8 @@ class Router:
     def __init__(self, cfg: RouterConfig, prefill: list[str], decode: list[str]):
         self.cfg = cfg
         self.tokenizer = Tokenizer(cfg.model_dir)
-        self.prefill = WorkerPool("prefill")
-        self.decode = WorkerPool("decode")
+        self.prefill = WorkerPool("prefill", cfg.cluster_token)
+        self.decode = WorkerPool("decode", cfg.cluster_token)
         for address in prefill:
             self.prefill.add(address)
         for address in decode:
@@ -68,11 +73,15 @@ class Router:
             decode_policy=get_policy("decode", cfg.decode_policy),
             block_size=cfg.block_size,
             reserve_timeout_s=cfg.reserve_timeout_s,
+            local_prefill_max_tokens=cfg.local_prefill_max_tokens,
         )
         self.flow = RequestFlow(self.prefill, self.decode, flow_cfg)
         self.inflight = 0
         self._poller: asyncio.Task | None = None
         self._ids = itertools.count()
+        # (finish time, ttft_s, tpot_s or None) of recent requests: the autoscaler's signal.
+        self.recent_latencies: collections.deque = collections.deque(maxlen=4096)
+        self.metrics = Metrics(self, cfg.model_name)
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -136,7 +145,9 @@ class Router:
 
     @property
     def ready(self) -> bool:
-        return bool(self.prefill.routable()) and bool(self.decode.routable())
+        """Every pool has a ready worker (a colocated cluster has only the decode pool)."""
+        prefill_ok = bool(self.prefill.routable()) or not self.prefill.workers
+        return prefill_ok and bool(self.decode.routable())
 
     # ---- input -------------------------------------------------------------------------
     def prepare(self, prompt_ids: list[int], sampling: pb.SamplingParams, request_id: str = "") -> GenerateInput:
@@ -162,11 +173,17 @@ class Router:
     # ---- the request -------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Delta]:
         if self.inflight >= self.cfg.max_inflight_requests:
+            self.metrics.rejected.inc()
             raise Overloaded(f"{self.inflight} requests in flight (max {self.cfg.max_inflight_requests})")
         self.inflight += 1
+        tracker = self.metrics.track()
         try:
             async for delta in self._generate(inp):
+                tracker.on_delta(delta)
                 yield delta
+        except Overloaded:
+            self.metrics.rejected.inc()
+            raise
         finally:
             self.inflight -= 1
 
@@ -188,6 +205,8 @@ class Router:
                 usage = pb.Usage(prompt_tokens=len(inp.prompt_ids), completion_tokens=n_out,
                                  cached_prompt_tokens=timings.cached_tokens)
                 timings.e2e_s = time.monotonic() - start
+                tpot = (timings.e2e_s - timings.ttft_s) / (n_out - 1) if n_out > 1 else None
+                self.recent_latencies.append((time.monotonic(), timings.ttft_s, tpot))
                 yield Delta(tokens, delta_text, reason, usage, timings)
                 return
         finally:

@@ -3,6 +3,9 @@
   Reserve blocks on a decode worker -> Prefill on a prefill worker toward that lease
   -> first token out as soon as it is sampled -> Decode streams the rest.
 
+Or, colocated (no prefill worker up, or a prompt short enough to skip the transfer): Decode
+without a lease, and the decode worker prefills the request in its own batch.
+
 A decode worker that runs out of blocks preempts a request ("preempted"); it comes back here and
 goes around again with its generated tokens appended (recompute). The same retry covers a KV
 transfer that failed after the first token.
@@ -53,6 +56,9 @@ class FlowConfig:
     block_size: int = 16  # only to estimate blocks for the decode policy
     reserve_timeout_s: float = 30.0
     max_attempts: int = 8
+    # Prompts up to this many tokens are prefilled on the decode worker (no transfer). Pick it
+    # from measured latencies: where local prefill costs less than the transfer round trip.
+    local_prefill_max_tokens: int = 0
 
 
 @dataclass
@@ -76,15 +82,14 @@ class RequestFlow:
         """Yield (new tokens, finish reason or None) until the request finishes."""
         outputs: list[int] = []
         start = time.monotonic()
-        for attempt_no in range(self.cfg.max_attempts):
-            attempt = await self._reserve(request_id, len(prompt) + len(outputs))
+        for _ in range(self.cfg.max_attempts):
+            n_tokens = len(prompt) + len(outputs)
+            path = self._local if self.prefill_locally(n_tokens) else self._disaggregated
+            steps = path(request_id, prompt, outputs, sampling, timings)
             try:
-                first = await self._prefill(attempt, request_id, prompt, outputs, sampling, timings)
-                outputs.append(first)
-                if len(outputs) == 1:
-                    timings.ttft_s = time.monotonic() - start
-                yield [first], None
-                async for tokens, reason in self._decode(attempt, request_id, prompt, outputs, sampling, timings):
+                async for tokens, reason in steps:
+                    if tokens and not timings.ttft_s:
+                        timings.ttft_s = time.monotonic() - start
                     if reason == PREEMPTED:
                         if tokens:  # generated before the preemption: already in outputs
                             yield tokens, None
@@ -92,11 +97,47 @@ class RequestFlow:
                     yield tokens, reason
                     if reason:
                         return
-                timings.preemptions += 1
-                log.info("%s preempted after %d tokens; re-prefilling", request_id, len(outputs))
             finally:
-                await self._cleanup(attempt)
+                await steps.aclose()
+            timings.preemptions += 1
+            log.info("%s preempted after %d tokens; prefilling again", request_id, len(outputs))
         raise WorkerFailure(f"{request_id}: gave up after {self.cfg.max_attempts} attempts")
+
+    def prefill_locally(self, num_tokens: int) -> bool:
+        """Colocated pool (no prefill worker up), or a prompt too short to be worth a transfer."""
+        return not self.prefill.routable() or num_tokens <= self.cfg.local_prefill_max_tokens
+
+    async def _disaggregated(self, request_id, prompt, outputs, sampling, timings):
+        attempt = await self._reserve(request_id, len(prompt) + len(outputs))
+        try:
+            first = await self._prefill(attempt, request_id, prompt, outputs, sampling, timings)
+            outputs.append(first)
+            yield [first], None
+            async for item in self._decode(attempt, request_id, prompt, outputs, sampling, timings):
+                yield item
+        finally:
+            await self._cleanup(attempt)
+
+    async def _local(self, request_id, prompt, outputs, sampling, timings):
+        """No lease: the decode worker prefills (its scheduler mixes the chunks into decode)."""
+        num_blocks = -(-(len(prompt) + len(outputs)) // self.cfg.block_size)
+        req = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, output_token_ids=outputs,
+                               sampling=sampling)
+        for w in self.cfg.decode_policy(self.decode.routable(), num_blocks):
+            w.served_requests += 1
+            w.inflight_requests += 1
+            call = w.stub.Decode(req)
+            try:
+                async for item in self._stream_tokens(call, outputs, timings):
+                    yield item
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # draining: try the next one
+                    raise
+            finally:
+                w.inflight_requests -= 1
+                call.cancel()
+        raise Overloaded("no decode worker accepted the request")
 
     # ---- steps -------------------------------------------------------------------------
     async def _reserve(self, request_id: str, num_tokens: int) -> _Attempt:
@@ -177,13 +218,19 @@ class RequestFlow:
         call = attempt.decode.stub.Decode(req)
         attempt.calls.append(call)
         attempt.attached = True  # from here the decode worker owns the lease's blocks
+        async for item in self._stream_tokens(call, outputs, timings, attempt.transfer):
+            yield item
+
+    @staticmethod
+    async def _stream_tokens(call, outputs, timings, transfer=None):
         first = True
         async for chunk in call:
             if first:
                 timings.decode_queue_s += chunk.decode_queue_s
                 first = False
-                # Decoding starts only after the commit, so TransferDone is (nearly) in.
-                await asyncio.wait([attempt.transfer], timeout=1.0)
+                if transfer is not None:
+                    # Decoding starts only after the commit, so TransferDone is (nearly) in.
+                    await asyncio.wait([transfer], timeout=1.0)
             outputs.extend(chunk.token_ids)
             yield list(chunk.token_ids), chunk.finish_reason or None
 
