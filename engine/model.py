@@ -27,8 +27,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(variance + self.eps))
+        # One fused op: x * rsqrt(mean(x^2) + eps) * weight, as transformers computes it.
+        return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -42,10 +42,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim] for a batch: looked up once per forward, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -61,13 +64,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata, kv) -> torch.Tensor:
+    def forward(self, x, rope_tables, meta: AttentionMetadata, kv) -> torch.Tensor:
         cfg = self.cfg
         q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = apply_rope(q, k, *rope_tables)
         k_cache, v_cache = kv
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)
@@ -94,8 +97,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, positions, rope, meta, kv) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rope, meta, kv)
+    def forward(self, h, rope_tables, meta, kv) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope_tables, meta, kv)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -128,8 +131,9 @@ class LlamaModel(nn.Module):
         prefill worker uses it to stream that layer's blocks while later layers compute.
         """
         h = self.embed_tokens(input_ids)
+        rope_tables = self.rope.tables(positions)
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, self.rope, meta, kv_caches[i])
+            h = layer(h, rope_tables, meta, kv_caches[i])
             if layer_callback is not None:
                 layer_callback(i)
         return self.norm(h)
