@@ -1,9 +1,30 @@
-"""Python client for the pdserve gRPC API, sync and async, with streaming.
+"""Python client for the pdserve gRPC API (``pdserve.v1.Generation``), sync and async, with
+streaming. For HTTP, use any OpenAI client against ``http://<router>/v1``.
+
+Sync::
 
     from pdserve.client import Client
-    with Client("127.0.0.1:50051") as client:
+    with Client("127.0.0.1:50051", api_key="sk-...") as client:   # api_key only if configured
         for chunk in client.stream(messages=[{"role": "user", "content": "Hi!"}], max_tokens=32):
             print(chunk.text, end="", flush=True)
+        out = client.generate("Once upon a time", max_tokens=16, temperature=0.8, seed=1)
+        print(out.text, out.finish_reason, out.usage.completion_tokens)
+
+Async::
+
+    from pdserve.client import AsyncClient
+    client = AsyncClient("127.0.0.1:50051")
+    async for chunk in client.stream(token_ids=[1, 2, 3], max_tokens=8, include_timings=True):
+        ...
+    await client.close()
+
+Input is one of ``prompt`` (text), ``token_ids`` or ``messages`` (rendered with the model's
+chat template). Sampling keywords are the fields of ``SamplingParams`` in
+``protos/pdserve.proto`` (max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
+ignore_eos, min_tokens); ``include_timings=True`` puts the TTFT breakdown on the last chunk.
+The API key travels as metadata ``authorization: Bearer <key>``. Errors are ``grpc.RpcError``:
+INVALID_ARGUMENT (the message names the parameter), UNAUTHENTICATED, NOT_FOUND (model),
+RESOURCE_EXHAUSTED (overloaded: retry later), UNAVAILABLE (workers failed).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import grpc
 
 from engine.errors import InvalidRequestError
 from engine.request import sampling_from_message
+from kv_transfer.auth import resolve_cluster_token, server_interceptors
 from kv_transfer.sender import KVSender, TransferError, make_sender
 from prefill_worker.worker import PrefillWorker
 from protos import pdserve_pb2 as pb
@@ -27,15 +28,18 @@ GRPC_OPTIONS = [
 class SenderPool:
     """One KV sender per (transport, endpoint), reused across requests."""
 
-    def __init__(self):
+    def __init__(self, cluster_token: str | None = None):
         self._senders: dict[tuple[str, str], KVSender] = {}
+        self._token = cluster_token
         self._lock = threading.Lock()
 
     def get(self, transport: str, endpoint: str) -> KVSender:
         with self._lock:
             sender = self._senders.get((transport, endpoint))
             if sender is None:
-                sender = make_sender(transport, endpoint)
+                # Only the gRPC transport authenticates frames with the cluster token.
+                opts = {"token": self._token} if transport == "grpc" and self._token else {}
+                sender = make_sender(transport, endpoint, **opts)
                 self._senders[(transport, endpoint)] = sender
             return sender
 
@@ -91,13 +95,20 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         return pb.WorkerStatus(**self.worker.status())
 
 
-def serve_prefill_worker(worker: PrefillWorker, host: str = "127.0.0.1", port: int = 0, max_workers: int = 64):
-    """Start the worker's engine thread and gRPC server; returns (server, address, senders)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+def serve_prefill_worker(
+    worker: PrefillWorker, host: str = "127.0.0.1", port: int = 0, max_workers: int = 64,
+    cluster_token: str | None = None,
+):
+    """Start the worker's engine thread and gRPC server; returns (server, address, senders).
+    With a cluster token (argument or PDSERVE_CLUSTER_TOKEN), callers must send it, and KV
+    frames sent over gRPC carry it."""
+    token = resolve_cluster_token(cluster_token)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS,
+                         interceptors=server_interceptors(token))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
-    senders = SenderPool()
+    senders = SenderPool(token)
     pb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker, senders), server)
     worker.start()
     server.start()

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 
 from router.core import Router, RouterConfig
 from router.grpc_server import start_grpc_server
+
+API_KEY_ENV = "PDSERVE_API_KEY"
+CLUSTER_TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
 
 
 @dataclass
@@ -17,6 +22,8 @@ class RouterServers:
     http_address: str = ""
 
     async def stop(self) -> None:
+        if self.http_server is not None:
+            await self.http_server.stop()
         await self.grpc_server.stop(grace=1.0)
         await self.router.close()
 
@@ -28,10 +35,30 @@ async def start_router(
     host: str = "127.0.0.1",
     grpc_port: int = 0,
     http_port: int | None = None,
+    api_key: str | None = None,
+    cluster_token: str | None = None,
 ) -> RouterServers:
     """Build the router over the given workers and start serving. ``http_port=None`` means no
-    HTTP server; 0 picks a free port."""
+    HTTP server; 0 picks a free port. ``api_key`` (else ``cfg.api_key``, else PDSERVE_API_KEY)
+    guards the public API; ``cluster_token`` (else ``cfg.cluster_token``, else
+    PDSERVE_CLUSTER_TOKEN) is sent on every call to a worker."""
+    env = os.environ.get
+    cfg = dataclasses.replace(
+        cfg,
+        api_key=api_key or cfg.api_key or env(API_KEY_ENV) or None,
+        cluster_token=cluster_token or cfg.cluster_token or env(CLUSTER_TOKEN_ENV) or None,
+    )
     router = Router(cfg, prefill, decode)
     await router.start()
     grpc_server, grpc_address = await start_grpc_server(router, host, grpc_port)
-    return RouterServers(router, grpc_server, grpc_address)
+    servers = RouterServers(router, grpc_server, grpc_address)
+    if http_port is not None:
+        from router.http_server import start_http_server  # fastapi only when HTTP is served
+
+        try:
+            servers.http_server = await start_http_server(router, host, http_port, cfg.api_key)
+        except BaseException:
+            await servers.stop()
+            raise
+        servers.http_address = servers.http_server.address
+    return servers

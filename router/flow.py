@@ -217,8 +217,10 @@ class RequestFlow:
         )
         call = attempt.decode.stub.Decode(req)
         attempt.calls.append(call)
-        attempt.attached = True  # from here the decode worker owns the lease's blocks
         async for item in self._stream_tokens(call, outputs, timings, attempt.transfer):
+            # A chunk proves the decode worker took the lease's blocks; a Decode cancelled
+            # before one may never have reached it, so cleanup releases (a no-op if it did).
+            attempt.attached = True
             yield item
 
     @staticmethod

@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 
 import grpc
+from grpc_reflection.v1alpha import reflection
 
 from engine.errors import InvalidRequestError
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from router.auth import ApiKeyInterceptor
 from router.core import Router
 from router.flow import Overloaded, WorkerFailure
 
@@ -75,9 +77,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 
 async def start_grpc_server(router: Router, host: str = "127.0.0.1", port: int = 0):
-    """Start the async gRPC server for ``router``; returns (server, address)."""
-    server = grpc.aio.server()
+    """Start the async gRPC server for ``router``, with server reflection (grpcurl, grpcui
+    and Postman can call it without the .proto) and the API key check when one is configured;
+    returns (server, address)."""
+    api_key = router.cfg.api_key
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(api_key)] if api_key else None)
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(router), server)
+    services = (pb.DESCRIPTOR.services_by_name["Generation"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(services, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")

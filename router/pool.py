@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -12,6 +13,8 @@ from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger("pdserve.router")
+
+CLUSTER_TOKEN_KEY = "x-pdserve-token"  # the workers check it (kv_transfer.auth)
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 8 * 2**20),
@@ -41,17 +44,32 @@ class WorkerHandle:
         return self.healthy and not self.draining
 
 
+class _TokenStub:
+    """A worker stub whose every call carries the cluster token."""
+
+    def __init__(self, stub, metadata: tuple):
+        self._stub = stub
+        self._metadata = metadata
+
+    def __getattr__(self, method: str):
+        return functools.partial(getattr(self._stub, method), metadata=self._metadata)
+
+
 class WorkerPool:
-    def __init__(self, role: str):
+    def __init__(self, role: str, cluster_token: str | None = None):
         self.role = role
         self.workers: dict[str, WorkerHandle] = {}
+        self._metadata = ((CLUSTER_TOKEN_KEY, cluster_token),) if cluster_token else None
 
     def add(self, address: str) -> WorkerHandle:
         if address in self.workers:
             return self.workers[address]
         channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         stub_cls = pb_grpc.PrefillWorkerStub if self.role == "prefill" else pb_grpc.DecodeWorkerStub
-        handle = WorkerHandle(address, self.role, channel, stub_cls(channel))
+        stub = stub_cls(channel)
+        if self._metadata is not None:
+            stub = _TokenStub(stub, self._metadata)
+        handle = WorkerHandle(address, self.role, channel, stub)
         self.workers[address] = handle
         return handle
 

@@ -27,12 +27,14 @@ def generate_concurrently(cluster: LocalCluster, requests: list[dict]) -> list[C
 def worker_statuses(cluster: LocalCluster) -> list[pb.WorkerStatus]:
     import grpc
 
+    token = getattr(cluster.spec, "cluster_token", None)
+    metadata = (("x-pdserve-token", token),) if token else None
     out = []
     for role, addresses in (("prefill", cluster.prefill_addresses), ("decode", cluster.decode_addresses)):
         stub_cls = pb_grpc.PrefillWorkerStub if role == "prefill" else pb_grpc.DecodeWorkerStub
         for address in addresses:
             with grpc.insecure_channel(address) as ch:
-                out.append(stub_cls(ch).Status(pb.StatusRequest(), timeout=5))
+                out.append(stub_cls(ch).Status(pb.StatusRequest(), timeout=5, metadata=metadata))
     return out
 
 

@@ -1,0 +1,45 @@
+"""`pdserve bench`: serving, rate-sweep and KV-transfer benchmarks (see docs/BENCHMARKS.md).
+
+Each benchmark is a module with ``add_parser(sub)`` that adds its subcommand and sets
+``func``. ``register`` adds every module listed in BENCH_MODULES that exists, so a new one
+(e.g. ``pdserve/bench/engine.py``) joins by defining ``add_parser`` and being listed here; a
+listed module that is not there yet is skipped. Callers may also pass extra registrars.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+
+BENCH_MODULES = ("serve", "sweep", "transfer", "engine")
+
+
+def _available_modules() -> list:
+    mods = []
+    for name in BENCH_MODULES:
+        try:
+            mods.append(importlib.import_module(f"{__name__}.{name}"))
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":  # a missing dependency inside is a real error
+                raise
+    return mods
+
+
+def register(subparsers, extra: Iterable[Callable] = ()) -> None:
+    """Add a ``bench`` command with one subcommand per benchmark to ``subparsers``."""
+    bench = subparsers.add_parser("bench", help="benchmarks: serve, sweep, transfer, ...")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    for module in _available_modules():
+        module.add_parser(sub)
+    for add in extra:
+        add(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pdserve.bench ...``: the same subcommands without the pdserve CLI."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="pdserve")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *(argv if argv is not None else __import__("sys").argv[1:])])
+    return args.func(args)

@@ -1,0 +1,186 @@
+"""``pdserve bench engine``: prefill MFU and decode MBU of the engine against this machine's
+measured GEMM peak and read bandwidth, beside ``transformers`` on the same workloads and threads.
+
+Useful prefill FLOPs = 2 x non-embedding params x tokens + causal attention + the LM head for
+the last token only. Decode bytes = every weight the step reads (LM head included, embedding
+rows excluded) + the KV cache of every sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pdserve.bench.limits import best_time, gemm_peak, read_bandwidth
+
+
+@dataclass
+class Row:
+    kind: str  # "prefill" | "decode"
+    batch: int
+    tokens: int  # prompt length (prefill) or context length (decode)
+    seconds: float  # per prefill, or per decode step
+    hf_seconds: float
+    ratio: float  # MFU (prefill) or MBU (decode)
+    hf_ratio: float
+
+    @property
+    def speedup(self) -> float:
+        return self.hf_seconds / self.seconds
+
+
+def model_costs(cfg):
+    embed = cfg.vocab_size * cfg.hidden_size
+    per_layer = (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+                 + 3 * cfg.hidden_size * cfg.intermediate_size + 2 * cfg.hidden_size)
+    non_embedding = cfg.num_layers * per_layer + cfg.hidden_size
+    return embed, non_embedding
+
+
+def prefill_flops(cfg, n: int) -> float:
+    embed, non_embedding = model_costs(cfg)
+    attention = 2 * 2 * (n * (n + 1) / 2) * cfg.q_size * cfg.num_layers  # QK^T and PV, causal
+    return 2 * non_embedding * n + attention + 2 * embed
+
+
+def decode_bytes(cfg, batch: int, context: int) -> float:
+    embed, non_embedding = model_costs(cfg)
+    kv = batch * context * cfg.kv_bytes_per_token
+    return 4 * (non_embedding + embed) + kv
+
+
+class EngineRunner:
+    """Times the engine's forward directly (no scheduler), as the workers call it."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.runner = engine.runner
+        self.bs = engine.config.cache.block_size
+
+    def _batch(self, batch: int, context: int, new: int):
+        from engine.request import Request
+        from engine.scheduler import ScheduledSequence
+
+        seqs = []
+        next_block = 0
+        for i in range(batch):
+            req = Request(f"b{i}", [5 + i % 100] * context)
+            n_blocks = -(-(context + 1) // self.bs)
+            req.block_table = list(range(next_block, next_block + n_blocks))
+            next_block += n_blocks
+            req.num_computed_tokens = context - new
+            seqs.append(ScheduledSequence(req, new, True))
+        return seqs
+
+    def prefill_seconds(self, n: int) -> float:
+        seqs = self._batch(1, n, n)
+        return best_time(lambda: self.runner.execute(seqs), reps=3, warmup=1)
+
+    def decode_seconds(self, batch: int, context: int) -> float:
+        seqs = self._batch(batch, context, 1)
+        return best_time(lambda: self.runner.execute(seqs), reps=5, warmup=2)
+
+
+class HFRunner:
+    def __init__(self, model_dir):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def prefill_seconds(self, n: int) -> float:
+        ids = torch.full((1, n), 5)
+        return best_time(lambda: self.model(ids), reps=3, warmup=1)
+
+    @torch.inference_mode()
+    def decode_seconds(self, batch: int, context: int) -> float:
+        ids = torch.full((batch, context), 5)
+        out = self.model(ids, use_cache=True)
+        step = torch.full((batch, 1), 6)
+
+        def one_step():
+            cache = out.past_key_values
+            self.model(step, past_key_values=cache, use_cache=True)
+            cache.crop(-1)  # drop the step just added: the context stays fixed across repetitions
+
+        return best_time(one_step, reps=5, warmup=2)
+
+
+def run(model: str = "embedded", threads: int = 0, prompt_lens=(128, 512, 1024),
+        batches=(1, 8, 32), contexts=(256, 1024), baseline: bool = True) -> dict:
+    from engine.config import CacheConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.model_files import resolve_model_dir
+
+    if threads:
+        torch.set_num_threads(threads)
+    model_dir = resolve_model_dir(model)
+    max_ctx = max(max(prompt_lens), max(contexts)) + 16
+    blocks = max(batches) * (max(contexts) // 16 + 2) + 8
+    engine = LLMEngine.from_model_path(model_dir, CacheConfig(16, blocks), SchedulerConfig(max_ctx),
+                                       max_model_len=max_ctx + 16, progress=False)
+    cfg = engine.config.model
+    peak, bandwidth = gemm_peak(), read_bandwidth()
+    ours, hf = EngineRunner(engine), HFRunner(model_dir) if baseline else None
+    rows = []
+    for n in prompt_lens:
+        t, t_hf = ours.prefill_seconds(n), hf.prefill_seconds(n) if hf else float("nan")
+        flops = prefill_flops(cfg, n)
+        rows.append(Row("prefill", 1, n, t, t_hf, flops / t / peak, flops / t_hf / peak))
+    for b in batches:
+        for c in contexts:
+            t, t_hf = ours.decode_seconds(b, c), hf.decode_seconds(b, c) if hf else float("nan")
+            nbytes = decode_bytes(cfg, b, c)
+            rows.append(Row("decode", b, c, t, t_hf, nbytes / t / bandwidth, nbytes / t_hf / bandwidth))
+    return {
+        "threads": torch.get_num_threads(),
+        "gemm_peak_gflops": peak / 1e9,
+        "read_bandwidth_gbs": bandwidth / 1e9,
+        "rows": [{**asdict(r), "speedup": r.speedup} for r in rows],
+    }
+
+
+def format_report(result: dict) -> str:
+    lines = [
+        (f"threads {result['threads']}  GEMM peak {result['gemm_peak_gflops']:.1f} GFLOP/s  "
+         f"read bandwidth {result['read_bandwidth_gbs']:.1f} GB/s"),
+        (f"{'phase':<8}{'batch':>6}{'tokens':>8}{'pdserve ms':>12}{'hf ms':>10}{'ratio':>8}"
+         f"{'hf ratio':>10}{'speedup':>9}   ratio = MFU (prefill) / MBU (decode)"),
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"{r['kind']:<8}{r['batch']:>6}{r['tokens']:>8}{r['seconds'] * 1e3:>12.1f}"
+            f"{r['hf_seconds'] * 1e3:>10.1f}{r['ratio']:>8.2f}{r['hf_ratio']:>10.2f}{r['speedup']:>8.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("engine", help="prefill MFU / decode MBU vs measured limits and transformers")
+    p.add_argument("--model", default="embedded")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    p.add_argument("--prompt-lens", default="128,512,1024")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--contexts", default="256,1024")
+    p.add_argument("--no-baseline", action="store_true", help="skip transformers")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.set_defaults(func=_main)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def _main(args) -> int:
+    started = time.time()
+    result = run(args.model, args.threads, _ints(args.prompt_lens), _ints(args.batches),
+                 _ints(args.contexts), baseline=not args.no_baseline)
+    print(format_report(result))
+    print(f"({time.time() - started:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

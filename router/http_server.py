@@ -1,0 +1,363 @@
+"""The OpenAI-compatible HTTP API (FastAPI on uvicorn), on the router's asyncio loop and the
+same request path as gRPC (``Router.prepare`` then ``Router.generate``).
+
+Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
+``"stream": true``), GET /v1/models, GET /health (503 until every pool has a ready worker),
+GET /metrics (Prometheus). Errors use OpenAI's shape ``{"error": {message, type, param,
+code}}``: 400 bad parameter (named in ``param``), 401 bad API key, 404 unknown model or route,
+429 overloaded, 503 workers failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from collections.abc import AsyncIterator
+from typing import ClassVar
+
+import grpc
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import InvalidRequestError
+from router.auth import bearer_ok
+from router.core import Router
+from router.flow import Overloaded, WorkerFailure
+from router.openai_models import (
+    ChatCompletionRequest,
+    ChatResponseShape,
+    CompletionRequest,
+    ResponseShape,
+    timings_body,
+    usage_body,
+)
+
+log = logging.getLogger("pdserve.router")
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable_error",
+}
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": ERROR_TYPES.get(self.status, "error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def _bad_request(e: InvalidRequestError) -> ApiError:
+    return ApiError(400, str(e), e.param)
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _validation_error(e: ValidationError) -> ApiError:
+    """The first problem, named by its field path (``max_tokens``, ``messages.0.content``)."""
+    err = e.errors()[0]
+    # Union member tags (``str``, ``list[int]``) are not fields: leave them out of the path.
+    path = [
+        str(p)
+        for p in err["loc"]
+        if isinstance(p, int) or p.isidentifier() and p not in _UNION_TAGS
+    ]
+    param = ".".join(path) or "body"
+    return ApiError(400, f"{param}: {err['msg']}", param)
+
+
+def _worker_error(e: Exception) -> ApiError:
+    if isinstance(e, Overloaded):
+        return ApiError(429, f"overloaded: {e}", code="overloaded")
+    if isinstance(e, grpc.aio.AioRpcError):
+        log.warning("request failed at a worker: %s %s", e.code().name, e.details())
+        return ApiError(503, f"worker error: {e.details()}")
+    return ApiError(503, str(e))
+
+
+WORKER_ERRORS = (Overloaded, WorkerFailure, grpc.aio.AioRpcError)
+
+
+def _sse(body: dict | str) -> str:
+    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
+
+
+class OpenAIHandlers:
+    def __init__(self, router: Router):
+        self.router = router
+
+    def _parse(self, model_cls, raw: bytes):
+        try:
+            req = model_cls.model_validate_json(raw or b"{}")
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        if req.model is not None and req.model != self.router.cfg.model_name:
+            raise ApiError(
+                404, f"The model `{req.model}` does not exist.", "model", "model_not_found"
+            )
+        return req
+
+    async def completions(self, raw: bytes) -> Response:
+        req = self._parse(CompletionRequest, raw)
+        try:
+            prompt = req.prompt_input()
+            ids = self.router.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        except InvalidRequestError as e:
+            raise _bad_request(e) from None
+        return await self._respond(req, ids, ResponseShape(self.router.cfg.model_name))
+
+    async def chat(self, raw: bytes) -> Response:
+        req = self._parse(ChatCompletionRequest, raw)
+        messages = [m.as_template_input() for m in req.messages]
+        try:
+            ids = self.router.tokenizer.encode_chat(messages)
+        except InvalidRequestError as e:
+            raise _bad_request(e) from None
+        except Exception as e:  # noqa: BLE001 - a template's raise_exception on these messages
+            raise ApiError(400, f"messages: the chat template failed: {e}", "messages") from None
+        return await self._respond(req, ids, ChatResponseShape(self.router.cfg.model_name))
+
+    async def _respond(self, req, prompt_ids: list[int], shape: ResponseShape) -> Response:
+        cfg = self.router.cfg
+        try:
+            req.check_supported()
+            sampling = req.to_sampling(len(prompt_ids), cfg.max_model_len, cfg.default_max_tokens)
+            inp = self.router.prepare(prompt_ids, sampling)
+        except InvalidRequestError as e:
+            raise _bad_request(e) from None
+        deltas = self.router.generate(inp)
+        try:
+            first = await deltas.__anext__()  # admission errors become a status, not a stream
+        except WORKER_ERRORS as e:
+            raise _worker_error(e) from None
+        if req.stream:
+            events = self._stream(req, shape, first, deltas)
+            return StreamingResponse(
+                events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        return JSONResponse(await self._collect(req, shape, first, deltas))
+
+    async def _collect(self, req, shape: ResponseShape, first, deltas) -> dict:
+        text, delta = first.text, first
+        try:
+            while delta.finish_reason is None:
+                delta = await deltas.__anext__()
+                text += delta.text
+        except WORKER_ERRORS as e:
+            raise _worker_error(e) from None
+        finally:
+            await deltas.aclose()
+        extra = {"usage": usage_body(delta.usage)}
+        if req.return_timings:
+            extra["timings"] = timings_body(delta.timings)
+        return shape.whole(text, delta.finish_reason, **extra)
+
+    async def _stream(self, req, shape: ResponseShape, first, deltas) -> AsyncIterator[str]:
+        usage_field = {"usage": None} if req.include_usage else {}
+        pump = _Pump(deltas)
+        delta = first
+        try:
+            while delta.finish_reason is None:
+                if delta.text or not shape.sent_role:
+                    yield _sse(shape.chunk(delta.text, **usage_field))
+                delta = await pump.next()
+        except WORKER_ERRORS as e:  # too late for a status code: an error event ends the stream
+            yield _sse(_worker_error(e).body())
+            return
+        finally:
+            pump.stop()
+        last = {"timings": timings_body(delta.timings)} if req.return_timings else {}
+        if req.include_usage:
+            yield _sse(shape.chunk(delta.text, delta.finish_reason, usage=None))
+            yield _sse(shape.usage_chunk(usage=usage_body(delta.usage), **last))
+        else:
+            yield _sse(shape.chunk(delta.text, delta.finish_reason, **last))
+        yield _sse("[DONE]")
+
+
+class _Pump:
+    """Reads a request's deltas in a task of its own. When the client leaves, Starlette cancels
+    the response under an anyio cancel scope, which would cancel every await of the request's
+    cleanup too (releasing its KV lease over gRPC); a plain task cancelled once cleans up."""
+
+    _running: ClassVar[set[asyncio.Task]] = set()  # strong references until each ends
+
+    def __init__(self, deltas):
+        self._items: asyncio.Queue = asyncio.Queue()
+        self._task = asyncio.ensure_future(self._run(deltas))
+        self._running.add(self._task)
+        self._task.add_done_callback(self._running.discard)
+
+    async def _run(self, deltas) -> None:
+        try:
+            async for delta in deltas:
+                self._items.put_nowait(delta)
+        except Exception as e:  # noqa: BLE001 - the reader raises it; a cancel just ends us
+            self._items.put_nowait(e)
+
+    async def next(self):
+        item = await self._items.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def stop(self) -> None:
+        if not self._task.done():
+            self._task.cancel()
+
+
+def build_app(router: Router, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app for ``router``; with ``api_key``, /v1/* requires ``Bearer <api_key>``."""
+    app = FastAPI(title="pdserve", summary="OpenAI-compatible API of a pdserve cluster")
+    handlers = OpenAIHandlers(router)
+
+    async def require_key(request: Request) -> None:
+        if api_key and not bearer_ok(request.headers.get("authorization"), api_key):
+            raise ApiError(
+                401,
+                "Incorrect or missing API key (Authorization: Bearer <key>).",
+                code="invalid_api_key",
+            )
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await handlers.completions(await request.body())
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handlers.chat(await request.body())
+
+    @v1.get("/models")
+    async def models() -> dict:
+        cfg = router.cfg
+        card = {
+            "id": cfg.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "max_model_len": cfg.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    app.include_router(v1)
+    _add_operational_routes(app, router)
+    _add_error_handlers(app)
+    return app
+
+
+def _add_operational_routes(app: FastAPI, router: Router) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        body = {
+            "status": "ok" if router.ready else "unavailable",
+            "prefill_workers": len(router.prefill.routable()),
+            "decode_workers": len(router.decode.routable()),
+        }
+        return JSONResponse(body, status_code=200 if router.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        data, content_type = router.metrics.render()
+        return Response(data, media_type=content_type)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        log.exception("HTTP request failed")
+        return JSONResponse(
+            ApiError(500, f"internal error: {type(e).__name__}").body(), status_code=500
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code
+        )
+
+
+# ---- serving ---------------------------------------------------------------------------
+
+
+class _EmbeddedServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # The process that embeds the router owns its signals; uvicorn must not take them.
+        yield
+
+
+class HttpServer:
+    """uvicorn serving ``app`` as a task on the running loop, on a socket bound to ``host``."""
+
+    def __init__(self, app: FastAPI, host: str, port: int):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, port), family=family)
+        bound = self._sock.getsockname()[1]
+        self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
+        config = uvicorn.Config(
+            app,
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            http="h11",
+            ws="none",
+            timeout_graceful_shutdown=2,
+        )
+        self._server = _EmbeddedServer(config)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[self._sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # startup failed: raise why
+                raise RuntimeError("the HTTP server stopped during startup")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout=5)
+        except asyncio.TimeoutError:
+            self._server.force_exit = True
+            self._task.cancel()
+        self._sock.close()
+
+
+async def start_http_server(
+    router: Router, host: str, port: int, api_key: str | None = None
+) -> HttpServer:
+    server = HttpServer(build_app(router, api_key), host, port)
+    await server.start()
+    return server

@@ -1,0 +1,49 @@
+"""Serve a local (Ray-less) cluster's OpenAI HTTP API until killed; for scripts/benchmarks.sh.
+
+Prints ``URL http://127.0.0.1:PORT`` once ready, or exits with status 3 when this checkout's
+router has no HTTP API (the serve benchmarks are then skipped).
+
+    python scripts/bench_cluster.py --model embedded --transport grpc
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pdserve.local_cluster import ClusterSpec, LocalCluster
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="embedded")
+    p.add_argument("--transport", default="grpc")
+    p.add_argument("--num-prefill", type=int, default=1)
+    p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    args = p.parse_args()
+    spec = ClusterSpec(model=args.model, kv_transport=args.transport, num_prefill=args.num_prefill,
+                       num_decode=args.num_decode, num_blocks=args.num_blocks,
+                       max_model_len=args.max_model_len, http_port=0)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    with LocalCluster(spec) as cluster:
+        address = getattr(cluster, "http_address", "")
+        if not address:
+            print("no HTTP API in this checkout's router", file=sys.stderr)
+            return 3
+        url = address if address.startswith("http") else f"http://{address}"
+        print(f"URL {url}", flush=True)
+        stop.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""`bench transfer`: report structure and byte accounting (never speed) on small caches."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.bench import main as bench_main
+from pdserve.bench.transfer import (
+    TRANSPORT_NAMES,
+    KVShape,
+    MiB,
+    format_report,
+    loopback_seconds,
+    measure_ttft_share,
+    run_transfer_bench,
+)
+from tests.conftest import tiny_llama_dir
+
+SMALL = KVShape(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, tokens=30)
+
+
+def test_kv_shape_counts_bytes_of_every_layer():
+    assert SMALL.num_blocks == 8  # 30 tokens in blocks of 4
+    assert SMALL.bytes_per_push == 2 * 3 * 8 * 4 * 2 * 8 * 4
+    smollm2 = KVShape()
+    assert smollm2.bytes_per_push == 2 * 30 * 1024 * 3 * 64 * 4  # 45 MiB per 1,024 tokens
+
+
+def test_loopback_moves_every_byte():
+    assert loopback_seconds(8 * MiB, chunk=MiB) > 0
+
+
+def test_transfer_report_covers_every_transport_and_bytes_match():
+    logs: list[str] = []
+    report = run_transfer_bench(SMALL, TRANSPORT_NAMES, repeats=2, loopback_bytes=4 * MiB,
+                                ttft_model=None, log=logs.append)
+    assert report.loopback_best_mb_s >= report.loopback_median_mb_s > 0
+    assert [t.transport for t in report.transports] == list(TRANSPORT_NAMES)
+    for t in report.transports:
+        assert t.bytes_ok and t.bytes_per_push == SMALL.bytes_per_push
+        assert len(t.seconds) == 2 and t.frames_per_push == SMALL.num_layers
+        assert t.best_mb_s >= t.median_mb_s > 0
+        assert t.ratio_to_loopback == pytest.approx(t.best_mb_s / report.loopback_best_mb_s)
+    text = format_report(report)
+    assert all(name in text for name in TRANSPORT_NAMES) and "x loopback" in text
+    assert len(logs) == 1 + len(TRANSPORT_NAMES)
+    d = report.to_dict()
+    assert d["shape"]["bytes_per_push"] == SMALL.bytes_per_push and d["shape"]["dtype"] == "float32"
+    json.dumps(d)
+
+
+def test_ttft_share_on_a_tiny_model(tmp_path):
+    path, _ = tiny_llama_dir(tmp_path, num_heads=4, num_kv_heads=2, layers=2, seed=1)
+    share = measure_ttft_share(str(path), "local", prompt_tokens=64, runs=2)
+    assert share.runs == 2 and share.prompt_tokens == 64
+    assert share.kv_bytes == 2 * 2 * 64 * 2 * 16 * 4  # K+V, layers, tokens, kv heads, head dim
+    assert 0 < share.prefill_s <= share.ttft_s
+    assert 0 <= share.kv_transfer_s <= share.ttft_s and 0 <= share.share_of_ttft <= 1
+
+
+def test_bench_transfer_command_writes_json(tmp_path, capsys):
+    out = tmp_path / "transfer.json"
+    rc = bench_main(["transfer", "--transports", "local,grpc", "--tokens", "16", "--layers", "2",
+                     "--kv-heads", "1", "--head-dim", "4", "--repeats", "1", "--loopback-mib", "4",
+                     "--ttft-transports", "", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert [t["transport"] for t in res["transports"]] == ["local", "grpc"]
+    assert res["ttft"] == [] and all(t["bytes_ok"] for t in res["transports"])
+    assert "KV Transfer Benchmark" in capsys.readouterr().out
