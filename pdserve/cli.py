@@ -46,16 +46,78 @@ def cmd_generate(args) -> int:
 
 
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="run a few concurrent chat requests and print a table")
-    p.add_argument("--model", default="embedded")
+    p = sub.add_parser("demo", help="launch the local cluster on Ray, stream a few chat requests "
+                       "through prefill -> KV transfer -> decode, print a table, stop")
+    p.add_argument("--config", default=None, help="cluster YAML (default: the embedded local one)")
+    p.add_argument("--model", default=None, help="override the config's model")
     p.add_argument("--max-tokens", type=int, default=48)
     p.set_defaults(func=lambda args: _run_demo(args))
 
 
 def _run_demo(args) -> int:
+    from pdserve.config import load_config
     from pdserve.demo import run_demo
 
-    return run_demo(args.model, args.max_tokens)
+    cfg = load_config(args.config)
+    if args.model:
+        cfg = cfg.with_overrides(model=args.model)
+    return run_demo(cfg, args.max_tokens)
+
+
+def _add_cluster_commands(sub) -> None:
+    p = sub.add_parser("serve", help="launch the cluster on Ray and serve until Ctrl-C/SIGTERM")
+    p.add_argument("--config", default=None, help="cluster YAML (default: the embedded local one)")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to join ('auto': the one on this machine); "
+                        "default: start a local Ray instance")
+    p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("scale", help="resize the running cluster's pools")
+    p.add_argument("--prefill", type=int, default=None, help="prefill workers wanted")
+    p.add_argument("--decode", type=int, default=None, help="decode workers wanted")
+    p.add_argument("--address", default="auto", help="the Ray cluster (default: auto)")
+    p.add_argument("--no-wait", action="store_true", help="return before drains finish")
+    p.set_defaults(func=cmd_scale)
+    p = sub.add_parser("status", help="pools, workers, health and KV usage of the running cluster")
+    p.add_argument("--address", default="auto", help="the Ray cluster (default: auto)")
+    p.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    p.set_defaults(func=cmd_status)
+
+
+def cmd_serve(args) -> int:
+    from pdserve.config import load_config
+    from pdserve.ray_launcher import serve_forever
+
+    return serve_forever(load_config(args.config), args.address)
+
+
+def cmd_scale(args) -> int:
+    import ray
+
+    from pdserve.ray_launcher import find_controller, format_status
+
+    if args.prefill is None and args.decode is None:
+        print("error: give --prefill N and/or --decode M", file=sys.stderr)
+        return 2
+    controller = find_controller(args.address)
+    try:
+        st = ray.get(controller.scale.remote(args.prefill, args.decode, not args.no_wait))
+    except ray.exceptions.RayTaskError as e:
+        print(f"error: {e.cause}", file=sys.stderr)
+        return 2
+    print(format_status(st))
+    return 0
+
+
+def cmd_status(args) -> int:
+    import json
+
+    import ray
+
+    from pdserve.ray_launcher import find_controller, format_status
+
+    st = ray.get(find_controller(args.address).status.remote())
+    print(json.dumps(st, indent=2) if args.json else format_status(st))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_demo(sub)
+    _add_cluster_commands(sub)
+    from pdserve.bench import register as add_bench
+
+    add_bench(sub)
     return parser
 
 

@@ -1,12 +1,19 @@
-"""``pdserve demo``: a handful of concurrent chat requests on the embedded model, with a table.
+"""``pdserve demo``: the embedded default cluster on Ray, a handful of concurrent streamed chat
+requests through prefill -> KV transfer -> decode, and a table of where each one's time went.
 
-Runs the engine in this process (colocated prefill and decode) and reports per request: prompt
-and output tokens, time to first token, decode speed, and KV bytes the request holds.
+The same launch path as ``pdserve serve`` (cluster_configs/local.yaml), on free ports, stopped
+again at the end. TTFT is split into prefill queue, prefill, KV transfer (the part not hidden
+behind prefill compute) and decode queue, as the router measured them.
 """
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import time
+from dataclasses import dataclass, field
+
+from pdserve.config import ClusterConfig
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",
@@ -18,35 +25,84 @@ DEMO_QUESTIONS = [
 ]
 
 
-def run_demo(model: str = "embedded", max_tokens: int = 48) -> int:
-    from engine.llm_engine import LLMEngine
-    from engine.request import SamplingParams
+@dataclass
+class StreamedRequest:
+    question: str
+    text: str = ""
+    n_tokens: int = 0
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+    prompt_tokens: int = 0
+    timings: object = None
+    chunk_times: list[float] = field(default_factory=list)
 
-    engine = LLMEngine.from_model_path(model)
-    tok = engine.tokenizer
-    params = SamplingParams(max_tokens=max_tokens)
-    ids = [engine.add_request(tok.encode_chat([{"role": "user", "content": q}]), params) for q in DEMO_QUESTIONS]
-    reqs = {i: engine.requests[i] for i in ids}
-    start = time.monotonic()
-    while engine.has_unfinished():
-        engine.step()
-    wall = time.monotonic() - start
-    _print_table(engine, [reqs[i] for i in ids], wall)
+
+def run_demo(cfg: ClusterConfig, max_tokens: int = 48) -> int:
+    from pdserve.ray_launcher import launch
+
+    # Free ports and this machine only: the demo must not clash with a running `serve`.
+    cfg = cfg.with_overrides(grpc_port=0, http_port=None, host="127.0.0.1")
+    print(f"launching {cfg.pools.prefill.replicas} prefill + {cfg.pools.decode.replicas} decode "
+          f"workers on Ray (model: {cfg.model}, KV over {cfg.kv_transport})", flush=True)
+    with launch(cfg, log_to_driver=False) as cluster:
+        print(f"router at {cluster.grpc_address}; sending {len(DEMO_QUESTIONS)} concurrent "
+              "chat requests", flush=True)
+        start = time.monotonic()
+        results = asyncio.run(_send_all(cluster.grpc_address, max_tokens))
+        wall = time.monotonic() - start
+        print_table(results, start, wall)
     return 0
 
 
-def _print_table(engine, reqs, wall: float) -> None:
-    kv_per_token = engine.config.model.kv_bytes_per_token
-    print(f"{'#':>2} {'prompt':>6} {'output':>6} {'TTFT ms':>8} {'tok/s':>6} {'KV MiB':>7}  completion")
-    total_out = 0
-    for n, r in enumerate(reqs):
-        ev = r.events
-        ttft = ev["first_token"] - ev["arrived"]
-        decode_s = max(ev["finished"] - ev["first_token"], 1e-9)
-        n_out = len(r.output_token_ids)
-        total_out += n_out
-        kv_mib = r.num_tokens * kv_per_token / 2**20
-        text = r.output_text.replace("\n", " ")[:60]
-        print(f"{n:>2} {r.num_prompt_tokens:>6} {n_out:>6} {ttft * 1e3:>8.0f} "
-              f"{(n_out - 1) / decode_s:>6.1f} {kv_mib:>7.2f}  {text}")
-    print(f"{len(reqs)} requests, {total_out} tokens in {wall:.2f} s ({total_out / wall:.1f} tok/s)")
+async def _send_all(address: str, max_tokens: int) -> list[StreamedRequest]:
+    from tqdm import tqdm
+
+    from pdserve.client import AsyncClient
+
+    client = AsyncClient(address)
+    bar = tqdm(desc="streaming", unit="tok", file=sys.stderr, leave=False)
+    try:
+        results = [StreamedRequest(q) for q in DEMO_QUESTIONS]
+        await asyncio.gather(*(_stream_one(client, r, max_tokens, bar) for r in results))
+        return results
+    finally:
+        bar.close()
+        await client.close()
+
+
+async def _stream_one(client, r: StreamedRequest, max_tokens: int, bar) -> None:
+    messages = [{"role": "user", "content": r.question}]
+    async for chunk in client.stream(messages=messages, max_tokens=max_tokens,
+                                     include_timings=True):
+        now = time.monotonic()
+        if chunk.token_ids and not r.first_token_at:
+            r.first_token_at = now
+        r.n_tokens += len(chunk.token_ids)
+        r.text += chunk.text
+        bar.update(len(chunk.token_ids))
+        if chunk.finish_reason:
+            r.finished_at = now
+            r.prompt_tokens = chunk.usage.prompt_tokens
+            r.timings = chunk.timings if chunk.HasField("timings") else None
+
+
+def print_table(results: list[StreamedRequest], start: float, wall: float) -> None:
+    ms = 1e3
+    print(f"{'#':>2} {'prompt':>6} {'out':>4} {'p.queue':>8} {'prefill':>8} {'kv xfer':>8} "
+          f"{'d.queue':>8} {'TTFT':>8} {'tok/s':>6} {'KV bytes':>9}  completion")
+    print(f"{'':>14} {'(ms)':>8} {'(ms)':>8} {'(ms)':>8} {'(ms)':>8} {'(ms)':>8}")
+    total = 0
+    for n, r in enumerate(results):
+        t = r.timings
+        decode_s = max(r.finished_at - r.first_token_at, 1e-9)
+        rate = (r.n_tokens - 1) / decode_s if r.n_tokens > 1 else 0.0
+        total += r.n_tokens
+        text = r.text.replace("\n", " ").strip()[:48]
+        if t is None:
+            print(f"{n:>2} {r.prompt_tokens:>6} {r.n_tokens:>4}  (no timings)  {text}")
+            continue
+        print(f"{n:>2} {r.prompt_tokens:>6} {r.n_tokens:>4} {t.prefill_queue_s * ms:>8.1f} "
+              f"{t.prefill_s * ms:>8.1f} {t.kv_transfer_s * ms:>8.1f} {t.decode_queue_s * ms:>8.1f} "
+              f"{t.ttft_s * ms:>8.1f} {rate:>6.1f} {t.kv_bytes:>9,}  {text}")
+    print(f"{len(results)} requests, {total} tokens in {wall:.2f} s "
+          f"({total / max(wall, 1e-9):.1f} tok/s across the cluster)")

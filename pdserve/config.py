@@ -1,0 +1,168 @@
+"""The cluster config: what ``pdserve serve`` launches, validated at the edge (YAML -> pydantic).
+
+Errors name the field the way the YAML spells it, e.g. ``pools.decode.replicas: must be >= 1``.
+Inside the cluster the validated model travels as a plain dict and is rebuilt where needed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from engine.errors import PdserveError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "cluster_configs"
+DEFAULT_CONFIG = CONFIG_DIR / "local.yaml"
+
+
+class ConfigError(PdserveError):
+    """A cluster config that cannot be used; the message lists every bad field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PoolConfig(_Strict):
+    """One pool of workers: its size, its bounds for the autoscaler, and what each actor asks
+    Ray for. ``num_cpus`` is Ray's logical count (it may be fractional, or 0 to pack several
+    actors on a small machine); ``threads`` is what torch really uses."""
+
+    replicas: int = Field(1, ge=1)
+    min: int = Field(1, ge=1)
+    max: int = Field(4, ge=1)
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    threads: int = Field(1, ge=0, description="torch threads per worker (0: torch's default)")
+    resources: dict[str, float] = Field(default_factory=dict, description="Ray custom resources")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PoolConfig:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
+        if not self.min <= self.replicas <= self.max:
+            raise ValueError(f"replicas ({self.replicas}) must be within min..max "
+                             f"({self.min}..{self.max})")
+        return self
+
+
+class Pools(_Strict):
+    prefill: PoolConfig = PoolConfig()
+    decode: PoolConfig = PoolConfig()
+
+    def __getitem__(self, role: str) -> PoolConfig:
+        return getattr(self, role)
+
+
+class RouterSection(_Strict):
+    prefill_policy: str = "least_queued"
+    decode_policy: str = "most_free_blocks"
+    max_inflight_requests: int = Field(256, ge=1)
+    default_max_tokens: int = Field(128, ge=1)
+    # Prompts up to this many tokens are prefilled on the decode worker (no KV transfer).
+    local_prefill_max_tokens: int = Field(0, ge=0)
+
+
+class AutoscalerConfig(_Strict):
+    """Each pool between its own min and max, from its own signal. A pool grows by one when its
+    signal is over target and shrinks by one when the signal is under ``low_ratio`` x target;
+    after any change it waits ``cooldown_s`` so it does not flap."""
+
+    enabled: bool = False
+    period_s: float = Field(5.0, gt=0)
+    cooldown_s: float = Field(30.0, ge=0)
+    window_s: float = Field(30.0, gt=0, description="how far back latency observations count")
+    ttft_target_s: float = Field(1.0, gt=0)
+    tpot_target_s: float = Field(0.1, gt=0)
+    prefill_tokens_per_s: float = Field(2000.0, gt=0, description="one prefill worker's rate")
+    kv_high: float = Field(0.85, gt=0, le=1)
+    kv_low: float = Field(0.3, ge=0, le=1)
+    low_ratio: float = Field(0.5, gt=0, lt=1)
+
+
+class ClusterConfig(_Strict):
+    model: str = "embedded"
+    model_name: str = "smollm2"
+    pools: Pools = Pools()
+    kv_transport: Literal["grpc", "torch_dist"] = "grpc"
+    block_size: int = Field(16, ge=1)
+    num_blocks: int = Field(2048, ge=1)
+    max_model_len: int = Field(2048, ge=2)
+    max_num_batched_tokens: int = Field(512, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    prefill_chunk_size: int = Field(0, ge=0)
+    lease_ttl_s: float = Field(30.0, gt=0)
+    host: str | None = Field(None, description="bind address; null: each node's own IP")
+    grpc_port: int = Field(50051, ge=0, le=65535)
+    http_port: int | None = Field(8000, ge=0, le=65535)
+    router: RouterSection = RouterSection()
+    autoscaler: AutoscalerConfig = AutoscalerConfig()
+    health_period_s: float = Field(1.0, gt=0)
+    worker_start_timeout_s: float = Field(600.0, gt=0)
+    drain_timeout_s: float = Field(120.0, gt=0)
+    api_key: str | None = None
+    cluster_token: str | None = None
+
+    @field_validator("kv_transport", mode="before")
+    @classmethod
+    def _nccl_is_torch_dist(cls, value):
+        # torch_dist runs NCCL between GPUs (gloo on CPU); operators know it as "nccl".
+        return "torch_dist" if value == "nccl" else value
+
+    @field_validator("model")
+    @classmethod
+    def _absolute_model_path(cls, value: str) -> str:
+        # Actors run elsewhere (another cwd, another node): a relative path would not resolve.
+        path = Path(value).expanduser()
+        return str(path.resolve()) if value != "embedded" and path.exists() else value
+
+    def with_overrides(self, **fields) -> ClusterConfig:
+        return validate_config({**self.model_dump(), **fields})
+
+
+# ---- loading ---------------------------------------------------------------------------------
+_MESSAGES = {
+    "greater_than_equal": lambda c: f"must be >= {c['ge']}",
+    "greater_than": lambda c: f"must be > {c['gt']}",
+    "less_than_equal": lambda c: f"must be <= {c['le']}",
+    "less_than": lambda c: f"must be < {c['lt']}",
+    "extra_forbidden": lambda c: "unknown field",
+    "missing": lambda c: "required",
+}
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        fmt = _MESSAGES.get(e["type"])
+        msg = fmt(e.get("ctx", {})) if fmt else e["msg"].removeprefix("Value error, ")
+        lines.append(f"{loc}: {msg}" if loc else msg)
+    return "\n".join(lines)
+
+
+def validate_config(data: dict, source: str = "config") -> ClusterConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level")
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"{source} is invalid:\n{_format_errors(e)}") from None
+
+
+def load_config(path: str | Path | None = None) -> ClusterConfig:
+    """Read and validate a YAML cluster config; ``None`` is the embedded local default."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read cluster config {path}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    return validate_config(data, str(path))
