@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_extension
 from kernels.metadata import AttentionMetadata
 
 try:
@@ -144,6 +145,15 @@ def _sdpa_causal(q, k, v, scale):
     return o.to(dtype)
 
 
+def _cpu_extension(query: torch.Tensor, k_cache: torch.Tensor):
+    """The C++ decode kernel where it applies (CPU, fp32, contiguous cache), else None."""
+    if query.device.type != "cpu" or query.dtype != torch.float32 or k_cache.dtype != torch.float32:
+        return None
+    if not k_cache.is_contiguous():
+        return None
+    return cpu_extension.load()
+
+
 def _decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale):
     """Batched decode: SDPA over [B, padded_len] gathered keys, padding masked out.
 
@@ -155,6 +165,10 @@ def _decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale):
     batch, num_heads, head_dim = query.shape
     if batch == 0:
         return torch.empty_like(query)
+    ext = _cpu_extension(query, k_cache)
+    if ext is not None:
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        return ext.paged_decode_attention(query, k_cache, v_cache, block_tables.int(), lens, scale)
     num_kv_heads = k_cache.shape[2]
     k = _gather_blocks(k_cache, block_tables, max(seq_lens)).transpose(1, 2).float()
     v = _gather_blocks(v_cache, block_tables, max(seq_lens)).transpose(1, 2).float()

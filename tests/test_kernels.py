@@ -24,8 +24,18 @@ CPU_CASES = make_cases(head_dim=32, max_len=120) + [
 ]
 
 
+@pytest.fixture(params=["cpp-decode", "torch-only"])
+def decode_path(request, monkeypatch):
+    """Run each case with the C++ decode kernel and with the pure-torch fallback."""
+    if request.param == "torch-only":
+        monkeypatch.setattr(ops.cpu_extension, "load", lambda: None)
+    elif ops.cpu_extension.load() is None:
+        pytest.skip("no C++ compiler: the CPU extension could not be built")
+    return request.param
+
+
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
-def test_torch_ops_match_reference(case: KernelCase) -> None:
+def test_torch_ops_match_reference(case: KernelCase, decode_path) -> None:
     errors = check_case(case, backend="torch")
     tolerance = TOLERANCE[case.dtype]
     bad = {op: err for op, err in errors.items() if not err <= tolerance}

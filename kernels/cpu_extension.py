@@ -1,0 +1,50 @@
+"""The CPU paged decode-attention kernel (C++), built on first use with torch's extension loader.
+
+Decode on CPU is bound by memory traffic; reading K/V straight from the cache blocks avoids
+the gather copy (and its second read) that a pure-torch path needs. If no compiler is available
+the build fails once, a warning is logged, and callers keep the torch path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+log = logging.getLogger("pdserve.kernels")
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+_lock = threading.Lock()
+_module = None
+_failed = False
+
+
+def load():
+    """The compiled module, or None when it cannot be built here (or PDSERVE_NO_CPU_EXT=1)."""
+    global _module, _failed
+    if _module is not None or _failed:
+        return _module
+    with _lock:
+        if _module is None and not _failed:
+            _module = _build()
+            _failed = _module is None
+    return _module
+
+
+def _build():
+    if os.environ.get("PDSERVE_NO_CPU_EXT") == "1":
+        return None
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        return load_extension(
+            name="pdserve_paged_decode_cpu",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no headers: the torch path still works
+        log.warning("CPU paged-attention extension unavailable (%s); using the torch path", e)
+        return None
