@@ -39,7 +39,9 @@ def load_model(model_dir: Path, cfg: ModelConfig, max_positions: int | None = No
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     _check_loaded(model)
-    return model.float().eval()
+    model = model.float().eval()
+    model.pack_weights_for_cpu()
+    return model
 
 
 def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

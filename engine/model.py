@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.linear import Linear
 from kernels.metadata import AttentionMetadata
 from kernels.ops import paged_attention, store_kv
 
@@ -60,8 +61,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x, rope_tables, meta: AttentionMetadata, kv) -> torch.Tensor:
@@ -81,8 +82,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
@@ -109,7 +110,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(
@@ -141,6 +142,13 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def pack_weights_for_cpu(self) -> int:
+        """Pre-pack every linear weight for oneDNN (CPU fp32); returns how many were packed.
+
+        The packed copies are extra memory; the plain weights stay (the tied LM head shares the
+        embedding, and state dicts keep working)."""
+        return sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear))
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype=torch.float32) -> KVCache:
         shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
