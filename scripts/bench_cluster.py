@@ -3,7 +3,8 @@
 Prints ``URL http://127.0.0.1:PORT`` once ready, or exits with status 3 when this checkout's
 router has no HTTP API (the serve benchmarks are then skipped).
 
-    python scripts/bench_cluster.py --model embedded --transport grpc
+    python scripts/bench_cluster.py --model embedded --transport grpc            # 1P + 1D
+    python scripts/bench_cluster.py --num-prefill 0 --threads 2                  # colocated
 """
 
 from __future__ import annotations
@@ -27,10 +28,17 @@ def main() -> int:
     p.add_argument("--num-decode", type=int, default=1)
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--local-prefill-max-tokens", type=int, default=0)
+    p.add_argument("--in-process", action="store_true", help="workers as threads of this process")
     args = p.parse_args()
     spec = ClusterSpec(model=args.model, kv_transport=args.transport, num_prefill=args.num_prefill,
                        num_decode=args.num_decode, num_blocks=args.num_blocks,
-                       max_model_len=args.max_model_len, http_port=0)
+                       max_model_len=args.max_model_len, http_port=0,
+                       threads_per_worker=args.threads, separate_processes=not args.in_process,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       local_prefill_max_tokens=args.local_prefill_max_tokens)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
