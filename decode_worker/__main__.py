@@ -23,7 +23,9 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     worker = DecodeWorker(engine_from_args(args), args.worker_id, args.lease_ttl)
-    server, address, kv_server = serve_decode_worker(worker, args.host, args.port, args.kv_transport)
+    server, address, kv_server = serve_decode_worker(
+        worker, args.host, args.port, args.kv_transport
+    )
     print(f"READY {address}", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

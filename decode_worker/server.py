@@ -33,7 +33,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
 
     def Reserve(self, request, context):
         try:
-            lease = self.worker.reserve(request.request_id, request.num_tokens, request.lease_seconds or None)
+            lease = self.worker.reserve(
+                request.request_id, request.num_tokens, request.lease_seconds or None
+            )
         except ReservationError as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except InvalidRequestError as e:
@@ -54,7 +56,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         args = (request.request_id, list(request.prompt_token_ids), list(request.output_token_ids))
         try:
             if request.lease_id:
-                stream = self.worker.attach(request.request_id, request.lease_id, *args[1:], request.sampling)
+                stream = self.worker.attach(
+                    request.request_id, request.lease_id, *args[1:], request.sampling
+                )
             else:  # no lease: prefill here
                 stream = self.worker.submit_local(*args, request.sampling)
         except ReservationError as e:
@@ -103,15 +107,22 @@ def _drain(items: queue.Queue) -> tuple[list[int], str | None]:
 
 
 def serve_decode_worker(
-    worker: DecodeWorker, host: str = "127.0.0.1", port: int = 0, kv_transport: str = "grpc", max_workers: int = 64,
+    worker: DecodeWorker,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    kv_transport: str = "grpc",
+    max_workers: int = 64,
     cluster_token: str | None = None,
 ):
     """Start the worker's engine thread and gRPC server; returns (server, address, kv server).
     With a cluster token (argument or PDSERVE_CLUSTER_TOKEN), every call, KV frames over gRPC
     included, must carry it."""
     token = resolve_cluster_token(cluster_token)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS,
-                         interceptors=server_interceptors(token))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        options=GRPC_OPTIONS,
+        interceptors=server_interceptors(token),
+    )
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
@@ -123,8 +134,16 @@ def serve_decode_worker(
     else:
         kv_server = start_receiver_server(kv_transport, worker.receiver, host=host)
         kv_endpoint = kv_server.endpoint
-    pb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker, kv_endpoint, kv_transport), server)
+    pb_grpc.add_DecodeWorkerServicer_to_server(
+        DecodeServicer(worker, kv_endpoint, kv_transport), server
+    )
     worker.start()
     server.start()
-    log.info("decode worker %s serving on %s (KV %s at %s)", worker.worker_id, address, kv_transport, kv_endpoint)
+    log.info(
+        "decode worker %s serving on %s (KV %s at %s)",
+        worker.worker_id,
+        address,
+        kv_transport,
+        kv_endpoint,
+    )
     return server, address, kv_server

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
-import uuid
 
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
-from engine.loop import EngineThread
 from engine.request import Request, RequestStatus, sampling_from_message
+from engine.worker_base import EngineWorker
 from kv_transfer.lease import LeaseTable
 from kv_transfer.receiver import KVReceiver
 
@@ -41,29 +39,15 @@ class _Stream:
         self.items: queue.Queue = queue.Queue()
 
 
-class DecodeWorker:
+class DecodeWorker(EngineWorker):
+    role = "decode"
+
     def __init__(self, engine: LLMEngine, worker_id: str | None = None, lease_ttl_s: float = 30.0):
-        self.engine = engine
-        self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:8]}"
-        self.scheduler = engine.scheduler
+        super().__init__(engine, worker_id)
         self.scheduler.requeue_preempted = False  # preempted requests go back through the router
-        self.blocks = engine.blocks
         self.leases = LeaseTable(lease_ttl_s)
         self.receiver = KVReceiver(engine.runner.kv_caches, self.leases)
-        self.loop = EngineThread(self._step, self._fail_all, name=f"{self.worker_id}-engine")
         self._streams: dict[str, _Stream] = {}
-        self._aborts: set[str] = set()
-        self.draining = False
-
-    @property
-    def block_size(self) -> int:
-        return self.blocks.block_size
-
-    def start(self) -> None:
-        self.loop.start()
-
-    def stop(self) -> None:
-        self.loop.stop()
 
     # ---- reservations ------------------------------------------------------------------
     def reserve(self, request_id: str, num_tokens: int, ttl_s: float | None = None):
@@ -71,7 +55,9 @@ class DecodeWorker:
         if num_tokens < 1:
             raise InvalidRequestError("num_tokens", "must be >= 1")
         if num_tokens >= self.engine.config.max_model_len:
-            raise InvalidRequestError("num_tokens", f"exceeds the context of {self.engine.config.max_model_len}")
+            raise InvalidRequestError(
+                "num_tokens", f"exceeds the context of {self.engine.config.max_model_len}"
+            )
         n_blocks = self.blocks.blocks_needed(num_tokens)
         with self.loop.lock:
             if self.draining:
@@ -91,11 +77,18 @@ class DecodeWorker:
     def _expire_leases(self) -> None:
         with self.receiver.lock:  # no frame may land in a block once it is free again
             for lease in self.leases.pop_expired():
-                log.warning("lease %s of %s expired; freeing %d blocks", lease.lease_id, lease.request_id, len(lease.block_ids))
+                log.warning(
+                    "lease %s of %s expired; freeing %d blocks",
+                    lease.lease_id,
+                    lease.request_id,
+                    len(lease.block_ids),
+                )
                 self.blocks.free(lease.block_ids)
 
     # ---- decode ------------------------------------------------------------------------
-    def attach(self, request_id: str, lease_id: str, prompt: list[int], outputs: list[int], sampling_msg) -> _Stream:
+    def attach(
+        self, request_id: str, lease_id: str, prompt: list[int], outputs: list[int], sampling_msg
+    ) -> _Stream:
         """Wait for the lease's KV, then queue the request for decoding; returns its stream."""
         sampling = sampling_from_message(sampling_msg)
         if not prompt or not outputs:
@@ -104,8 +97,13 @@ class DecodeWorker:
         if not lease.committed.wait(max(0.0, lease.deadline - time.monotonic())):
             self.release(lease_id)
             raise TimeoutError(f"KV for lease {lease_id} did not arrive before its deadline")
-        req = Request(request_id, list(prompt), sampling, eos_token_ids=self.engine.eos_token_ids,
-                      output_token_ids=list(outputs))
+        req = Request(
+            request_id,
+            list(prompt),
+            sampling,
+            eos_token_ids=self.engine.eos_token_ids,
+            output_token_ids=list(outputs),
+        )
         req.num_computed_tokens = req.num_tokens - 1
         req.mark("kv_ready")
         stream = _Stream(req)
@@ -123,14 +121,21 @@ class DecodeWorker:
         self.loop.wake()
         return stream
 
-    def submit_local(self, request_id: str, prompt: list[int], outputs: list[int], sampling_msg) -> _Stream:
+    def submit_local(
+        self, request_id: str, prompt: list[int], outputs: list[int], sampling_msg
+    ) -> _Stream:
         """Colocated path: prefill here (chunked, mixed into the decode batch), then decode.
 
         Used for every request in a colocated pool, and for prompts short enough that the
         router skips the transfer."""
         sampling = sampling_from_message(sampling_msg)
-        req = Request(request_id, list(prompt), sampling, eos_token_ids=self.engine.eos_token_ids,
-                      output_token_ids=list(outputs))
+        req = Request(
+            request_id,
+            list(prompt),
+            sampling,
+            eos_token_ids=self.engine.eos_token_ids,
+            output_token_ids=list(outputs),
+        )
         stream = _Stream(req)
         with self.loop.lock:
             if self.draining:
@@ -139,13 +144,6 @@ class DecodeWorker:
             self._streams[request_id] = stream
         self.loop.wake()
         return stream
-
-    def abort(self, request_id: str) -> None:
-        """Abort from an RPC thread: applied by the engine thread between steps, so a batch in
-        flight never loses blocks it is writing."""
-        with self.loop.lock:
-            self._aborts.add(request_id)
-        self.loop.wake()
 
     def _step(self) -> bool:
         with self.loop.lock:

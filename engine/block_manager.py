@@ -78,7 +78,9 @@ class BlockManager:
             blocks.append(block)
         return blocks
 
-    def allocate_for_tokens(self, token_ids: Sequence[int], num_tokens: int) -> tuple[list[int], int]:
+    def allocate_for_tokens(
+        self, token_ids: Sequence[int], num_tokens: int
+    ) -> tuple[list[int], int]:
         """Blocks for the first ``num_tokens`` of a sequence, reusing cached full prefix blocks.
 
         Returns (block table, number of tokens whose KV is already cached). The block holding
@@ -89,7 +91,9 @@ class BlockManager:
         fresh_needed = self.blocks_needed(num_tokens) - len(cached)
         reclaimable = sum(1 for b in cached if self._ref_counts[b] == 0)
         if fresh_needed + reclaimable > self.num_free:
-            raise NoFreeBlocksError(f"need {fresh_needed + reclaimable} blocks, {self.num_free} free")
+            raise NoFreeBlocksError(
+                f"need {fresh_needed + reclaimable} blocks, {self.num_free} free"
+            )
         for block in cached:
             self._take_ref(block)
         self.prefix_query_tokens += num_tokens
@@ -133,7 +137,9 @@ class BlockManager:
             return
         bs = self.block_size
         for i in range(len(block_hashes), num_computed // bs):
-            h = block_hash(block_hashes[-1] if block_hashes else None, token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(
+                block_hashes[-1] if block_hashes else None, token_ids[i * bs : (i + 1) * bs]
+            )
             block_hashes.append(h)
             block = block_table[i]
             # The same content computed twice (two requests in flight): keep the first copy.

@@ -53,7 +53,9 @@ class ModelConfig:
                 f"supported; supported: {sorted(SUPPORTED_MODEL_TYPES)}"
             )
         if cfg.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"hidden_act {cfg['hidden_act']!r}: only 'silu' is supported")
+            raise UnsupportedModelError(
+                f"hidden_act {cfg['hidden_act']!r}: only 'silu' is supported"
+            )
         rope = cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):

@@ -48,7 +48,9 @@ def cache_dir_for(gguf_path: Path, cache_root: Path | None = None) -> Path:
     return (cache_root or default_cache_root()) / f"{gguf_path.stem}-{key[:12]}"
 
 
-def convert_gguf(gguf_path: str | Path, cache_root: Path | None = None, progress: bool = True) -> Path:
+def convert_gguf(
+    gguf_path: str | Path, cache_root: Path | None = None, progress: bool = True
+) -> Path:
     """Return a Hugging Face folder for ``gguf_path``, converting it on first use."""
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
@@ -79,7 +81,9 @@ def _field(reader, key: str, default=None):
 def _hf_config(reader) -> dict:
     arch = _field(reader, "general.architecture")
     if arch not in _SUPPORTED_ARCHS:
-        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported: {_SUPPORTED_ARCHS}")
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported: {_SUPPORTED_ARCHS}"
+        )
     names = {t.name for t in reader.tensors}
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     num_heads = _field(reader, f"{arch}.attention.head_count")
@@ -129,11 +133,17 @@ def _write_weights(gguf_path: Path, out: Path, progress: bool) -> dict:
     reader = gguf.GGUFReader(str(gguf_path))
     config = _hf_config(reader)
     tensors = {}
-    bar = tqdm(reader.tensors, desc=f"Converting {gguf_path.name}", disable=not progress, unit="tensor")
+    bar = tqdm(
+        reader.tensors, desc=f"Converting {gguf_path.name}", disable=not progress, unit="tensor"
+    )
     for t in bar:
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         if config["model_type"] == "llama" and t.name.split(".")[-2] in ("attn_q", "attn_k"):
-            heads = config["num_attention_heads"] if "attn_q" in t.name else config["num_key_value_heads"]
+            heads = (
+                config["num_attention_heads"]
+                if "attn_q" in t.name
+                else config["num_key_value_heads"]
+            )
             w = _unpermute_qk(w, heads)
         tensors[_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(w))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -39,5 +39,7 @@ class Linear(nn.Linear):
         packed = self.packed is not None and x.dtype == torch.float32 and x.dim() == 2
         if packed and x.shape[0] >= ONEDNN_MIN_ROWS:
             bias = None if self.bias is None else self.bias.detach()
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), self.packed, bias, "none", [], ""
+            )
         return F.linear(x, self.weight, self.bias)

@@ -6,8 +6,6 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.errors import InvalidRequestError
@@ -19,6 +17,7 @@ from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -26,6 +25,7 @@ class RequestOutput:
     new_text: str
     finished: bool
     finish_reason: str | None
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer: Tokenizer | None = None):
@@ -56,7 +56,9 @@ class LLMEngine:
         model_dir = resolve_model_dir(model, progress=progress)
         cfg = load_config(model_dir)
         max_model_len = min(max_model_len, cfg.max_position_embeddings)
-        engine_cfg = EngineConfig(cfg, cache or CacheConfig(), scheduler or SchedulerConfig(), max_model_len)
+        engine_cfg = EngineConfig(
+            cfg, cache or CacheConfig(), scheduler or SchedulerConfig(), max_model_len
+        )
         has_tokenizer = (model_dir / "tokenizer.json").is_file()
         tokenizer = Tokenizer(model_dir) if has_tokenizer else None
         return cls(engine_cfg, load_model(model_dir, cfg, max_model_len), tokenizer)
@@ -70,7 +72,9 @@ class LLMEngine:
     ) -> str:
         ids = self._encode(prompt)
         request_id = request_id or f"req-{next(self._ids)}"
-        req = Request(request_id, ids, sampling or SamplingParams(), eos_token_ids=self.eos_token_ids)
+        req = Request(
+            request_id, ids, sampling or SamplingParams(), eos_token_ids=self.eos_token_ids
+        )
         self.scheduler.add(req)
         self.requests[request_id] = req
         if self.tokenizer is not None:
@@ -126,7 +130,9 @@ class LLMEngine:
             text = self._apply_stop_strings(req, text)
         if req.is_finished:
             self._forget(req.request_id)
-        return RequestOutput(req.request_id, [token], text, req.is_finished, req.status.finish_reason)
+        return RequestOutput(
+            req.request_id, [token], text, req.is_finished, req.status.finish_reason
+        )
 
     def _apply_stop_strings(self, req: Request, delta: str) -> str:
         for stop in req.sampling.stop:
@@ -141,4 +147,3 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
         self.sampler.release(request_id)
-

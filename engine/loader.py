@@ -12,7 +12,15 @@ from engine.errors import ModelNotFoundError
 from engine.model import LlamaModel
 from engine.model_files import EMBEDDED_GGUF, EMBEDDED_MODEL, embedded_gguf_path, resolve_model_dir
 
-__all__ = ["EMBEDDED_GGUF", "EMBEDDED_MODEL", "embedded_gguf_path", "resolve_model_dir", "load_config", "load_model"]
+__all__ = [
+    "EMBEDDED_GGUF",
+    "EMBEDDED_MODEL",
+    "embedded_gguf_path",
+    "load_config",
+    "load_model",
+    "resolve_model_dir",
+]
+
 
 def load_config(model_dir: Path) -> ModelConfig:
     try:
@@ -35,7 +43,9 @@ def load_model(model_dir: Path, cfg: ModelConfig, max_positions: int | None = No
         model = LlamaModel(cfg, max_positions)
     model.load_state_dict(fuse_hf_state_dict(hf, cfg), assign=True, strict=False)
     # Buffers (RoPE tables) were created on meta: rebuild them for real.
-    model.rope = type(model.rope)(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta)
+    model.rope = type(model.rope)(
+        cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta
+    )
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     _check_loaded(model)
@@ -46,7 +56,10 @@ def load_model(model_dir: Path, cfg: ModelConfig, max_positions: int | None = No
 
 def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Map Hugging Face Llama names to ours, concatenating Q/K/V and gate/up."""
-    out = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    out = {
+        "embed_tokens.weight": hf["model.embed_tokens.weight"],
+        "norm.weight": hf["model.norm.weight"],
+    }
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = hf["lm_head.weight"]
     for i in range(cfg.num_layers):
@@ -65,7 +78,9 @@ def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
         )
         out[f"layers.{i}.mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"]
         out[f"layers.{i}.input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
-        out[f"layers.{i}.post_attention_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
+        out[f"layers.{i}.post_attention_layernorm.weight"] = hf[
+            p + "post_attention_layernorm.weight"
+        ]
     return {k: v.float().contiguous() for k, v in out.items()}
 
 

@@ -14,7 +14,9 @@ log = logging.getLogger("pdserve.engine")
 
 
 class EngineThread:
-    def __init__(self, step: Callable[[], bool], on_error: Callable[[BaseException], None], name: str):
+    def __init__(
+        self, step: Callable[[], bool], on_error: Callable[[BaseException], None], name: str
+    ):
         """``step()`` returns whether it did work; ``on_error`` fails in-flight requests."""
         self.lock = threading.RLock()
         self._step = step

@@ -42,5 +42,3 @@ def resolve_model_dir(model: str | Path, progress: bool = True) -> Path:
     if path.is_dir() and (path / "config.json").is_file():
         return path
     raise ModelNotFoundError(f"{path} is neither a .gguf file nor a folder with config.json")
-
-

@@ -55,7 +55,11 @@ class SamplingParams:
 
     def validate(self) -> None:
         checks = [
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an int >= 1"),
+            (
+                "max_tokens",
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                "an int >= 1",
+            ),
             ("temperature", 0.0 <= self.temperature <= 100.0, "in [0, 100]"),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an int >= 0 (0 = off)"),
             ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),

@@ -77,7 +77,10 @@ class Scheduler:
 
     def attach_prefilled(self, req: Request) -> None:
         """Queue a request whose KV for all but its last token is already in ``block_table``."""
-        if req.num_uncomputed_tokens < 1 or req.num_computed_tokens > len(req.block_table) * self.blocks.block_size:
+        if (
+            req.num_uncomputed_tokens < 1
+            or req.num_computed_tokens > len(req.block_table) * self.blocks.block_size
+        ):
             raise ValueError(f"{req.request_id}: inconsistent prefilled state")
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
@@ -122,7 +125,9 @@ class Scheduler:
             budget = self._admit_waiting(budget, out)
         return out
 
-    def update(self, plan: SchedulerOutput, sampled: list[int], check_stop: bool = True) -> list[Request]:
+    def update(
+        self, plan: SchedulerOutput, sampled: list[int], check_stop: bool = True
+    ) -> list[Request]:
         """Advance every scheduled request; ``sampled`` has one token per sampling sequence.
 
         Returns the requests that got a new token this step. A prefill worker passes
@@ -183,7 +188,11 @@ class Scheduler:
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            n = self._admit_prefilled(req, budget) if req.block_table else self._admit_new(req, budget)
+            n = (
+                self._admit_prefilled(req, budget)
+                if req.block_table
+                else self._admit_new(req, budget)
+            )
             if n == 0:
                 break
             self.waiting.popleft()

@@ -31,8 +31,12 @@ class Tokenizer:
         ids = _read_json(model_dir / "pdserve_tokenizer.json")
         self.bos_token_id = ids.get("bos_token_id", self._token_id(cfg.get("bos_token")))
         self.eos_token_id = ids.get("eos_token_id", self._token_id(cfg.get("eos_token")))
-        self.bos_token = self._tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
-        self.eos_token = self._tok.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
+        self.bos_token = (
+            self._tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+        )
+        self.eos_token = (
+            self._tok.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
+        )
         self._template = None
 
     @property

@@ -82,8 +82,9 @@ class Autoscaler:
         return 0, ""
 
 
-def latency_summary(observations: list[tuple[float, float, float | None]], now: float,
-                    window_s: float) -> tuple[float | None, float | None]:
+def latency_summary(
+    observations: list[tuple[float, float, float | None]], now: float, window_s: float
+) -> tuple[float | None, float | None]:
     """Mean TTFT and mean TPOT of requests that finished in the last ``window_s`` seconds;
     ``observations`` are (finish time, ttft_s, tpot_s or None for one-token requests)."""
     recent = [o for o in observations if now - o[0] <= window_s]

@@ -46,8 +46,11 @@ def cmd_generate(args) -> int:
 
 
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="launch the local cluster on Ray, stream a few chat requests "
-                       "through prefill -> KV transfer -> decode, print a table, stop")
+    p = sub.add_parser(
+        "demo",
+        help="launch the local cluster on Ray, stream a few chat requests "
+        "through prefill -> KV transfer -> decode, print a table, stop",
+    )
     p.add_argument("--config", default=None, help="cluster YAML (default: the embedded local one)")
     p.add_argument("--model", default=None, help="override the config's model")
     p.add_argument("--max-tokens", type=int, default=48)
@@ -67,9 +70,12 @@ def _run_demo(args) -> int:
 def _add_cluster_commands(sub) -> None:
     p = sub.add_parser("serve", help="launch the cluster on Ray and serve until Ctrl-C/SIGTERM")
     p.add_argument("--config", default=None, help="cluster YAML (default: the embedded local one)")
-    p.add_argument("--address", default=None,
-                   help="Ray cluster to join ('auto': the one on this machine); "
-                        "default: start a local Ray instance")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join ('auto': the one on this machine); "
+        "default: start a local Ray instance",
+    )
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("scale", help="resize the running cluster's pools")
     p.add_argument("--prefill", type=int, default=None, help="prefill workers wanted")

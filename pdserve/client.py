@@ -59,13 +59,25 @@ class Completion:
             self.timings = chunk.timings if chunk.HasField("timings") else None
 
 
-def build_request(prompt=None, *, token_ids=None, messages=None, model="", request_id="",
-                  include_timings=False, **sampling) -> pb.GenerateRequest:
+def build_request(
+    prompt=None,
+    *,
+    token_ids=None,
+    messages=None,
+    model="",
+    request_id="",
+    include_timings=False,
+    **sampling,
+) -> pb.GenerateRequest:
     unknown = set(sampling) - SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling parameters: {sorted(unknown)}")
-    req = pb.GenerateRequest(model=model, request_id=request_id, include_timings=include_timings,
-                             sampling=pb.SamplingParams(**sampling))
+    req = pb.GenerateRequest(
+        model=model,
+        request_id=request_id,
+        include_timings=include_timings,
+        sampling=pb.SamplingParams(**sampling),
+    )
     if prompt is not None:
         req.prompt = prompt
     elif token_ids is not None:
@@ -117,7 +129,9 @@ class AsyncClient:
         self._metadata = _metadata(api_key)
 
     async def stream(self, prompt=None, **kw) -> AsyncIterator[pb.GenerateResponse]:
-        async for chunk in self._stub.Generate(build_request(prompt, **kw), metadata=self._metadata):
+        async for chunk in self._stub.Generate(
+            build_request(prompt, **kw), metadata=self._metadata
+        ):
             yield chunk
 
     async def generate(self, prompt=None, **kw) -> Completion:

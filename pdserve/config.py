@@ -45,8 +45,9 @@ class PoolConfig(_Strict):
         if self.min > self.max:
             raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
         if not self.min <= self.replicas <= self.max:
-            raise ValueError(f"replicas ({self.replicas}) must be within min..max "
-                             f"({self.min}..{self.max})")
+            raise ValueError(
+                f"replicas ({self.replicas}) must be within min..max ({self.min}..{self.max})"
+            )
         return self
 
 

@@ -42,11 +42,17 @@ def run_demo(cfg: ClusterConfig, max_tokens: int = 48) -> int:
 
     # Free ports and this machine only: the demo must not clash with a running `serve`.
     cfg = cfg.with_overrides(grpc_port=0, http_port=None, host="127.0.0.1")
-    print(f"launching {cfg.pools.prefill.replicas} prefill + {cfg.pools.decode.replicas} decode "
-          f"workers on Ray (model: {cfg.model}, KV over {cfg.kv_transport})", flush=True)
+    print(
+        f"launching {cfg.pools.prefill.replicas} prefill + {cfg.pools.decode.replicas} decode "
+        f"workers on Ray (model: {cfg.model}, KV over {cfg.kv_transport})",
+        flush=True,
+    )
     with launch(cfg, log_to_driver=False) as cluster:
-        print(f"router at {cluster.grpc_address}; sending {len(DEMO_QUESTIONS)} concurrent "
-              "chat requests", flush=True)
+        print(
+            f"router at {cluster.grpc_address}; sending {len(DEMO_QUESTIONS)} concurrent "
+            "chat requests",
+            flush=True,
+        )
         start = time.monotonic()
         results = asyncio.run(_send_all(cluster.grpc_address, max_tokens))
         wall = time.monotonic() - start
@@ -72,8 +78,9 @@ async def _send_all(address: str, max_tokens: int) -> list[StreamedRequest]:
 
 async def _stream_one(client, r: StreamedRequest, max_tokens: int, bar) -> None:
     messages = [{"role": "user", "content": r.question}]
-    async for chunk in client.stream(messages=messages, max_tokens=max_tokens,
-                                     include_timings=True):
+    async for chunk in client.stream(
+        messages=messages, max_tokens=max_tokens, include_timings=True
+    ):
         now = time.monotonic()
         if chunk.token_ids and not r.first_token_at:
             r.first_token_at = now
@@ -88,8 +95,10 @@ async def _stream_one(client, r: StreamedRequest, max_tokens: int, bar) -> None:
 
 def print_table(results: list[StreamedRequest], start: float, wall: float) -> None:
     ms = 1e3
-    print(f"{'#':>2} {'prompt':>6} {'out':>4} {'p.queue':>8} {'prefill':>8} {'kv xfer':>8} "
-          f"{'d.queue':>8} {'TTFT':>8} {'tok/s':>6} {'KV bytes':>9}  completion")
+    print(
+        f"{'#':>2} {'prompt':>6} {'out':>4} {'p.queue':>8} {'prefill':>8} {'kv xfer':>8} "
+        f"{'d.queue':>8} {'TTFT':>8} {'tok/s':>6} {'KV bytes':>9}  completion"
+    )
     print(f"{'':>14} {'(ms)':>8} {'(ms)':>8} {'(ms)':>8} {'(ms)':>8} {'(ms)':>8}")
     total = 0
     for n, r in enumerate(results):
@@ -101,8 +110,12 @@ def print_table(results: list[StreamedRequest], start: float, wall: float) -> No
         if t is None:
             print(f"{n:>2} {r.prompt_tokens:>6} {r.n_tokens:>4}  (no timings)  {text}")
             continue
-        print(f"{n:>2} {r.prompt_tokens:>6} {r.n_tokens:>4} {t.prefill_queue_s * ms:>8.1f} "
-              f"{t.prefill_s * ms:>8.1f} {t.kv_transfer_s * ms:>8.1f} {t.decode_queue_s * ms:>8.1f} "
-              f"{t.ttft_s * ms:>8.1f} {rate:>6.1f} {t.kv_bytes:>9,}  {text}")
-    print(f"{len(results)} requests, {total} tokens in {wall:.2f} s "
-          f"({total / max(wall, 1e-9):.1f} tok/s across the cluster)")
+        print(
+            f"{n:>2} {r.prompt_tokens:>6} {r.n_tokens:>4} {t.prefill_queue_s * ms:>8.1f} "
+            f"{t.prefill_s * ms:>8.1f} {t.kv_transfer_s * ms:>8.1f} {t.decode_queue_s * ms:>8.1f} "
+            f"{t.ttft_s * ms:>8.1f} {rate:>6.1f} {t.kv_bytes:>9,}  {text}"
+        )
+    print(
+        f"{len(results)} requests, {total} tokens in {wall:.2f} s "
+        f"({total / max(wall, 1e-9):.1f} tok/s across the cluster)"
+    )

@@ -54,7 +54,9 @@ class LocalCluster:
         self.prefill_addresses: list[str] = []
         self.decode_addresses: list[str] = []
         self.loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self.loop.run_forever, name="router-loop", daemon=True)
+        self._loop_thread = threading.Thread(
+            target=self.loop.run_forever, name="router-loop", daemon=True
+        )
         self.router = None
         self.address = ""
         self.http_address = ""
@@ -109,7 +111,9 @@ class LocalCluster:
         s = self.spec
         return dict(
             cache=CacheConfig(block_size=s.block_size, num_blocks=self._num_blocks(role)),
-            scheduler=SchedulerConfig(s.max_num_batched_tokens, s.max_num_seqs, s.prefill_chunk_size),
+            scheduler=SchedulerConfig(
+                s.max_num_batched_tokens, s.max_num_seqs, s.prefill_chunk_size
+            ),
             max_model_len=s.max_model_len,
         )
 
@@ -132,18 +136,23 @@ class LocalCluster:
             from engine.config import EngineConfig
 
             kw = self._engine_kwargs(role)
-            return LLMEngine(EngineConfig(cfg, kw["cache"], kw["scheduler"], s.max_model_len), model, tok)
+            return LLMEngine(
+                EngineConfig(cfg, kw["cache"], kw["scheduler"], s.max_model_len), model, tok
+            )
 
         for i in range(s.num_prefill):
             worker = PrefillWorker(engine("prefill"), f"prefill-{i}")
-            server, address, senders = serve_prefill_worker(worker, s.host, cluster_token=s.cluster_token)
+            server, address, senders = serve_prefill_worker(
+                worker, s.host, cluster_token=s.cluster_token
+            )
             self.prefill_workers.append(worker)
             self.prefill_addresses.append(address)
             self._servers.append((server, senders.close))
         for i in range(s.num_decode):
             worker = DecodeWorker(engine("decode"), f"decode-{i}", s.lease_ttl_s)
-            server, address, kv_server = serve_decode_worker(worker, s.host, kv_transport=s.kv_transport,
-                                                             cluster_token=s.cluster_token)
+            server, address, kv_server = serve_decode_worker(
+                worker, s.host, kv_transport=s.kv_transport, cluster_token=s.cluster_token
+            )
             self.decode_workers.append(worker)
             self.decode_addresses.append(address)
             self._servers.append((server, kv_server.stop if kv_server else None))
@@ -151,11 +160,29 @@ class LocalCluster:
     def _worker_cmd(self, module: str) -> list[str]:
         s = self.spec
         role = module.split("_")[0]
-        cmd = [sys.executable, "-m", module, "--model", str(self.model_dir), "--host", s.host,
-               "--block-size", str(s.block_size), "--num-blocks", str(self._num_blocks(role)),
-               "--max-model-len", str(s.max_model_len), "--max-num-batched-tokens",
-               str(s.max_num_batched_tokens), "--max-num-seqs", str(s.max_num_seqs),
-               "--prefill-chunk-size", str(s.prefill_chunk_size), "--threads", str(s.threads_per_worker)]
+        cmd = [
+            sys.executable,
+            "-m",
+            module,
+            "--model",
+            str(self.model_dir),
+            "--host",
+            s.host,
+            "--block-size",
+            str(s.block_size),
+            "--num-blocks",
+            str(self._num_blocks(role)),
+            "--max-model-len",
+            str(s.max_model_len),
+            "--max-num-batched-tokens",
+            str(s.max_num_batched_tokens),
+            "--max-num-seqs",
+            str(s.max_num_seqs),
+            "--prefill-chunk-size",
+            str(s.prefill_chunk_size),
+            "--threads",
+            str(s.threads_per_worker),
+        ]
         if module == "decode_worker":
             cmd += ["--kv-transport", s.kv_transport, "--lease-ttl", str(s.lease_ttl_s)]
         return cmd
@@ -168,7 +195,9 @@ class LocalCluster:
         specs += [("decode_worker", self.decode_addresses)] * self.spec.num_decode
         started = []
         for module, addresses in specs:
-            proc = subprocess.Popen(self._worker_cmd(module), stdout=subprocess.PIPE, env=env, text=True)
+            proc = subprocess.Popen(
+                self._worker_cmd(module), stdout=subprocess.PIPE, env=env, text=True
+            )
             self._procs.append(proc)
             started.append((proc, addresses))
         for proc, addresses in started:
@@ -188,8 +217,16 @@ class LocalCluster:
             decode_policy=s.decode_policy,
             local_prefill_max_tokens=s.local_prefill_max_tokens,
         )
-        self.servers = await start_router(cfg, self.prefill_addresses, self.decode_addresses, s.host,
-                                          s.router_port, s.http_port, s.api_key, s.cluster_token)
+        self.servers = await start_router(
+            cfg,
+            self.prefill_addresses,
+            self.decode_addresses,
+            s.host,
+            s.router_port,
+            s.http_port,
+            s.api_key,
+            s.cluster_token,
+        )
         self.router = self.servers.router
         self.address = self.servers.grpc_address
         self.http_address = self.servers.http_address

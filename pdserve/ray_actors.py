@@ -50,15 +50,19 @@ class WorkerActor:
     def ready(self) -> dict:
         import ray
 
-        return {"address": self.address, "node_id": ray.get_runtime_context().get_node_id(),
-                "pid": _pid()}
+        return {
+            "address": self.address,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": _pid(),
+        }
 
     def status(self) -> dict:
         st = self.worker.status()
         # Prefill: jobs whose KV is still streaming after the first token went out.
         st["num_transfers"] = len(getattr(self.worker, "_jobs", ()))
-        st["busy"] = (st["num_running"] + st["num_waiting"] + st.get("num_leases", 0)
-                      + st["num_transfers"]) > 0
+        st["busy"] = (
+            st["num_running"] + st["num_waiting"] + st.get("num_leases", 0) + st["num_transfers"]
+        ) > 0
         return st
 
     def set_draining(self) -> None:
@@ -185,13 +189,17 @@ async def _start_router(c: ClusterConfig, model_dir: str):
 
     fields = {f.name for f in dataclasses.fields(RouterConfig)}
     opts = {
-        "model_dir": model_dir, "model_name": c.model_name, "max_model_len": c.max_model_len,
-        "block_size": c.block_size, "prefill_policy": c.router.prefill_policy,
+        "model_dir": model_dir,
+        "model_name": c.model_name,
+        "max_model_len": c.max_model_len,
+        "block_size": c.block_size,
+        "prefill_policy": c.router.prefill_policy,
         "decode_policy": c.router.decode_policy,
         "max_inflight_requests": c.router.max_inflight_requests,
         "default_max_tokens": c.router.default_max_tokens,
         "local_prefill_max_tokens": c.router.local_prefill_max_tokens,
-        "api_key": c.api_key, "cluster_token": c.cluster_token,
+        "api_key": c.api_key,
+        "cluster_token": c.cluster_token,
     }
     cfg = RouterConfig(**{k: v for k, v in opts.items() if k in fields})
     host = c.host or node_ip()

@@ -67,11 +67,19 @@ class Controller:
         """Start the router and every worker; returns the router's addresses once it is ready."""
         here = ray.get_runtime_context().get_node_id()
         # The router lives next to the controller, where the driver resolved the model folder.
-        self.router = ray.remote(RouterActor).options(
-            name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=16,
-            scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
-                here, soft=False),
-        ).remote()
+        self.router = (
+            ray.remote(RouterActor)
+            .options(
+                name=ROUTER_NAME,
+                namespace=NAMESPACE,
+                num_cpus=0,
+                max_concurrency=16,
+                scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                    here, soft=False
+                ),
+            )
+            .remote()
+        )
         self.addresses = await self.router.start.remote(self.cfg.model_dump(), self.model_dir)
         results = await asyncio.gather(*(self._reconcile(role) for role in ROLES))
         errors = [e for errs in results for e in errs]
@@ -85,8 +93,7 @@ class Controller:
     def progress(self) -> dict:
         """Workers started and ready so far (the driver's loading bar)."""
         recs = list(self.workers.values())
-        return {"total": sum(self.targets.values()),
-                "ready": sum(r.state == "ready" for r in recs)}
+        return {"total": sum(self.targets.values()), "ready": sum(r.state == "ready" for r in recs)}
 
     async def shutdown(self) -> None:
         for task in self._loops:
@@ -100,8 +107,9 @@ class Controller:
             self.router = None
 
     # ---- pool size -----------------------------------------------------------------------
-    async def scale(self, prefill: int | None = None, decode: int | None = None,
-                    wait: bool = True) -> dict:
+    async def scale(
+        self, prefill: int | None = None, decode: int | None = None, wait: bool = True
+    ) -> dict:
         """Set pool targets; with ``wait`` return once new workers serve and drained ones
         stopped."""
         wanted = {r: n for r, n in (("prefill", prefill), ("decode", decode)) if n is not None}
@@ -110,8 +118,9 @@ class Controller:
             if n < 1:
                 raise ValueError(f"{role}: a pool needs at least 1 worker, got {n}")
             if self.cfg.autoscaler.enabled and not pool.min <= n <= pool.max:
-                raise ValueError(f"{role}: {n} is outside the autoscaler's bounds "
-                                 f"{pool.min}..{pool.max}")
+                raise ValueError(
+                    f"{role}: {n} is outside the autoscaler's bounds {pool.min}..{pool.max}"
+                )
         for role, n in wanted.items():
             self._set_target(role, n, "scale command")
         results = await asyncio.gather(*(self._reconcile(r) for r in wanted))
@@ -143,18 +152,27 @@ class Controller:
                     rec.state = "draining"  # no longer counts toward the target, from now
                     self._spawn(self._drain(rec))
                 return []
-            added = await asyncio.gather(*(self._add_worker(role) for _ in range(missing)),
-                                         return_exceptions=True)
+            added = await asyncio.gather(
+                *(self._add_worker(role) for _ in range(missing)), return_exceptions=True
+            )
             return [str(e) for e in added if isinstance(e, BaseException)]
 
     # ---- one worker ----------------------------------------------------------------------
     async def _add_worker(self, role: str) -> WorkerRecord:
         worker_id = f"{role}-{next(self._ids[role])}"
         pool = self.cfg.pools[role]
-        actor = ray.remote(WorkerActor).options(
-            name=f"pdserve-{worker_id}", namespace=NAMESPACE, num_cpus=pool.num_cpus,
-            num_gpus=pool.num_gpus, resources=dict(pool.resources) or None, max_concurrency=8,
-        ).remote(role, worker_id, self.cfg.model_dump())
+        actor = (
+            ray.remote(WorkerActor)
+            .options(
+                name=f"pdserve-{worker_id}",
+                namespace=NAMESPACE,
+                num_cpus=pool.num_cpus,
+                num_gpus=pool.num_gpus,
+                resources=dict(pool.resources) or None,
+                max_concurrency=8,
+            )
+            .remote(role, worker_id, self.cfg.model_dump())
+        )
         rec = WorkerRecord(worker_id, role, actor)
         self.workers[worker_id] = rec
         try:
@@ -185,8 +203,9 @@ class Controller:
         await _quietly(self.router.remove_worker.remote(rec.role, rec.address))
         await self._stop_actor(rec)
         self.workers.pop(rec.worker_id, None)
-        self.drained.append({"id": rec.worker_id, "served_at_drain": served,
-                             "served_at_stop": served_at_stop})
+        self.drained.append(
+            {"id": rec.worker_id, "served_at_drain": served, "served_at_stop": served_at_stop}
+        )
         self._event(f"{rec.worker_id} stopped after draining (served {served_at_stop})")
 
     async def _wait_idle(self, rec: WorkerRecord) -> None:
@@ -249,7 +268,8 @@ class Controller:
                 size=len(serving),
                 queued_prompt_tokens=sum(w["queued_prompt_tokens"] for w in serving),
                 kv_usage=sum(w["kv_usage"] for w in serving) / max(len(serving), 1),
-                ttft_s=ttft, tpot_s=tpot,
+                ttft_s=ttft,
+                tpot_s=tpot,
             )
             decision = self.autoscaler.decide(role, self.targets[role], signal, time.monotonic())
             if decision is not None:
@@ -262,13 +282,22 @@ class Controller:
         if self.router is not None:
             pools = await _quietly(self.router.pool_status.remote()) or {}
             by_address = {w["address"]: w for role in ROLES for w in pools.get(role, [])}
-        out = {"router": dict(self.addresses), "autoscaler": self.cfg.autoscaler.enabled,
-               "events": list(self.events), "drained": list(self.drained), "pools": {}}
+        out = {
+            "router": dict(self.addresses),
+            "autoscaler": self.cfg.autoscaler.enabled,
+            "events": list(self.events),
+            "drained": list(self.drained),
+            "pools": {},
+        }
         for role in ROLES:
             pool = self.cfg.pools[role]
             rows = [_worker_row(r, by_address.get(r.address, {})) for r in self._pool(role)]
-            out["pools"][role] = {"target": self.targets[role], "min": pool.min,
-                                  "max": pool.max, "workers": rows}
+            out["pools"][role] = {
+                "target": self.targets[role],
+                "min": pool.min,
+                "max": pool.max,
+                "workers": rows,
+            }
         return out
 
     # ---- helpers -------------------------------------------------------------------------
@@ -289,11 +318,15 @@ def _worker_row(rec: WorkerRecord, routed: dict) -> dict:
     st = rec.status
     total = st.get("num_total_blocks", 0)
     return {
-        "id": rec.worker_id, "address": rec.address, "node_id": rec.node_id,
-        "state": rec.state, "healthy": routed.get("healthy", False),
+        "id": rec.worker_id,
+        "address": rec.address,
+        "node_id": rec.node_id,
+        "state": rec.state,
+        "healthy": routed.get("healthy", False),
         "draining": rec.state in ("draining", "stopping") or routed.get("draining", False),
         "kv_usage": 1 - st.get("num_free_blocks", 0) / total if total else 0.0,
-        "running": st.get("num_running", 0), "waiting": st.get("num_waiting", 0),
+        "running": st.get("num_running", 0),
+        "waiting": st.get("num_waiting", 0),
         "served_requests": routed.get("served_requests", 0),
     }
 

@@ -28,8 +28,9 @@ class ClusterError(PdserveError):
     """The cluster could not be launched or found."""
 
 
-def connect(address: str | None = None, cfg: ClusterConfig | None = None,
-            log_to_driver: bool = True) -> bool:
+def connect(
+    address: str | None = None, cfg: ClusterConfig | None = None, log_to_driver: bool = True
+) -> bool:
     """Join the Ray cluster at ``address`` ("auto": the one running on this machine), or start a
     local Ray instance sized for ``cfg``. Returns whether this process started Ray."""
     if ray.is_initialized():
@@ -40,8 +41,13 @@ def connect(address: str | None = None, cfg: ClusterConfig | None = None,
         except ConnectionError as e:
             raise ClusterError(f"cannot reach a Ray cluster at {address!r}: {e}") from None
         return False
-    ray.init(namespace=NAMESPACE, num_cpus=_local_cpus(cfg), include_dashboard=False,
-             object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=log_to_driver)
+    ray.init(
+        namespace=NAMESPACE,
+        num_cpus=_local_cpus(cfg),
+        include_dashboard=False,
+        object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+        log_to_driver=log_to_driver,
+    )
     return True
 
 
@@ -67,8 +73,9 @@ class RayCluster:
     def status(self) -> dict:
         return ray.get(self.controller.status.remote())
 
-    def scale(self, prefill: int | None = None, decode: int | None = None,
-              wait: bool = True) -> dict:
+    def scale(
+        self, prefill: int | None = None, decode: int | None = None, wait: bool = True
+    ) -> dict:
         return ray.get(self.controller.scale.remote(prefill, decode, wait))
 
     def shutdown(self) -> None:
@@ -88,8 +95,13 @@ class RayCluster:
         self.shutdown()
 
 
-def launch(cfg: ClusterConfig, address: str | None = None, progress: bool = True,
-           log_to_driver: bool = True, stop: threading.Event | None = None) -> RayCluster:
+def launch(
+    cfg: ClusterConfig,
+    address: str | None = None,
+    progress: bool = True,
+    log_to_driver: bool = True,
+    stop: threading.Event | None = None,
+) -> RayCluster:
     """Start the router and every worker in Ray; returns once the router is ready."""
     owns = connect(address, cfg, log_to_driver)
     controller = None
@@ -97,14 +109,24 @@ def launch(cfg: ClusterConfig, address: str | None = None, progress: bool = True
         # Convert once here (with a progress bar), not in every actor at the same time.
         model_dir = resolve_model_dir(cfg.model, progress=progress)
         if _find(CONTROLLER_NAME) is not None:
-            raise ClusterError("a pdserve cluster is already running in this Ray cluster: "
-                               "use `pdserve status` / `pdserve scale`, or stop it first")
+            raise ClusterError(
+                "a pdserve cluster is already running in this Ray cluster: "
+                "use `pdserve status` / `pdserve scale`, or stop it first"
+            )
         here = ray.get_runtime_context().get_node_id()
-        controller = ray.remote(Controller).options(
-            name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000,
-            scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
-                here, soft=False),
-        ).remote(cfg.model_dump(), str(model_dir))
+        controller = (
+            ray.remote(Controller)
+            .options(
+                name=CONTROLLER_NAME,
+                namespace=NAMESPACE,
+                num_cpus=0,
+                max_concurrency=1000,
+                scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                    here, soft=False
+                ),
+            )
+            .remote(cfg.model_dump(), str(model_dir))
+        )
         addresses = _wait_loading(controller, controller.start.remote(), progress, stop)
     except BaseException:
         if controller is not None:
@@ -126,8 +148,9 @@ def _wait_loading(controller, start_ref, progress: bool, stop: threading.Event |
         if progress:
             state = ray.get(controller.progress.remote())
             if bar is None:
-                bar = tqdm(total=state["total"], desc="loading workers", unit="worker",
-                           file=sys.stderr)
+                bar = tqdm(
+                    total=state["total"], desc="loading workers", unit="worker", file=sys.stderr
+                )
             if (bar.total, bar.n) != (state["total"], state["ready"]) or sys.stderr.isatty():
                 bar.total, bar.n = state["total"], state["ready"]
                 bar.refresh()
@@ -153,8 +176,9 @@ def find_controller(address: str | None = "auto"):
     connect(address or "auto", log_to_driver=False)
     controller = _find(CONTROLLER_NAME)
     if controller is None:
-        raise ClusterError("no pdserve cluster is running in this Ray cluster "
-                           "(start one with `pdserve serve`)")
+        raise ClusterError(
+            "no pdserve cluster is running in this Ray cluster (start one with `pdserve serve`)"
+        )
     return controller
 
 
@@ -201,19 +225,29 @@ def serve_forever(cfg: ClusterConfig, address: str | None = None) -> int:
 def format_status(st: dict) -> str:
     """``pdserve status`` as text: one line per worker."""
     router = st.get("router", {})
-    lines = [(f"router  grpc {router.get('grpc', '-')}  http {router.get('http') or '-'}  "
-              f"autoscaler {'on' if st.get('autoscaler') else 'off'}")]
-    header = (f"  {'id':<12} {'state':<9} {'health':<9} {'address':<22} {'KV':>5} "
-              f"{'run':>4} {'wait':>4} {'served':>6}")
+    lines = [
+        (
+            f"router  grpc {router.get('grpc', '-')}  http {router.get('http') or '-'}  "
+            f"autoscaler {'on' if st.get('autoscaler') else 'off'}"
+        )
+    ]
+    header = (
+        f"  {'id':<12} {'state':<9} {'health':<9} {'address':<22} {'KV':>5} "
+        f"{'run':>4} {'wait':>4} {'served':>6}"
+    )
     for role, pool in st["pools"].items():
-        lines.append(f"{role}: {len(pool['workers'])} workers (target {pool['target']}, "
-                     f"min {pool['min']}, max {pool['max']})")
+        lines.append(
+            f"{role}: {len(pool['workers'])} workers (target {pool['target']}, "
+            f"min {pool['min']}, max {pool['max']})"
+        )
         lines.append(header)
         for w in pool["workers"]:
             health = "draining" if w["draining"] else "healthy" if w["healthy"] else "unhealthy"
-            lines.append(f"  {w['id']:<12} {w['state']:<9} {health:<9} {w['address']:<22} "
-                         f"{w['kv_usage']:>5.0%} {w['running']:>4} {w['waiting']:>4} "
-                         f"{w['served_requests']:>6}")
+            lines.append(
+                f"  {w['id']:<12} {w['state']:<9} {health:<9} {w['address']:<22} "
+                f"{w['kv_usage']:>5.0%} {w['running']:>4} {w['waiting']:>4} "
+                f"{w['served_requests']:>6}"
+            )
     if st.get("events"):
         lines.append("recent events:")
         lines += [f"  {e}" for e in st["events"][-10:]]

@@ -58,13 +58,23 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
     def Prefill(self, request, context):
         dest = request.destination
         if dest.block_size != self.worker.block_size:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"destination.block_size {dest.block_size} != worker block size {self.worker.block_size}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"destination.block_size {dest.block_size} != worker block size {self.worker.block_size}",
+            )
         try:
             sampling = sampling_from_message(request.sampling)
-            stream = self.senders.get(dest.transport, dest.endpoint).open_stream(request.request_id, dest.lease_id)
-            job = self.worker.submit(request.request_id, list(request.prompt_token_ids),
-                                     list(request.output_token_ids), sampling, stream, list(dest.block_ids))
+            stream = self.senders.get(dest.transport, dest.endpoint).open_stream(
+                request.request_id, dest.lease_id
+            )
+            job = self.worker.submit(
+                request.request_id,
+                list(request.prompt_token_ids),
+                list(request.output_token_ids),
+                sampling,
+                stream,
+                list(dest.block_ids),
+            )
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (ValueError, ConnectionError, OSError) as e:
@@ -75,19 +85,25 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             if isinstance(item, BaseException):
                 context.abort(grpc.StatusCode.ABORTED, f"prefill failed: {item}")
             ev = job.req.events
-            yield pb.PrefillEvent(first_token=pb.FirstToken(
-                token_id=item,
-                queue_s=ev.get("scheduled", ev["arrived"]) - ev["arrived"],
-                prefill_s=ev["prefilled"] - ev.get("scheduled", ev["arrived"]),
-                cached_tokens=job.req.num_cached_tokens,
-            ))
+            yield pb.PrefillEvent(
+                first_token=pb.FirstToken(
+                    token_id=item,
+                    queue_s=ev.get("scheduled", ev["arrived"]) - ev["arrived"],
+                    prefill_s=ev["prefilled"] - ev.get("scheduled", ev["arrived"]),
+                    cached_tokens=job.req.num_cached_tokens,
+                )
+            )
             try:
                 stats = job.stream.commit()
             except TransferError as e:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
-            yield pb.PrefillEvent(transfer_done=pb.TransferDone(
-                bytes=stats.bytes, frames=stats.frames, exposed_s=time.monotonic() - ev["prefilled"],
-            ))
+            yield pb.PrefillEvent(
+                transfer_done=pb.TransferDone(
+                    bytes=stats.bytes,
+                    frames=stats.frames,
+                    exposed_s=time.monotonic() - ev["prefilled"],
+                )
+            )
         finally:
             self.worker.finish_transfer(job)
 
@@ -96,15 +112,21 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
 
 
 def serve_prefill_worker(
-    worker: PrefillWorker, host: str = "127.0.0.1", port: int = 0, max_workers: int = 64,
+    worker: PrefillWorker,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_workers: int = 64,
     cluster_token: str | None = None,
 ):
     """Start the worker's engine thread and gRPC server; returns (server, address, senders).
     With a cluster token (argument or PDSERVE_CLUSTER_TOKEN), callers must send it, and KV
     frames sent over gRPC carry it."""
     token = resolve_cluster_token(cluster_token)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS,
-                         interceptors=server_interceptors(token))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        options=GRPC_OPTIONS,
+        interceptors=server_interceptors(token),
+    )
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import logging
 import queue
-import uuid
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
-from engine.loop import EngineThread
 from engine.request import Request, RequestStatus
 from engine.scheduler import ScheduledSequence
+from engine.worker_base import EngineWorker
 from kv_transfer.sender import KVStream
 
 log = logging.getLogger("pdserve.prefill")
@@ -39,36 +38,37 @@ class PrefillJob:
     events: queue.Queue = field(default_factory=queue.Queue)
 
 
-class PrefillWorker:
+class PrefillWorker(EngineWorker):
+    role = "prefill"
+
     def __init__(self, engine: LLMEngine, worker_id: str | None = None):
-        self.engine = engine
-        self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
-        self.scheduler = engine.scheduler
-        self.blocks = engine.blocks
-        self.loop = EngineThread(self._step, self._fail_all, name=f"{self.worker_id}-engine")
+        super().__init__(engine, worker_id)
         self._jobs: dict[str, PrefillJob] = {}
-        self._aborts: set[str] = set()
-        self.draining = False
         # Hook for tests that check ordering: called as (layer, request ids) after each layer.
         self.on_layer_computed = None
 
-    @property
-    def block_size(self) -> int:
-        return self.blocks.block_size
-
-    def start(self) -> None:
-        self.loop.start()
-
-    def stop(self) -> None:
-        self.loop.stop()
-
     # ---- submission --------------------------------------------------------------------
-    def submit(self, request_id: str, prompt: list[int], outputs: list[int], sampling, stream: KVStream,
-               dst_blocks: list[int]) -> PrefillJob:
-        req = Request(request_id, list(prompt), sampling, eos_token_ids=self.engine.eos_token_ids,
-                      output_token_ids=list(outputs))
+    def submit(
+        self,
+        request_id: str,
+        prompt: list[int],
+        outputs: list[int],
+        sampling,
+        stream: KVStream,
+        dst_blocks: list[int],
+    ) -> PrefillJob:
+        req = Request(
+            request_id,
+            list(prompt),
+            sampling,
+            eos_token_ids=self.engine.eos_token_ids,
+            output_token_ids=list(outputs),
+        )
         if len(dst_blocks) < self.blocks.blocks_needed(req.num_tokens):
-            raise InvalidRequestError("destination.block_ids", f"{len(dst_blocks)} blocks cannot hold {req.num_tokens} tokens")
+            raise InvalidRequestError(
+                "destination.block_ids",
+                f"{len(dst_blocks)} blocks cannot hold {req.num_tokens} tokens",
+            )
         job = PrefillJob(req, stream, list(dst_blocks))
         with self.loop.lock:
             self.scheduler.add(req)
@@ -84,11 +84,6 @@ class PrefillWorker:
                 self.blocks.free(job.req.block_table)
                 job.req.block_table = []
             self._jobs.pop(job.req.request_id, None)
-        self.loop.wake()
-
-    def abort(self, request_id: str) -> None:
-        with self.loop.lock:
-            self._aborts.add(request_id)
         self.loop.wake()
 
     # ---- the step ----------------------------------------------------------------------

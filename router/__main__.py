@@ -17,11 +17,22 @@ def _addresses(text: str) -> list[str]:
 
 
 async def _serve(args) -> None:
-    cfg = RouterConfig(model_dir=str(resolve_model_dir(args.model)), max_model_len=args.max_model_len,
-                       block_size=args.block_size, prefill_policy=args.prefill_policy,
-                       decode_policy=args.decode_policy)
-    servers = await start_router(cfg, _addresses(args.prefill), _addresses(args.decode), args.host,
-                                 args.port, args.http_port, api_key=args.api_key)
+    cfg = RouterConfig(
+        model_dir=str(resolve_model_dir(args.model)),
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+    )
+    servers = await start_router(
+        cfg,
+        _addresses(args.prefill),
+        _addresses(args.decode),
+        args.host,
+        args.port,
+        args.http_port,
+        api_key=args.api_key,
+    )
     print(f"READY {servers.grpc_address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -39,9 +50,12 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--http-port", type=int, default=None)
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer <key>' (default: $PDSERVE_API_KEY); "
-                             "the cluster token comes from $PDSERVE_CLUSTER_TOKEN")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' (default: $PDSERVE_API_KEY); "
+        "the cluster token comes from $PDSERVE_CLUSTER_TOKEN",
+    )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--prefill-policy", default="least_queued")

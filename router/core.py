@@ -130,10 +130,13 @@ class Router:
         def one(w):
             st = w.last_status
             return {
-                "address": w.address, "healthy": w.healthy, "draining": w.draining,
+                "address": w.address,
+                "healthy": w.healthy,
+                "draining": w.draining,
                 "served_requests": w.served_requests,
                 "kv_usage": 1 - w.free_blocks / w.total_blocks if w.total_blocks else 0.0,
-                "running": st.num_running if st else 0, "waiting": st.num_waiting if st else 0,
+                "running": st.num_running if st else 0,
+                "waiting": st.num_waiting if st else 0,
                 "queued_prompt_tokens": st.queued_prompt_tokens if st else 0,
             }
 
@@ -150,7 +153,9 @@ class Router:
         return prefill_ok and bool(self.decode.routable())
 
     # ---- input -------------------------------------------------------------------------
-    def prepare(self, prompt_ids: list[int], sampling: pb.SamplingParams, request_id: str = "") -> GenerateInput:
+    def prepare(
+        self, prompt_ids: list[int], sampling: pb.SamplingParams, request_id: str = ""
+    ) -> GenerateInput:
         """Validate everything a request carries; raises InvalidRequestError naming the field."""
         params = sampling_from_message(sampling, self.cfg.default_max_tokens)
         if not prompt_ids:
@@ -168,13 +173,17 @@ class Router:
         wire = pb.SamplingParams()
         wire.CopyFrom(sampling)
         wire.max_tokens = params.max_tokens
-        return GenerateInput(list(prompt_ids), wire, params, request_id or f"req-{uuid.uuid4().hex[:16]}")
+        return GenerateInput(
+            list(prompt_ids), wire, params, request_id or f"req-{uuid.uuid4().hex[:16]}"
+        )
 
     # ---- the request -------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Delta]:
         if self.inflight >= self.cfg.max_inflight_requests:
             self.metrics.rejected.inc()
-            raise Overloaded(f"{self.inflight} requests in flight (max {self.cfg.max_inflight_requests})")
+            raise Overloaded(
+                f"{self.inflight} requests in flight (max {self.cfg.max_inflight_requests})"
+            )
         self.inflight += 1
         tracker = self.metrics.track()
         try:
@@ -202,8 +211,11 @@ class Router:
                 if reason is None:
                     yield Delta(tokens, delta_text)
                     continue
-                usage = pb.Usage(prompt_tokens=len(inp.prompt_ids), completion_tokens=n_out,
-                                 cached_prompt_tokens=timings.cached_tokens)
+                usage = pb.Usage(
+                    prompt_tokens=len(inp.prompt_ids),
+                    completion_tokens=n_out,
+                    cached_prompt_tokens=timings.cached_tokens,
+                )
                 timings.e2e_s = time.monotonic() - start
                 tpot = (timings.e2e_s - timings.ttft_s) / (n_out - 1) if n_out > 1 else None
                 self.recent_latencies.append((time.monotonic(), timings.ttft_s, tpot))

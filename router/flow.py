@@ -121,8 +121,12 @@ class RequestFlow:
     async def _local(self, request_id, prompt, outputs, sampling, timings):
         """No lease: the decode worker prefills (its scheduler mixes the chunks into decode)."""
         num_blocks = -(-(len(prompt) + len(outputs)) // self.cfg.block_size)
-        req = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, output_token_ids=outputs,
-                               sampling=sampling)
+        req = pb.DecodeRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            output_token_ids=outputs,
+            sampling=sampling,
+        )
         for w in self.cfg.decode_policy(self.decode.routable(), num_blocks):
             w.served_requests += 1
             w.inflight_requests += 1
@@ -148,7 +152,9 @@ class RequestFlow:
         while True:
             for w in self.cfg.decode_policy(self.decode.routable(), num_blocks):
                 try:
-                    lease = await w.stub.Reserve(pb.ReserveRequest(request_id=request_id, num_tokens=num_tokens))
+                    lease = await w.stub.Reserve(
+                        pb.ReserveRequest(request_id=request_id, num_tokens=num_tokens)
+                    )
                 except grpc.aio.AioRpcError as e:
                     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                         raise
@@ -243,6 +249,8 @@ class RequestFlow:
             attempt.transfer.cancel()
         if not attempt.attached:
             try:
-                await attempt.decode.stub.Release(pb.ReleaseRequest(lease_id=attempt.lease.lease_id), timeout=5)
+                await attempt.decode.stub.Release(
+                    pb.ReleaseRequest(lease_id=attempt.lease.lease_id), timeout=5
+                )
             except grpc.aio.AioRpcError as e:
                 log.warning("release of lease %s failed: %s", attempt.lease.lease_id, e.code().name)

@@ -39,22 +39,32 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if request.model and request.model != self.router.cfg.model_name:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served")
         try:
-            inp = self.router.prepare(self._prompt_ids(request), request.sampling, request.request_id)
+            inp = self.router.prepare(
+                self._prompt_ids(request), request.sampling, request.request_id
+            )
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             async for delta in self.router.generate(inp):
-                msg = pb.GenerateResponse(request_id=inp.request_id, token_ids=delta.token_ids, text=delta.text)
+                msg = pb.GenerateResponse(
+                    request_id=inp.request_id, token_ids=delta.token_ids, text=delta.text
+                )
                 if delta.finish_reason:
                     msg.finish_reason = delta.finish_reason
                     msg.usage.CopyFrom(delta.usage)
                     if request.include_timings:
                         t = delta.timings
-                        msg.timings.CopyFrom(pb.Timings(
-                            prefill_queue_s=t.prefill_queue_s, prefill_s=t.prefill_s,
-                            kv_transfer_s=t.kv_transfer_s, decode_queue_s=t.decode_queue_s,
-                            ttft_s=t.ttft_s, e2e_s=t.e2e_s, kv_bytes=t.kv_bytes,
-                        ))
+                        msg.timings.CopyFrom(
+                            pb.Timings(
+                                prefill_queue_s=t.prefill_queue_s,
+                                prefill_s=t.prefill_s,
+                                kv_transfer_s=t.kv_transfer_s,
+                                decode_queue_s=t.decode_queue_s,
+                                ttft_s=t.ttft_s,
+                                e2e_s=t.e2e_s,
+                                kv_bytes=t.kv_bytes,
+                            )
+                        )
                 yield msg
         except Overloaded as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
@@ -66,7 +76,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def ListModels(self, request, context):
         cfg = self.router.cfg
-        return pb.ListModelsResponse(models=[pb.ModelInfo(id=cfg.model_name, max_model_len=cfg.max_model_len)])
+        return pb.ListModelsResponse(
+            models=[pb.ModelInfo(id=cfg.model_name, max_model_len=cfg.max_model_len)]
+        )
 
     async def Health(self, request, context):
         return pb.HealthResponse(

@@ -17,7 +17,9 @@ AFFINITY_PREFIX_TOKENS = 64
 AFFINITY_MAX_EXTRA_TOKENS = 2048
 
 
-def least_queued_tokens(workers: Sequence[WorkerHandle], prompt: Sequence[int]) -> list[WorkerHandle]:
+def least_queued_tokens(
+    workers: Sequence[WorkerHandle], prompt: Sequence[int]
+) -> list[WorkerHandle]:
     return sorted(workers, key=lambda w: (w.inflight_tokens, w.inflight_requests))
 
 
@@ -45,7 +47,9 @@ def most_free_blocks(workers: Sequence[WorkerHandle], num_blocks: int) -> list[W
     return sorted(fits, key=lambda w: -w.free_blocks) + sorted(rest, key=lambda w: -w.free_blocks)
 
 
-def round_robin_prefill(workers: Sequence[WorkerHandle], prompt: Sequence[int]) -> list[WorkerHandle]:
+def round_robin_prefill(
+    workers: Sequence[WorkerHandle], prompt: Sequence[int]
+) -> list[WorkerHandle]:
     return sorted(workers, key=lambda w: w.served_requests)
 
 

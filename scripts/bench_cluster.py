@@ -33,12 +33,19 @@ def main() -> int:
     p.add_argument("--local-prefill-max-tokens", type=int, default=0)
     p.add_argument("--in-process", action="store_true", help="workers as threads of this process")
     args = p.parse_args()
-    spec = ClusterSpec(model=args.model, kv_transport=args.transport, num_prefill=args.num_prefill,
-                       num_decode=args.num_decode, num_blocks=args.num_blocks,
-                       max_model_len=args.max_model_len, http_port=0,
-                       threads_per_worker=args.threads, separate_processes=not args.in_process,
-                       max_num_batched_tokens=args.max_num_batched_tokens,
-                       local_prefill_max_tokens=args.local_prefill_max_tokens)
+    spec = ClusterSpec(
+        model=args.model,
+        kv_transport=args.transport,
+        num_prefill=args.num_prefill,
+        num_decode=args.num_decode,
+        num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len,
+        http_port=0,
+        threads_per_worker=args.threads,
+        separate_processes=not args.in_process,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -25,21 +25,51 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 def transfer_section(d: dict) -> list[str]:
     s = d["shape"]
-    out = ["### KV transfer (`bench transfer`)", "",
-           (f"{s['bytes_per_push'] / 2**20:.1f} MiB per push ({s['tokens']} tokens, "
-           f"{s['num_layers']} layers, {s['dtype']}). Limit: loopback TCP, best "
-           f"{d['loopback_best_mb_s']:,.0f} MB/s (median {d['loopback_median_mb_s']:,.0f})."), ""]
-    rows = [[t["transport"], f"{t['best_mb_s']:,.0f}", f"{t['median_mb_s']:,.0f}",
-             f"{t['ratio_to_loopback']:.2f}", "yes" if t["bytes_ok"] else "NO"]
-            for t in d["transports"]]
+    out = [
+        "### KV transfer (`bench transfer`)",
+        "",
+        (
+            f"{s['bytes_per_push'] / 2**20:.1f} MiB per push ({s['tokens']} tokens, "
+            f"{s['num_layers']} layers, {s['dtype']}). Limit: loopback TCP, best "
+            f"{d['loopback_best_mb_s']:,.0f} MB/s (median {d['loopback_median_mb_s']:,.0f})."
+        ),
+        "",
+    ]
+    rows = [
+        [
+            t["transport"],
+            f"{t['best_mb_s']:,.0f}",
+            f"{t['median_mb_s']:,.0f}",
+            f"{t['ratio_to_loopback']:.2f}",
+            "yes" if t["bytes_ok"] else "NO",
+        ]
+        for t in d["transports"]
+    ]
     out += _table(["transport", "best MB/s", "median MB/s", "x loopback", "bytes ok"], rows)
     if d.get("ttft"):
-        rows = [[t["transport"], t["prompt_tokens"], f"{t['prefill_s']:.3f}",
-                 f"{t['kv_transfer_s']:.4f}", f"{t['ttft_s']:.3f}", f"{t['share_of_ttft']:.1%}"]
-                for t in d["ttft"]]
+        rows = [
+            [
+                t["transport"],
+                t["prompt_tokens"],
+                f"{t['prefill_s']:.3f}",
+                f"{t['kv_transfer_s']:.4f}",
+                f"{t['ttft_s']:.3f}",
+                f"{t['share_of_ttft']:.1%}",
+            ]
+            for t in d["ttft"]
+        ]
         out += ["", "Share of TTFT (layer-wise streaming; median of runs):", ""]
-        out += _table(["transport", "prompt tokens", "prefill s", "exposed KV s", "TTFT s",
-                       "KV share of TTFT"], rows)
+        out += _table(
+            [
+                "transport",
+                "prompt tokens",
+                "prefill s",
+                "exposed KV s",
+                "TTFT s",
+                "KV share of TTFT",
+            ],
+            rows,
+        )
     return out
 
 
@@ -47,30 +77,58 @@ def serve_section(d: dict) -> list[str]:
     def opt(v, fmt):
         return "n/a" if v is None else fmt.format(v)
 
-    out = ["### Serving (`bench serve`)", "",
-           (f"{d.get('workload')} workload, {d['num_requests']} requests at "
-           f"{d.get('request_rate')} req/s, model {d.get('model')}, SLOs TTFT "
-           f"{d.get('slo_ttft_s')} s / TPOT {d.get('slo_tpot_s')} s."), ""]
-    rows = [["completed / failed", f"{d['completed']} / {d['failed']}"],
-            ["request throughput (req/s)", f"{d['request_throughput']:.3f}"],
-            ["request goodput (req/s)", opt(d.get("request_goodput"), "{:.3f}")],
-            ["SLO attainment", opt(d.get("slo_attainment"), "{:.1%}")],
-            ["output throughput (tok/s)", f"{d['output_throughput']:.1f}"]]
+    out = [
+        "### Serving (`bench serve`)",
+        "",
+        (
+            f"{d.get('workload')} workload, {d['num_requests']} requests at "
+            f"{d.get('request_rate')} req/s, model {d.get('model')}, SLOs TTFT "
+            f"{d.get('slo_ttft_s')} s / TPOT {d.get('slo_tpot_s')} s."
+        ),
+        "",
+    ]
+    rows = [
+        ["completed / failed", f"{d['completed']} / {d['failed']}"],
+        ["request throughput (req/s)", f"{d['request_throughput']:.3f}"],
+        ["request goodput (req/s)", opt(d.get("request_goodput"), "{:.3f}")],
+        ["SLO attainment", opt(d.get("slo_attainment"), "{:.1%}")],
+        ["output throughput (tok/s)", f"{d['output_throughput']:.1f}"],
+    ]
     for metric in ("ttft", "tpot", "itl", "e2el"):
-        rows.append([f"{metric.upper()} mean / p50 / p90 / p99 (ms)",
-                     " / ".join(f"{d[f'{s}_{metric}_ms']:.0f}"
-                                for s in ("mean", "median", "p90", "p99"))])
+        rows.append(
+            [
+                f"{metric.upper()} mean / p50 / p90 / p99 (ms)",
+                " / ".join(
+                    f"{d[f'{s}_{metric}_ms']:.0f}" for s in ("mean", "median", "p90", "p99")
+                ),
+            ]
+        )
     return out + _table(["metric", "value"], rows)
 
 
 def sweep_section(d: dict) -> list[str]:
-    rows = [[p["rate"], f"{p['slo_attainment']:.1%}", f"{p['request_goodput']:.3f}",
-             f"{p['p90_ttft_ms']:.0f}", f"{p['p90_tpot_ms']:.1f}"] for p in d["points"]]
-    out = ["### Rate sweep (`bench sweep`)", "",
-           (f"Goodput (highest rate with >= {d['attainment_target']:.0%} of requests meeting "
-           f"both SLOs): **{d['goodput']:g} req/s**."), ""]
-    return out + _table(["rate (req/s)", "attainment", "goodput (req/s)", "p90 TTFT ms",
-                         "p90 TPOT ms"], rows)
+    rows = [
+        [
+            p["rate"],
+            f"{p['slo_attainment']:.1%}",
+            f"{p['request_goodput']:.3f}",
+            f"{p['p90_ttft_ms']:.0f}",
+            f"{p['p90_tpot_ms']:.1f}",
+        ]
+        for p in d["points"]
+    ]
+    out = [
+        "### Rate sweep (`bench sweep`)",
+        "",
+        (
+            f"Goodput (highest rate with >= {d['attainment_target']:.0%} of requests meeting "
+            f"both SLOs): **{d['goodput']:g} req/s**."
+        ),
+        "",
+    ]
+    return out + _table(
+        ["rate (req/s)", "attainment", "goodput (req/s)", "p90 TTFT ms", "p90 TPOT ms"], rows
+    )
 
 
 def generic_section(name: str, d) -> list[str]:
@@ -88,9 +146,14 @@ def generic_section(name: str, d) -> list[str]:
 def render(out_dir: Path) -> str:
     import torch
 
-    lines = [(f"_Generated by `scripts/benchmarks.sh` on {time.strftime('%Y-%m-%d')}: "
-             f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-             f"torch {torch.__version__}._"), ""]
+    lines = [
+        (
+            f"_Generated by `scripts/benchmarks.sh` on {time.strftime('%Y-%m-%d')}: "
+            f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+            f"torch {torch.__version__}._"
+        ),
+        "",
+    ]
     renderers = {"transfer": transfer_section, "serve": serve_section, "sweep": sweep_section}
     found = False
     for name in ("transfer", "engine", "serve", "sweep"):

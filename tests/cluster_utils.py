@@ -30,7 +30,10 @@ def worker_statuses(cluster: LocalCluster) -> list[pb.WorkerStatus]:
     token = getattr(cluster.spec, "cluster_token", None)
     metadata = (("x-pdserve-token", token),) if token else None
     out = []
-    for role, addresses in (("prefill", cluster.prefill_addresses), ("decode", cluster.decode_addresses)):
+    for role, addresses in (
+        ("prefill", cluster.prefill_addresses),
+        ("decode", cluster.decode_addresses),
+    ):
         stub_cls = pb_grpc.PrefillWorkerStub if role == "prefill" else pb_grpc.DecodeWorkerStub
         for address in addresses:
             with grpc.insecure_channel(address) as ch:
@@ -44,8 +47,14 @@ def assert_all_blocks_free(cluster: LocalCluster, timeout: float = 10.0) -> None
     deadline = time.monotonic() + timeout
     while True:
         statuses = worker_statuses(cluster)
-        busy = [s for s in statuses if s.num_free_blocks != s.num_total_blocks or s.num_leases
-                or s.num_running or s.num_waiting]
+        busy = [
+            s
+            for s in statuses
+            if s.num_free_blocks != s.num_total_blocks
+            or s.num_leases
+            or s.num_running
+            or s.num_waiting
+        ]
         if not busy:
             return
         if time.monotonic() > deadline:

@@ -14,7 +14,9 @@ from engine.llm_engine import LLMEngine
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def tiny_llama_dir(tmp_path, *, num_heads=4, num_kv_heads=4, seed=0, vocab=128, layers=2, head_dim=16):
+def tiny_llama_dir(
+    tmp_path, *, num_heads=4, num_kv_heads=4, seed=0, vocab=128, layers=2, head_dim=16
+):
     """Save a random tiny Llama as a Hugging Face folder (config.json + safetensors)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 

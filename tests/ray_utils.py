@@ -23,9 +23,15 @@ def tiny_config(model_path, **fields) -> ClusterConfig:
     ``num_cpus: 0`` so a 2-core machine fits every actor a test starts."""
     pool = {"num_cpus": 0, "threads": 1, "min": 1, "max": 3}
     data = {
-        "model": str(model_path), "host": "127.0.0.1", "grpc_port": 0, "http_port": None,
-        "num_blocks": 256, "max_model_len": 256, "health_period_s": 0.5,
-        "worker_start_timeout_s": 120, "pools": {"prefill": dict(pool), "decode": dict(pool)},
+        "model": str(model_path),
+        "host": "127.0.0.1",
+        "grpc_port": 0,
+        "http_port": None,
+        "num_blocks": 256,
+        "max_model_len": 256,
+        "health_period_s": 0.5,
+        "worker_start_timeout_s": 120,
+        "pools": {"prefill": dict(pool), "decode": dict(pool)},
     }
     for key, value in fields.items():
         if isinstance(value, dict) and isinstance(data.get(key), dict):
@@ -37,14 +43,17 @@ def tiny_config(model_path, **fields) -> ClusterConfig:
 
 def make_prompts(n: int, seed: int = 0, vocab: int = 128) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (int(k),), generator=g).tolist()
-            for k in torch.randint(2, 40, (n,), generator=g)]
+    return [
+        torch.randint(3, vocab, (int(k),), generator=g).tolist()
+        for k in torch.randint(2, 40, (n,), generator=g)
+    ]
 
 
 def engine_reference(model_path, prompts, max_tokens: int = NEW_TOKENS) -> list[list[int]]:
     """Greedy outputs of the single-process engine."""
-    engine = LLMEngine.from_model_path(model_path, cache=CacheConfig(16, 512),
-                                       scheduler=SchedulerConfig(), progress=False)
+    engine = LLMEngine.from_model_path(
+        model_path, cache=CacheConfig(16, 512), scheduler=SchedulerConfig(), progress=False
+    )
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     return [r.output_token_ids for r in engine.generate(prompts, params)]
 
@@ -52,9 +61,16 @@ def engine_reference(model_path, prompts, max_tokens: int = NEW_TOKENS) -> list[
 async def _generate_all(address: str, prompts, max_tokens: int) -> list[Completion]:
     client = AsyncClient(address)
     try:
-        return list(await asyncio.gather(*(
-            client.generate(token_ids=p, max_tokens=max_tokens, ignore_eos=True,
-                            include_timings=True) for p in prompts)))
+        return list(
+            await asyncio.gather(
+                *(
+                    client.generate(
+                        token_ids=p, max_tokens=max_tokens, ignore_eos=True, include_timings=True
+                    )
+                    for p in prompts
+                )
+            )
+        )
     finally:
         await client.close()
 
@@ -67,8 +83,9 @@ class SteadyStream:
     """``concurrency`` clients sending requests back to back from a thread until stopped;
     every completion is checked against the reference, every failure kept."""
 
-    def __init__(self, address: str, prompts, reference, concurrency: int = 3,
-                 max_tokens: int = NEW_TOKENS):
+    def __init__(
+        self, address: str, prompts, reference, concurrency: int = 3, max_tokens: int = NEW_TOKENS
+    ):
         self.address, self.prompts, self.reference = address, prompts, reference
         self.concurrency, self.max_tokens = concurrency, max_tokens
         self.completed = 0
@@ -96,8 +113,9 @@ class SteadyStream:
         while not self._stop.is_set():
             k = i % len(self.prompts)
             try:
-                out = await client.generate(token_ids=self.prompts[k], max_tokens=self.max_tokens,
-                                            ignore_eos=True)
+                out = await client.generate(
+                    token_ids=self.prompts[k], max_tokens=self.max_tokens, ignore_eos=True
+                )
                 if out.token_ids != self.reference[k]:
                     self.failures.append(f"prompt {k}: {out.token_ids} != {self.reference[k]}")
                 self.completed += 1

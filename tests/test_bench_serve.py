@@ -22,8 +22,14 @@ CHUNKS = 4  # tokens the fake server streams per request (fewer if max_tokens is
 
 def record(ttft: float, gaps: list[float], send: float = 0.0, usage: int | None = None):
     times = list(send + ttft + np.cumsum([0.0, *gaps]))
-    return RequestRecord(send_time=send, end_time=times[-1], token_times=times,
-                         prompt_tokens=10, completion_tokens=usage, success=True)
+    return RequestRecord(
+        send_time=send,
+        end_time=times[-1],
+        token_times=times,
+        prompt_tokens=10,
+        completion_tokens=usage,
+        success=True,
+    )
 
 
 def test_ttft_tpot_itl_and_e2el_follow_vllm_definitions():
@@ -64,9 +70,22 @@ def test_percentiles_throughput_goodput_and_attainment():
 def test_results_have_vllm_field_names_and_no_goodput_without_slo():
     res = compute_result([record(0.1, [0.01], usage=2)], duration=1.0)
     d = res.to_dict()
-    for key in ("completed", "failed", "duration", "request_throughput", "output_throughput",
-                "total_token_throughput", "request_goodput", "mean_ttft_ms", "median_tpot_ms",
-                "p90_itl_ms", "p99_e2el_ms", "std_ttft_ms", "ttfts", "itls"):
+    for key in (
+        "completed",
+        "failed",
+        "duration",
+        "request_throughput",
+        "output_throughput",
+        "total_token_throughput",
+        "request_goodput",
+        "mean_ttft_ms",
+        "median_tpot_ms",
+        "p90_itl_ms",
+        "p99_e2el_ms",
+        "std_ttft_ms",
+        "ttfts",
+        "itls",
+    ):
         assert key in d, key
     assert d["request_goodput"] is None and d["slo_attainment"] is None
     assert "Successful requests:" in format_result(res)
@@ -161,9 +180,30 @@ def fake_server():
 def test_bench_serve_end_to_end_writes_json_and_plot(fake_server, tmp_path):
     url, seen = fake_server
     out, png = tmp_path / "serve.json", tmp_path / "cdf.png"
-    rc = bench_main(["serve", "--url", url + "/v1", "--workload", "mixed", "--num-requests", "10",
-                     "--rate", "100", "--seed", "1", "--slo-ttft", "5", "--slo-tpot", "1",
-                     "--no-progress", "--json", str(out), "--plot", str(png)])
+    rc = bench_main(
+        [
+            "serve",
+            "--url",
+            url + "/v1",
+            "--workload",
+            "mixed",
+            "--num-requests",
+            "10",
+            "--rate",
+            "100",
+            "--seed",
+            "1",
+            "--slo-ttft",
+            "5",
+            "--slo-tpot",
+            "1",
+            "--no-progress",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["completed"] == 10 and res["failed"] == 0
@@ -188,9 +228,26 @@ def test_failed_requests_are_counted_from_a_jsonl_file(fake_server, tmp_path):
     rows = [{"prompt": "Once upon a time", "max_tokens": 3}, {"prompt": "FAIL", "max_tokens": 3}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "serve.json"
-    rc = bench_main(["serve", "--url", url, "--workload", str(path), "--num-requests", "4",
-                     "--endpoint", "completions", "--warmup", "0", "--no-progress",
-                     "--model", "m", "--json", str(out)])
+    rc = bench_main(
+        [
+            "serve",
+            "--url",
+            url,
+            "--workload",
+            str(path),
+            "--num-requests",
+            "4",
+            "--endpoint",
+            "completions",
+            "--warmup",
+            "0",
+            "--no-progress",
+            "--model",
+            "m",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     assert (res["completed"], res["failed"]) == (2, 2)
@@ -200,8 +257,10 @@ def test_failed_requests_are_counted_from_a_jsonl_file(fake_server, tmp_path):
 
 
 def test_goodput_is_the_highest_rate_with_90_percent_attainment():
-    points = [SweepPoint(r, a, 0.0, 0.0, 0.0, 0.0, 0) for r, a in
-              [(0.5, 1.0), (1.0, 0.95), (2.0, 0.89), (4.0, 0.3)]]
+    points = [
+        SweepPoint(r, a, 0.0, 0.0, 0.0, 0.0, 0)
+        for r, a in [(0.5, 1.0), (1.0, 0.95), (2.0, 0.89), (4.0, 0.3)]
+    ]
     assert goodput_of(points) == 1.0
     assert goodput_of(points[2:]) == 0.0
 
@@ -209,9 +268,26 @@ def test_goodput_is_the_highest_rate_with_90_percent_attainment():
 def test_bench_sweep_reports_attainment_per_rate(fake_server, tmp_path, capsys):
     url, seen = fake_server
     out = tmp_path / "sweep.json"
-    rc = bench_main(["sweep", "--url", url, "--workload", "chat", "--num-requests", "3",
-                     "--rates", "50,20", "--slo-ttft", "5", "--warmup", "1", "--no-progress",
-                     "--json", str(out)])
+    rc = bench_main(
+        [
+            "sweep",
+            "--url",
+            url,
+            "--workload",
+            "chat",
+            "--num-requests",
+            "3",
+            "--rates",
+            "50,20",
+            "--slo-ttft",
+            "5",
+            "--warmup",
+            "1",
+            "--no-progress",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     assert [p["rate"] for p in res["points"]] == [20.0, 50.0]

@@ -34,8 +34,9 @@ def test_loopback_moves_every_byte():
 
 def test_transfer_report_covers_every_transport_and_bytes_match():
     logs: list[str] = []
-    report = run_transfer_bench(SMALL, TRANSPORT_NAMES, repeats=2, loopback_bytes=4 * MiB,
-                                ttft_model=None, log=logs.append)
+    report = run_transfer_bench(
+        SMALL, TRANSPORT_NAMES, repeats=2, loopback_bytes=4 * MiB, ttft_model=None, log=logs.append
+    )
     assert report.loopback_best_mb_s >= report.loopback_median_mb_s > 0
     assert [t.transport for t in report.transports] == list(TRANSPORT_NAMES)
     for t in report.transports:
@@ -62,9 +63,29 @@ def test_ttft_share_on_a_tiny_model(tmp_path):
 
 def test_bench_transfer_command_writes_json(tmp_path, capsys):
     out = tmp_path / "transfer.json"
-    rc = bench_main(["transfer", "--transports", "local,grpc", "--tokens", "16", "--layers", "2",
-                     "--kv-heads", "1", "--head-dim", "4", "--repeats", "1", "--loopback-mib", "4",
-                     "--ttft-transports", "", "--json", str(out)])
+    rc = bench_main(
+        [
+            "transfer",
+            "--transports",
+            "local,grpc",
+            "--tokens",
+            "16",
+            "--layers",
+            "2",
+            "--kv-heads",
+            "1",
+            "--head-dim",
+            "4",
+            "--repeats",
+            "1",
+            "--loopback-mib",
+            "4",
+            "--ttft-transports",
+            "",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     assert [t["transport"] for t in res["transports"]] == ["local", "grpc"]

@@ -70,8 +70,10 @@ def test_same_seed_same_shape_and_same_seed_and_nonce_same_prompts():
 
 def test_jsonl_file_workload_cycles_to_num_requests(tmp_path):
     path = tmp_path / "w.jsonl"
-    rows = [{"prompt": "Hello", "max_tokens": 5},
-            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 7}]
+    rows = [
+        {"prompt": "Hello", "max_tokens": 5},
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 7},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     w = get_workload(str(path), 5)
     assert [r.max_tokens for r in w.requests] == [5, 7, 5, 7, 5]

@@ -15,19 +15,30 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    path, _ = tiny_llama_dir(tmp_path_factory.mktemp("colocated"), num_heads=4, num_kv_heads=2, seed=21)
+    path, _ = tiny_llama_dir(
+        tmp_path_factory.mktemp("colocated"), num_heads=4, num_kv_heads=2, seed=21
+    )
     return path
 
 
 def _requests(prompts):
-    return [dict(token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True, include_timings=True) for p in prompts]
+    return [
+        dict(token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True, include_timings=True)
+        for p in prompts
+    ]
 
 
 def test_colocated_pool_matches_engine(tiny_model):
     prompts = mixed_prompts(12, seed=21)
     ref = engine_reference(tiny_model, prompts)
-    spec = ClusterSpec(model=str(tiny_model), num_prefill=0, num_decode=1, num_blocks=512,
-                       max_model_len=256, max_num_batched_tokens=48)
+    spec = ClusterSpec(
+        model=str(tiny_model),
+        num_prefill=0,
+        num_decode=1,
+        num_blocks=512,
+        max_model_len=256,
+        max_num_batched_tokens=48,
+    )
     with LocalCluster(spec) as cluster:
         assert cluster.router.ready
         outs = generate_concurrently(cluster, _requests(prompts))
@@ -39,8 +50,9 @@ def test_colocated_pool_matches_engine(tiny_model):
 def test_short_prompts_skip_the_transfer(tiny_model):
     prompts = [list(range(3, 3 + n)) for n in (4, 8, 40, 60)]
     ref = engine_reference(tiny_model, prompts)
-    spec = ClusterSpec(model=str(tiny_model), num_blocks=512, max_model_len=256,
-                       local_prefill_max_tokens=16)
+    spec = ClusterSpec(
+        model=str(tiny_model), num_blocks=512, max_model_len=256, local_prefill_max_tokens=16
+    )
     with LocalCluster(spec) as cluster:
         outs = generate_concurrently(cluster, _requests(prompts))
         assert_all_blocks_free(cluster)

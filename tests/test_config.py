@@ -36,7 +36,9 @@ def test_ray_launcher_file_has_head_and_worker_types():
     launcher = yaml.safe_load((CONFIG_DIR / "ray_cluster.yaml").read_text())
     assert launcher["head_node_type"] in launcher["available_node_types"]
     resources = [t["resources"] for t in launcher["available_node_types"].values()]
-    assert any("prefill_node" in r for r in resources) and any("decode_node" in r for r in resources)
+    assert any("prefill_node" in r for r in resources) and any(
+        "decode_node" in r for r in resources
+    )
 
 
 def _error(data: dict) -> str:
@@ -50,8 +52,14 @@ def _error(data: dict) -> str:
     [
         ({"pools": {"decode": {"replicas": 0}}}, "pools.decode.replicas: must be >= 1"),
         ({"pools": {"prefill": {"num_cpus": -1}}}, "pools.prefill.num_cpus: must be >= 0"),
-        ({"pools": {"decode": {"replicas": 5, "max": 4}}}, "pools.decode: replicas (5) must be within"),
-        ({"pools": {"decode": {"min": 3, "max": 2, "replicas": 2}}}, "pools.decode: min (3) must be <= max"),
+        (
+            {"pools": {"decode": {"replicas": 5, "max": 4}}},
+            "pools.decode: replicas (5) must be within",
+        ),
+        (
+            {"pools": {"decode": {"min": 3, "max": 2, "replicas": 2}}},
+            "pools.decode: min (3) must be <= max",
+        ),
         ({"pools": {"decode": {"replica": 2}}}, "pools.decode.replica: unknown field"),
         ({"kv_transport": "pigeon"}, "kv_transport: Input should be 'grpc' or 'torch_dist'"),
         ({"grpc_port": 70000}, "grpc_port: must be <= 65535"),
@@ -76,7 +84,9 @@ def test_yaml_errors_name_the_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read cluster config"):
         load_config(tmp_path / "missing.yaml")
     bad.write_text("pools:\n  decode:\n    replicas: 0\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml is invalid:\npools.decode.replicas: must be >= 1"):
+    with pytest.raises(
+        ConfigError, match=r"bad.yaml is invalid:\npools.decode.replicas: must be >= 1"
+    ):
         load_config(bad)
 
 

@@ -23,7 +23,9 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    path, _ = tiny_llama_dir(tmp_path_factory.mktemp("disagg"), num_heads=4, num_kv_heads=2, layers=3, seed=3)
+    path, _ = tiny_llama_dir(
+        tmp_path_factory.mktemp("disagg"), num_heads=4, num_kv_heads=2, layers=3, seed=3
+    )
     return path
 
 
@@ -34,8 +36,9 @@ def mixed_prompts(n: int, vocab: int = 128, seed: int = 0) -> list[list[int]]:
 
 
 def engine_reference(model_path, prompts, block_size=16, new_tokens=NEW_TOKENS) -> list[list[int]]:
-    engine = LLMEngine.from_model_path(model_path, cache=CacheConfig(block_size, 1024),
-                                       scheduler=SchedulerConfig(), progress=False)
+    engine = LLMEngine.from_model_path(
+        model_path, cache=CacheConfig(block_size, 1024), scheduler=SchedulerConfig(), progress=False
+    )
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     return [r.output_token_ids for r in engine.generate(prompts, params)]
 
@@ -43,7 +46,11 @@ def engine_reference(model_path, prompts, block_size=16, new_tokens=NEW_TOKENS) 
 def run_cluster(spec: ClusterSpec, prompts):
     with LocalCluster(spec) as cluster:
         outs = generate_concurrently(
-            cluster, [dict(token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True, include_timings=True) for p in prompts]
+            cluster,
+            [
+                dict(token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True, include_timings=True)
+                for p in prompts
+            ],
         )
         assert_all_blocks_free(cluster)
         statuses = worker_statuses(cluster)
@@ -54,7 +61,9 @@ def run_cluster(spec: ClusterSpec, prompts):
 def test_1p1d_in_process_matches_engine(tiny_model, transport):
     prompts = mixed_prompts(16)
     ref = engine_reference(tiny_model, prompts)
-    spec = ClusterSpec(model=str(tiny_model), kv_transport=transport, num_blocks=512, max_model_len=256)
+    spec = ClusterSpec(
+        model=str(tiny_model), kv_transport=transport, num_blocks=512, max_model_len=256
+    )
     outs, _ = run_cluster(spec, prompts)
     assert [o.token_ids for o in outs] == ref
     assert all(o.finish_reason == "length" for o in outs)
@@ -65,8 +74,16 @@ def test_1p1d_in_process_matches_engine(tiny_model, transport):
 def test_2p2d_separate_processes_match_engine(tiny_model, transport):
     prompts = mixed_prompts(16, seed=1)
     ref = engine_reference(tiny_model, prompts)
-    spec = ClusterSpec(model=str(tiny_model), num_prefill=2, num_decode=2, kv_transport=transport,
-                       num_blocks=512, max_model_len=256, separate_processes=True, threads_per_worker=1)
+    spec = ClusterSpec(
+        model=str(tiny_model),
+        num_prefill=2,
+        num_decode=2,
+        kv_transport=transport,
+        num_blocks=512,
+        max_model_len=256,
+        separate_processes=True,
+        threads_per_worker=1,
+    )
     outs, statuses = run_cluster(spec, prompts)
     assert [o.token_ids for o in outs] == ref
     # Both pools took traffic (16 concurrent requests over 2 + 2 workers).
@@ -76,8 +93,13 @@ def test_2p2d_separate_processes_match_engine(tiny_model, transport):
 def test_chunked_prefill_with_small_budget_matches_engine(tiny_model):
     prompts = mixed_prompts(8, seed=2)
     ref = engine_reference(tiny_model, prompts)
-    spec = ClusterSpec(model=str(tiny_model), num_blocks=512, max_model_len=256,
-                       max_num_batched_tokens=32, prefill_chunk_size=16)
+    spec = ClusterSpec(
+        model=str(tiny_model),
+        num_blocks=512,
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        prefill_chunk_size=16,
+    )
     outs, _ = run_cluster(spec, prompts)
     assert [o.token_ids for o in outs] == ref
 
@@ -90,8 +112,13 @@ def test_shared_system_prompt_hits_prefix_cache(tiny_model):
     spec = ClusterSpec(model=str(tiny_model), num_blocks=512, max_model_len=256)
     with LocalCluster(spec) as cluster:
         # One request first so the system prompt is cached, then the rest concurrently.
-        first = generate_concurrently(cluster, [dict(token_ids=prompts[0], max_tokens=NEW_TOKENS, ignore_eos=True)])
-        rest = generate_concurrently(cluster, [dict(token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True) for p in prompts[1:]])
+        first = generate_concurrently(
+            cluster, [dict(token_ids=prompts[0], max_tokens=NEW_TOKENS, ignore_eos=True)]
+        )
+        rest = generate_concurrently(
+            cluster,
+            [dict(token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True) for p in prompts[1:]],
+        )
         assert_all_blocks_free(cluster)
         prefill = [s for s in worker_statuses(cluster) if s.role == "prefill"][0]
     assert [o.token_ids for o in first + rest] == ref
@@ -105,16 +132,21 @@ def test_first_layer_arrives_before_last_layer_is_computed(tiny_model, transport
     chunk, the decode worker has layer 0's frames. The callback of the layer before it holds the
     engine thread until they arrive; without layer-wise streaming nothing is sent before the
     forward returns, so that wait would time out and the order below would be wrong."""
-    spec = ClusterSpec(model=str(tiny_model), kv_transport=transport, num_blocks=512,
-                       max_model_len=256, prefill_chunk_size=16)
+    spec = ClusterSpec(
+        model=str(tiny_model),
+        kv_transport=transport,
+        num_blocks=512,
+        max_model_len=256,
+        prefill_chunk_size=16,
+    )
     prompt = list(range(3, 83))  # 80 tokens: 5 chunks of 16
     num_layers, num_chunks = 3, 5
     with LocalCluster(spec) as cluster:
         received_layer0 = threading.Event()
         order: list[str] = []
-        cluster.decode_workers[0].receiver.on_event = (
-            lambda kind, lease, layer: (order.append(f"recv {kind} {layer}"),
-                                        layer == 0 and received_layer0.set())
+        cluster.decode_workers[0].receiver.on_event = lambda kind, lease, layer: (
+            order.append(f"recv {kind} {layer}"),
+            layer == 0 and received_layer0.set(),
         )
         calls = []
 
@@ -125,7 +157,9 @@ def test_first_layer_arrives_before_last_layer_is_computed(tiny_model, transport
                 order.append(f"layer0 received: {received_layer0.wait(10)}")
 
         cluster.prefill_workers[0].on_layer_computed = on_layer
-        [out] = generate_concurrently(cluster, [dict(token_ids=prompt, max_tokens=4, ignore_eos=True)])
+        [out] = generate_concurrently(
+            cluster, [dict(token_ids=prompt, max_tokens=4, ignore_eos=True)]
+        )
         assert_all_blocks_free(cluster)
     assert len(calls) == num_layers * num_chunks
     assert "layer0 received: True" in order, order

@@ -21,7 +21,9 @@ from tests.test_disagg import engine_reference, mixed_prompts
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    path, _ = tiny_llama_dir(tmp_path_factory.mktemp("lifecycle"), num_heads=4, num_kv_heads=2, seed=11)
+    path, _ = tiny_llama_dir(
+        tmp_path_factory.mktemp("lifecycle"), num_heads=4, num_kv_heads=2, seed=11
+    )
     return path
 
 
@@ -32,8 +34,9 @@ def test_decode_preemption_goes_back_through_the_router(tiny_model):
     prompts = [p[:12] for p in prompts]
     new_tokens = 40
     ref = engine_reference(tiny_model, prompts, new_tokens=new_tokens, block_size=4)
-    spec = ClusterSpec(model=str(tiny_model), block_size=4, num_blocks=512, decode_num_blocks=48,
-                       max_model_len=128)
+    spec = ClusterSpec(
+        model=str(tiny_model), block_size=4, num_blocks=512, decode_num_blocks=48, max_model_len=128
+    )
     with LocalCluster(spec) as cluster:
         outs = generate_concurrently(
             cluster, [dict(token_ids=p, max_tokens=new_tokens, ignore_eos=True) for p in prompts]
@@ -60,7 +63,9 @@ def test_unused_lease_expires_and_frees_its_blocks(tiny_model):
 
 
 def test_released_lease_frees_its_blocks_at_once(tiny_model):
-    with LocalCluster(ClusterSpec(model=str(tiny_model), num_blocks=64, max_model_len=128)) as cluster:
+    with LocalCluster(
+        ClusterSpec(model=str(tiny_model), num_blocks=64, max_model_len=128)
+    ) as cluster:
         stub = _decode_stub(cluster)
         lease = stub.Reserve(pb.ReserveRequest(request_id="r1", num_tokens=40))
         assert stub.Release(pb.ReleaseRequest(lease_id=lease.lease_id)).released
@@ -72,17 +77,27 @@ def test_released_lease_frees_its_blocks_at_once(tiny_model):
 def test_bad_frames_are_rejected_and_the_worker_keeps_serving(tiny_model):
     import torch
 
-    with LocalCluster(ClusterSpec(model=str(tiny_model), num_blocks=64, max_model_len=128)) as cluster:
+    with LocalCluster(
+        ClusterSpec(model=str(tiny_model), num_blocks=64, max_model_len=128)
+    ) as cluster:
         stub = _decode_stub(cluster)
         lease = stub.Reserve(pb.ReserveRequest(request_id="r1", num_tokens=8))
         good_shape = (2, 1, 16, 2, 16)
         frames = [
-            encode_kv_frame("r1", "no-such-lease", 0, [lease.block_ids[0]], torch.zeros(good_shape)),
-            encode_kv_frame("r1", lease.lease_id, 0, [lease.block_ids[0]], torch.zeros(2, 1, 8, 2, 16)),
-            encode_kv_frame("r1", lease.lease_id, 99, [lease.block_ids[0]], torch.zeros(good_shape)),
+            encode_kv_frame(
+                "r1", "no-such-lease", 0, [lease.block_ids[0]], torch.zeros(good_shape)
+            ),
+            encode_kv_frame(
+                "r1", lease.lease_id, 0, [lease.block_ids[0]], torch.zeros(2, 1, 8, 2, 16)
+            ),
+            encode_kv_frame(
+                "r1", lease.lease_id, 99, [lease.block_ids[0]], torch.zeros(good_shape)
+            ),
             (b"\x93garbage", b""),
         ]
-        header, payload = encode_kv_frame("r1", lease.lease_id, 0, [lease.block_ids[0]], torch.zeros(good_shape))
+        header, payload = encode_kv_frame(
+            "r1", lease.lease_id, 0, [lease.block_ids[0]], torch.zeros(good_shape)
+        )
         frames.append((header, bytes(payload)[:-4] + b"\x00\x00\x00\x01"))  # checksum mismatch
         kv_stub = pb_grpc.KvTransferStub(grpc.insecure_channel(cluster.decode_addresses[0]))
         ack = kv_stub.PushFrames(iter([pb.KvFrame(header=h, payload=bytes(p)) for h, p in frames]))
@@ -91,14 +106,18 @@ def test_bad_frames_are_rejected_and_the_worker_keeps_serving(tiny_model):
         for word in ("unknown lease", "shape", "layer", "checksum"):
             assert word in reasons, reasons
         stub.Release(pb.ReleaseRequest(lease_id=lease.lease_id))
-        [out] = generate_concurrently(cluster, [dict(token_ids=[5, 6, 7], max_tokens=5, ignore_eos=True)])
+        [out] = generate_concurrently(
+            cluster, [dict(token_ids=[5, 6, 7], max_tokens=5, ignore_eos=True)]
+        )
         assert len(out.token_ids) == 5
         assert stub.Status(pb.StatusRequest()).frames_rejected >= len(frames)
         assert_all_blocks_free(cluster)
 
 
 def test_client_that_leaves_mid_stream_frees_everything(tiny_model):
-    with LocalCluster(ClusterSpec(model=str(tiny_model), num_blocks=128, max_model_len=256)) as cluster:
+    with LocalCluster(
+        ClusterSpec(model=str(tiny_model), num_blocks=128, max_model_len=256)
+    ) as cluster:
 
         async def leave_early():
             client = AsyncClient(cluster.address)

@@ -28,8 +28,10 @@ def test_chat_through_the_cluster_matches_the_engine(make_engine):
     with LocalCluster(spec) as cluster:
         outs = generate_concurrently(
             cluster,
-            [dict(messages=[{"role": "user", "content": q}], max_tokens=32, include_timings=True)
-             for q in QUESTIONS],
+            [
+                dict(messages=[{"role": "user", "content": q}], max_tokens=32, include_timings=True)
+                for q in QUESTIONS
+            ],
         )
         assert_all_blocks_free(cluster)
     for r, o in zip(ref, outs):

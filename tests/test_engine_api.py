@@ -26,7 +26,9 @@ def test_missing_model_path_is_a_clear_error():
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         LLMEngine.from_model_path(tmp_path)
 
@@ -78,7 +80,9 @@ def test_stop_token_ids_and_max_tokens(make_engine, tiny):
     assert len(free_run.output_token_ids) == 10
     assert free_run.status == RequestStatus.FINISHED_LENGTH
     stop_at = free_run.output_token_ids[3]
-    [stopped] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=10, stop_token_ids=(stop_at,)))
+    [stopped] = engine.generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=10, stop_token_ids=(stop_at,))
+    )
     first = free_run.output_token_ids.index(stop_at)
     assert stopped.output_token_ids == free_run.output_token_ids[: first + 1]
     assert stopped.status == RequestStatus.FINISHED_STOPPED
@@ -96,7 +100,9 @@ def test_seeded_sampling_is_reproducible_and_differs_from_greedy(make_engine, ti
 def test_top_k_one_is_greedy(make_engine, tiny):
     engine = make_engine(tiny)
     [g] = engine.generate([[9, 8, 7]], SamplingParams(max_tokens=12, ignore_eos=True))
-    [k1] = engine.generate([[9, 8, 7]], SamplingParams(max_tokens=12, temperature=1.0, top_k=1, ignore_eos=True))
+    [k1] = engine.generate(
+        [[9, 8, 7]], SamplingParams(max_tokens=12, temperature=1.0, top_k=1, ignore_eos=True)
+    )
     assert g.output_token_ids == k1.output_token_ids
 
 

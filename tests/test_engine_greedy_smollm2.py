@@ -35,7 +35,9 @@ def hf_reference():
     from transformers import AutoModelForCausalLM
 
     gguf = embedded_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=EMBEDDED_GGUF, dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -59,13 +61,17 @@ def test_tokenizer_matches_transformers(chat_prompt_ids):
     gguf = embedded_gguf_path()
     hf_tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=EMBEDDED_GGUF)
     for q, ours in zip(QUESTIONS, chat_prompt_ids):
-        ref = hf_tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        ref = hf_tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+        )
         ref = ref["input_ids"] if isinstance(ref, dict) or hasattr(ref, "keys") else ref
         assert ours == list(ref)
 
 
 @pytest.mark.parametrize("chunk", [0, 16], ids=["whole", "chunk16"])
-def test_smollm2_greedy_batch_matches_transformers(make_engine, chat_prompt_ids, reference_outputs, hf_reference, chunk):
+def test_smollm2_greedy_batch_matches_transformers(
+    make_engine, chat_prompt_ids, reference_outputs, hf_reference, chunk
+):
     engine = make_engine("embedded", block_size=16, num_blocks=512, prefill_chunk_size=chunk)
     params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     outs = engine.generate(chat_prompt_ids, params)
@@ -81,7 +87,9 @@ def test_stop_string_truncates_text_and_finishes(make_engine, chat_prompt_ids):
     engine = make_engine("embedded", block_size=16, num_blocks=128)
     [free] = engine.generate([chat_prompt_ids[0]], SamplingParams(max_tokens=24))
     assert "Paris" in free.output_text
-    [stopped] = engine.generate([chat_prompt_ids[0]], SamplingParams(max_tokens=24, stop=("Paris",)))
+    [stopped] = engine.generate(
+        [chat_prompt_ids[0]], SamplingParams(max_tokens=24, stop=("Paris",))
+    )
     assert stopped.output_text == free.output_text.split("Paris")[0]
     assert stopped.status.finish_reason == "stop"
 

@@ -25,14 +25,20 @@ def random_prompts(lengths, vocab, seed=0):
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 2)], ids=["mha", "gqa2", "gqa3"])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("chunk", [0, 16], ids=["whole", "chunk16"])
-def test_tiny_greedy_matches_transformers(tmp_path, make_engine, heads, kv_heads, block_size, chunk):
+def test_tiny_greedy_matches_transformers(
+    tmp_path, make_engine, heads, kv_heads, block_size, chunk
+):
     path, hf_model = tiny_llama_dir(tmp_path, num_heads=heads, num_kv_heads=kv_heads)
-    engine = make_engine(path, block_size=block_size, num_blocks=4096 // block_size, prefill_chunk_size=chunk)
+    engine = make_engine(
+        path, block_size=block_size, num_blocks=4096 // block_size, prefill_chunk_size=chunk
+    )
     prompts = random_prompts(boundary_lengths(block_size), hf_model.config.vocab_size)
     params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     outs = engine.generate(prompts, params)
     for prompt, req in zip(prompts, outs):
-        assert_same_greedy(hf_model, prompt, req.output_token_ids, hf_greedy(hf_model, prompt, NEW_TOKENS))
+        assert_same_greedy(
+            hf_model, prompt, req.output_token_ids, hf_greedy(hf_model, prompt, NEW_TOKENS)
+        )
 
 
 def test_small_token_budget_mixes_prefill_chunks_with_decodes(tmp_path, make_engine):
@@ -44,7 +50,9 @@ def test_small_token_budget_mixes_prefill_chunks_with_decodes(tmp_path, make_eng
     params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     outs = engine.generate(prompts, params)
     for prompt, req in zip(prompts, outs):
-        assert_same_greedy(hf_model, prompt, req.output_token_ids, hf_greedy(hf_model, prompt, NEW_TOKENS))
+        assert_same_greedy(
+            hf_model, prompt, req.output_token_ids, hf_greedy(hf_model, prompt, NEW_TOKENS)
+        )
 
 
 def test_preemption_by_recompute_keeps_outputs(tmp_path, make_engine):
@@ -56,4 +64,6 @@ def test_preemption_by_recompute_keeps_outputs(tmp_path, make_engine):
     outs = engine.generate(prompts, params)
     assert engine.scheduler.num_preemptions > 0
     for prompt, req in zip(prompts, outs):
-        assert_same_greedy(hf_model, prompt, req.output_token_ids, hf_greedy(hf_model, prompt, NEW_TOKENS))
+        assert_same_greedy(
+            hf_model, prompt, req.output_token_ids, hf_greedy(hf_model, prompt, NEW_TOKENS)
+        )

@@ -9,7 +9,9 @@ from router.pool import WorkerHandle
 
 
 def handle(address, **kw) -> WorkerHandle:
-    return WorkerHandle(address=address, role="prefill", channel=None, stub=None, healthy=True, **kw)
+    return WorkerHandle(
+        address=address, role="prefill", channel=None, stub=None, healthy=True, **kw
+    )
 
 
 def test_least_queued_prefers_fewest_inflight_tokens():

@@ -14,8 +14,16 @@ GENERATED = ["pdserve_pb2.py", "pdserve_pb2.pyi", "pdserve_pb2_grpc.py"]
 def test_generated_modules_are_up_to_date(tmp_path):
     (tmp_path / "protos").mkdir()
     shutil.copy(ROOT / "protos" / "pdserve.proto", tmp_path / "protos")
-    cmd = [sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.", "--pyi_out=.",
-           "--grpc_python_out=.", "protos/pdserve.proto"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
+        "-I.",
+        "--python_out=.",
+        "--pyi_out=.",
+        "--grpc_python_out=.",
+        "protos/pdserve.proto",
+    ]
     subprocess.run(cmd, cwd=tmp_path, check=True)
     for name in GENERATED:
         fresh = (tmp_path / "protos" / name).read_text()

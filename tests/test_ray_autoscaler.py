@@ -6,8 +6,15 @@ from __future__ import annotations
 from pdserve.autoscaler import Autoscaler, PoolSignal, latency_summary
 from pdserve.config import AutoscalerConfig
 
-CFG = AutoscalerConfig(enabled=True, cooldown_s=10, ttft_target_s=1.0, tpot_target_s=0.05,
-                       prefill_tokens_per_s=1000, kv_high=0.8, kv_low=0.3)
+CFG = AutoscalerConfig(
+    enabled=True,
+    cooldown_s=10,
+    ttft_target_s=1.0,
+    tpot_target_s=0.05,
+    prefill_tokens_per_s=1000,
+    kv_high=0.8,
+    kv_low=0.3,
+)
 BOUNDS = {"prefill": (1, 3), "decode": (1, 4)}
 
 
@@ -20,7 +27,9 @@ def test_decode_grows_when_tpot_is_over_target_and_shrinks_when_idle():
 
 
 def test_decode_grows_on_kv_usage_alone():
-    d = Autoscaler(CFG, BOUNDS).decide("decode", 2, PoolSignal(size=2, kv_usage=0.9, tpot_s=0.01), 0)
+    d = Autoscaler(CFG, BOUNDS).decide(
+        "decode", 2, PoolSignal(size=2, kv_usage=0.9, tpot_s=0.01), 0
+    )
     assert d.new == 3 and "KV usage" in d.reason
 
 

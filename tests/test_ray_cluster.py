@@ -31,8 +31,13 @@ from tests.ray_utils import (
 
 @pytest.fixture(scope="module")
 def ray_address():
-    ctx = ray.init(num_cpus=4, namespace=NAMESPACE, include_dashboard=False,
-                   object_store_memory=100 * 2**20, log_to_driver=False)
+    ctx = ray.init(
+        num_cpus=4,
+        namespace=NAMESPACE,
+        include_dashboard=False,
+        object_store_memory=100 * 2**20,
+        log_to_driver=False,
+    )
     yield ctx.address_info["gcs_address"]
     ray.shutdown()
 
@@ -54,8 +59,11 @@ def reference(tiny_model, prompts):
 
 
 def pdserve_actors() -> list[str]:
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith("pdserve")]
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("pdserve")
+    ]
 
 
 def _read_until_ready(proc: subprocess.Popen, lines: list[str]) -> dict:
@@ -71,22 +79,33 @@ def _read_until_ready(proc: subprocess.Popen, lines: list[str]) -> dict:
     raise AssertionError(f"serve exited with {proc.wait()} before ready:\n{''.join(lines)}")
 
 
-def test_serve_matches_engine_and_leaves_no_actors(ray_address, tiny_model, prompts, reference,
-                                                   tmp_path):
+def test_serve_matches_engine_and_leaves_no_actors(
+    ray_address, tiny_model, prompts, reference, tmp_path
+):
     config = tmp_path / "cluster.yaml"
     config.write_text(yaml.safe_dump(tiny_config(tiny_model).model_dump()))
     cli = [sys.executable, "-m", "pdserve.cli"]
-    proc = subprocess.Popen([*cli, "serve", "--config", str(config), "--address", ray_address],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=REPO_ROOT)
+    proc = subprocess.Popen(
+        [*cli, "serve", "--config", str(config), "--address", ray_address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO_ROOT,
+    )
     lines: list[str] = []
     try:
         addresses = _read_until_ready(proc, lines)
         outs = generate(addresses["grpc"], prompts)
         assert [o.token_ids for o in outs] == reference
         assert all(o.timings.kv_bytes > 0 for o in outs)
-        status = subprocess.run([*cli, "status", "--address", ray_address], check=False,
-                                capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+        status = subprocess.run(
+            [*cli, "status", "--address", ray_address],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO_ROOT,
+        )
         assert status.returncode == 0, status.stderr
         assert "prefill-0" in status.stdout and "decode-0" in status.stdout
         assert "healthy" in status.stdout
@@ -100,28 +119,50 @@ def test_serve_matches_engine_and_leaves_no_actors(ray_address, tiny_model, prom
     wait_for(lambda: not pdserve_actors(), 30, "every pdserve actor to go away")
 
 
-def test_autoscaler_grows_decode_on_tpot_and_shrinks_when_idle(ray_address, tiny_model, prompts,
-                                                                reference):
+def test_autoscaler_grows_decode_on_tpot_and_shrinks_when_idle(
+    ray_address, tiny_model, prompts, reference
+):
     # Any real load is slower than a 0.1 ms TPOT target; no requests for a window is idle.
-    autoscaler = {"enabled": True, "period_s": 0.3, "cooldown_s": 1.0, "window_s": 1.5,
-                  "tpot_target_s": 1e-4, "ttft_target_s": 60.0}
-    cfg = tiny_config(tiny_model, autoscaler=autoscaler,
-                      pools={"prefill": {"num_cpus": 0, "threads": 1, "min": 1, "max": 1},
-                             "decode": {"num_cpus": 0, "threads": 1, "min": 1, "max": 2}})
+    autoscaler = {
+        "enabled": True,
+        "period_s": 0.3,
+        "cooldown_s": 1.0,
+        "window_s": 1.5,
+        "tpot_target_s": 1e-4,
+        "ttft_target_s": 60.0,
+    }
+    cfg = tiny_config(
+        tiny_model,
+        autoscaler=autoscaler,
+        pools={
+            "prefill": {"num_cpus": 0, "threads": 1, "min": 1, "max": 1},
+            "decode": {"num_cpus": 0, "threads": 1, "min": 1, "max": 2},
+        },
+    )
     with launch(cfg, progress=False) as cluster:
+
         def decode_ready():
             pool = cluster.status()["pools"]["decode"]
             return [w for w in pool["workers"] if w["state"] == "ready"]
 
         with SteadyStream(cluster.grpc_address, prompts, reference) as stream:
             wait_for(lambda: len(decode_ready()) == 2, 60, "the decode pool to grow to 2")
-            wait_for(lambda: all(w["served_requests"] for w in decode_ready()), 20,
-                     "both decode workers to take traffic")
+            wait_for(
+                lambda: all(w["served_requests"] for w in decode_ready()),
+                20,
+                "both decode workers to take traffic",
+            )
         assert not stream.failures, stream.failures[:3]
-        wait_for(lambda: cluster.status()["pools"]["decode"]["target"] == 1, 30,
-                 "the decode pool to shrink once load stops")
-        wait_for(lambda: len(cluster.status()["pools"]["decode"]["workers"]) == 1, 30,
-                 "the extra decode worker to drain and stop")
+        wait_for(
+            lambda: cluster.status()["pools"]["decode"]["target"] == 1,
+            30,
+            "the decode pool to shrink once load stops",
+        )
+        wait_for(
+            lambda: len(cluster.status()["pools"]["decode"]["workers"]) == 1,
+            30,
+            "the extra decode worker to drain and stop",
+        )
         st = cluster.status()
         assert st["pools"]["prefill"]["target"] == 1
         assert any("autoscaler: TPOT" in e for e in st["events"])
@@ -143,8 +184,10 @@ def test_scale_up_and_down_during_a_steady_stream(cluster, prompts, reference):
     with SteadyStream(cluster.grpc_address, prompts, reference) as stream:
         wait_for(lambda: stream.completed >= 5, 30, "the stream to start")
         up = cluster.scale(prefill=2, decode=2)
-        new = {"prefill": _pool_ids(up, "prefill") - _pool_ids(before, "prefill"),
-               "decode": _pool_ids(up, "decode") - _pool_ids(before, "decode")}
+        new = {
+            "prefill": _pool_ids(up, "prefill") - _pool_ids(before, "prefill"),
+            "decode": _pool_ids(up, "decode") - _pool_ids(before, "decode"),
+        }
         assert all(len(ids) == 1 for ids in new.values())
         new_ids = new["prefill"] | new["decode"]
 
@@ -177,11 +220,14 @@ def test_killed_workers_are_replaced(cluster, prompts, reference):
 
     def replaced():
         st = cluster.status()
-        return all(
-            len([w for w in st["pools"][role]["workers"] if w["state"] == "ready"]) == 1
-            and victims[role] not in _pool_ids(st, role)
-            for role in victims
-        ) and st
+        return (
+            all(
+                len([w for w in st["pools"][role]["workers"] if w["state"] == "ready"]) == 1
+                and victims[role] not in _pool_ids(st, role)
+                for role in victims
+            )
+            and st
+        )
 
     st = wait_for(replaced, 60, "replacements for the killed workers")
     assert all(st["pools"][role]["target"] == 1 for role in victims)

@@ -31,8 +31,16 @@ def test_pools_on_their_own_nodes_with_kv_over_grpc(nodes, tmp_path):
     model, _ = tiny_llama_dir(tmp_path, num_kv_heads=2, layers=2, seed=5)
     prompts = make_prompts(6, seed=1)
     reference = engine_reference(model, prompts)
-    pools = {role: {"num_cpus": 0, "threads": 1, "replicas": n, "max": 2,
-                    "resources": {f"{role}_node": 1}} for role, n in (("prefill", 1), ("decode", 2))}
+    pools = {
+        role: {
+            "num_cpus": 0,
+            "threads": 1,
+            "replicas": n,
+            "max": 2,
+            "resources": {f"{role}_node": 1},
+        }
+        for role, n in (("prefill", 1), ("decode", 2))
+    }
     with launch(tiny_config(model, pools=pools, kv_transport="grpc"), progress=False) as cluster:
         st = cluster.status()
         for role, node_id in nodes.items():

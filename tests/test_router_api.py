@@ -6,8 +6,6 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
 from pdserve.client import Client
 from pdserve.local_cluster import ClusterSpec, LocalCluster
 from tests.cluster_utils import assert_all_blocks_free

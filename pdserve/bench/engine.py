@@ -34,8 +34,12 @@ class Row:
 
 def model_costs(cfg):
     embed = cfg.vocab_size * cfg.hidden_size
-    per_layer = (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
-                 + 3 * cfg.hidden_size * cfg.intermediate_size + 2 * cfg.hidden_size)
+    per_layer = (
+        cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size)
+        + cfg.q_size * cfg.hidden_size
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+        + 2 * cfg.hidden_size
+    )
     non_embedding = cfg.num_layers * per_layer + cfg.hidden_size
     return embed, non_embedding
 
@@ -88,7 +92,9 @@ class HFRunner:
     def __init__(self, model_dir):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32
+        ).eval()
 
     @torch.inference_mode()
     def prefill_seconds(self, n: int) -> float:
@@ -109,8 +115,14 @@ class HFRunner:
         return best_time(one_step, reps=5, warmup=2)
 
 
-def run(model: str = "embedded", threads: int = 0, prompt_lens=(128, 512, 1024),
-        batches=(1, 8, 32), contexts=(256, 1024), baseline: bool = True) -> dict:
+def run(
+    model: str = "embedded",
+    threads: int = 0,
+    prompt_lens=(128, 512, 1024),
+    batches=(1, 8, 32),
+    contexts=(256, 1024),
+    baseline: bool = True,
+) -> dict:
     from engine.config import CacheConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
     from engine.model_files import resolve_model_dir
@@ -120,8 +132,13 @@ def run(model: str = "embedded", threads: int = 0, prompt_lens=(128, 512, 1024),
     model_dir = resolve_model_dir(model)
     max_ctx = max(max(prompt_lens), max(contexts)) + 16
     blocks = max(batches) * (max(contexts) // 16 + 2) + 8
-    engine = LLMEngine.from_model_path(model_dir, CacheConfig(16, blocks), SchedulerConfig(max_ctx),
-                                       max_model_len=max_ctx + 16, progress=False)
+    engine = LLMEngine.from_model_path(
+        model_dir,
+        CacheConfig(16, blocks),
+        SchedulerConfig(max_ctx),
+        max_model_len=max_ctx + 16,
+        progress=False,
+    )
     cfg = engine.config.model
     peak, bandwidth = gemm_peak(), read_bandwidth()
     ours, hf = EngineRunner(engine), HFRunner(model_dir) if baseline else None
@@ -134,7 +151,9 @@ def run(model: str = "embedded", threads: int = 0, prompt_lens=(128, 512, 1024),
         for c in contexts:
             t, t_hf = ours.decode_seconds(b, c), hf.decode_seconds(b, c) if hf else float("nan")
             nbytes = decode_bytes(cfg, b, c)
-            rows.append(Row("decode", b, c, t, t_hf, nbytes / t / bandwidth, nbytes / t_hf / bandwidth))
+            rows.append(
+                Row("decode", b, c, t, t_hf, nbytes / t / bandwidth, nbytes / t_hf / bandwidth)
+            )
     return {
         "threads": torch.get_num_threads(),
         "gemm_peak_gflops": peak / 1e9,
@@ -145,10 +164,14 @@ def run(model: str = "embedded", threads: int = 0, prompt_lens=(128, 512, 1024),
 
 def format_report(result: dict) -> str:
     lines = [
-        (f"threads {result['threads']}  GEMM peak {result['gemm_peak_gflops']:.1f} GFLOP/s  "
-         f"read bandwidth {result['read_bandwidth_gbs']:.1f} GB/s"),
-        (f"{'phase':<8}{'batch':>6}{'tokens':>8}{'pdserve ms':>12}{'hf ms':>10}{'ratio':>8}"
-         f"{'hf ratio':>10}{'speedup':>9}   ratio = MFU (prefill) / MBU (decode)"),
+        (
+            f"threads {result['threads']}  GEMM peak {result['gemm_peak_gflops']:.1f} GFLOP/s  "
+            f"read bandwidth {result['read_bandwidth_gbs']:.1f} GB/s"
+        ),
+        (
+            f"{'phase':<8}{'batch':>6}{'tokens':>8}{'pdserve ms':>12}{'hf ms':>10}{'ratio':>8}"
+            f"{'hf ratio':>10}{'speedup':>9}   ratio = MFU (prefill) / MBU (decode)"
+        ),
     ]
     for r in result["rows"]:
         lines.append(
@@ -159,7 +182,9 @@ def format_report(result: dict) -> str:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("engine", help="prefill MFU / decode MBU vs measured limits and transformers")
+    p = sub.add_parser(
+        "engine", help="prefill MFU / decode MBU vs measured limits and transformers"
+    )
     p.add_argument("--model", default="embedded")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     p.add_argument("--prompt-lens", default="128,512,1024")
@@ -176,8 +201,14 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _main(args) -> int:
     started = time.time()
-    result = run(args.model, args.threads, _ints(args.prompt_lens), _ints(args.batches),
-                 _ints(args.contexts), baseline=not args.no_baseline)
+    result = run(
+        args.model,
+        args.threads,
+        _ints(args.prompt_lens),
+        _ints(args.batches),
+        _ints(args.contexts),
+        baseline=not args.no_baseline,
+    )
     print(format_report(result))
     print(f"({time.time() - started:.0f} s)")
     if args.json:

@@ -134,8 +134,9 @@ class BenchResult:
         return {**meta, **out}
 
 
-def compute_result(records: list[RequestRecord], duration: float, slo: SLO = SLO(),
-                   meta: dict | None = None) -> BenchResult:
+def compute_result(
+    records: list[RequestRecord], duration: float, slo: SLO = SLO(), meta: dict | None = None
+) -> BenchResult:
     done = [r for r in records if r.success]
     ttfts = [r.ttft for r in done]
     tpots = [t for t in (r.tpot for r in done) if t is not None]
@@ -176,6 +177,7 @@ def compute_result(records: list[RequestRecord], duration: float, slo: SLO = SLO
 
 def format_result(res: BenchResult, title: str = "Serving Benchmark Result") -> str:
     """A text table in the layout of `vllm bench serve`'s summary."""
+
     def opt(v, fmt="{:.2f}"):
         return "n/a" if v is None else fmt.format(v)
 
@@ -192,13 +194,19 @@ def format_result(res: BenchResult, title: str = "Serving Benchmark Result") -> 
         ("Total token throughput (tok/s):", f"{res.total_token_throughput:.2f}"),
     ]
     lines = [f"{title:=^60}"] + [f"{k:<42}{v:>18}" for k, v in rows]
-    names = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-             "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+    names = {
+        "ttft": "Time to First Token",
+        "tpot": "Time per Output Token (excl. 1st token)",
+        "itl": "Inter-token Latency",
+        "e2el": "End-to-end Latency",
+    }
     for metric, name in names.items():
         stats: LatencyStats = getattr(res, f"{metric}_ms")
         lines.append(f"{name:-^60}")
         for stat in ("mean", "median", "p90", "p99"):
             label = f"{stat.capitalize() if stat in ('mean', 'median') else stat.upper()}"
-            lines.append(f"{label + ' ' + metric.upper() + ' (ms):':<42}{getattr(stats, stat):>18.2f}")
+            lines.append(
+                f"{label + ' ' + metric.upper() + ' (ms):':<42}{getattr(stats, stat):>18.2f}"
+            )
     lines.append("=" * 60)
     return "\n".join(lines)

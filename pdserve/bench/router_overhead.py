@@ -24,8 +24,14 @@ from protos import pdserve_pb2_grpc as pb_grpc
 class InstantDecode(pb_grpc.DecodeWorkerServicer):
     def Reserve(self, request, context):
         n = -(-request.num_tokens // 16)
-        return pb.ReserveResponse(lease_id="l", block_ids=list(range(n)), block_size=16,
-                                  kv_endpoint="local://none", kv_transport="local", deadline_s=30)
+        return pb.ReserveResponse(
+            lease_id="l",
+            block_ids=list(range(n)),
+            block_size=16,
+            kv_endpoint="local://none",
+            kv_transport="local",
+            deadline_s=30,
+        )
 
     def Release(self, request, context):
         return pb.ReleaseResponse(released=True)
@@ -81,14 +87,21 @@ async def _measure(n: int, prompt_tokens: int) -> dict:
 
     decode, d_addr = _serve(InstantDecode(), pb_grpc.add_DecodeWorkerServicer_to_server)
     prefill, p_addr = _serve(InstantPrefill(), pb_grpc.add_PrefillWorkerServicer_to_server)
-    servers = await start_router(RouterConfig(model_dir=_tokenizer_dir(), max_model_len=4096), [p_addr], [d_addr])
+    servers = await start_router(
+        RouterConfig(model_dir=_tokenizer_dir(), max_model_len=4096), [p_addr], [d_addr]
+    )
     prompt = list(range(1, 128)) * (prompt_tokens // 127 + 1)
     prompt = prompt[:prompt_tokens]
     try:
-        async with grpc.aio.insecure_channel(p_addr) as p_ch, grpc.aio.insecure_channel(servers.grpc_address) as r_ch:
+        async with (
+            grpc.aio.insecure_channel(p_addr) as p_ch,
+            grpc.aio.insecure_channel(servers.grpc_address) as r_ch,
+        ):
             p_stub, r_stub = pb_grpc.PrefillWorkerStub(p_ch), pb_grpc.GenerationStub(r_ch)
             direct_req = pb.PrefillRequest(request_id="x", prompt_token_ids=prompt)
-            routed_req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=2))
+            routed_req = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=2)
+            )
             await _first_token_seconds(lambda: p_stub.Prefill(direct_req), 20)  # warm up both paths
             await _first_token_seconds(lambda: r_stub.Generate(routed_req), 20)
             direct = await _first_token_seconds(lambda: p_stub.Prefill(direct_req), n)
@@ -124,9 +137,13 @@ def add_parser(sub) -> None:
 
 def _main(args) -> int:
     result = asyncio.run(_measure(args.requests, args.prompt_tokens))
-    print(f"first token straight from an instant prefill worker: p50 {result['direct_p50_ms']:.2f} ms")
-    print(f"first token through the router:                      p50 {result['routed_p50_ms']:.2f} ms "
-          f"(p90 {result['routed_p90_ms']:.2f})")
+    print(
+        f"first token straight from an instant prefill worker: p50 {result['direct_p50_ms']:.2f} ms"
+    )
+    print(
+        f"first token through the router:                      p50 {result['routed_p50_ms']:.2f} ms "
+        f"(p90 {result['routed_p90_ms']:.2f})"
+    )
     print(f"router adds p50 {result['router_added_p50_ms']:.2f} ms to TTFT (target < 2 ms)")
     if args.json:
         with open(args.json, "w") as f:

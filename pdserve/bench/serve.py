@@ -45,7 +45,9 @@ class ServeConfig:
     timeout_s: float = 600.0
     api_key: str | None = None
     temperature: float | None = None  # None: the server's default, as vLLM's bench does
-    ignore_eos: bool = False  # not vLLM's default; for fixed-length runs against servers that know it
+    ignore_eos: bool = (
+        False  # not vLLM's default; for fixed-length runs against servers that know it
+    )
     progress: bool = True
 
     @property
@@ -103,7 +105,7 @@ def apply_sse_line(line: str, record: RequestRecord, now: float) -> bool:
     line = line.strip()
     if not line.startswith("data:"):
         return True
-    data = line[len("data:"):].strip()
+    data = line[len("data:") :].strip()
     if data == "[DONE]":
         return False
     chunk = json.loads(data)
@@ -169,8 +171,13 @@ async def _timed_run(client, cfg: ServeConfig, model: str, workload: Workload):
     path = ENDPOINTS[cfg.endpoint]
     offsets = poisson_schedule(len(workload.requests), cfg.rate, cfg.seed)
     limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-    bar = tqdm(total=len(workload.requests), desc="bench serve", unit="req",
-               disable=not cfg.progress, file=sys.stderr)
+    bar = tqdm(
+        total=len(workload.requests),
+        desc="bench serve",
+        unit="req",
+        disable=not cfg.progress,
+        file=sys.stderr,
+    )
 
     async def one(req: BenchRequest) -> RequestRecord:
         payload = build_payload(req, cfg, model)
@@ -200,8 +207,9 @@ def _client(cfg: ServeConfig):
     n = max(cfg.num_requests, 1)
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
     timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
-    return httpx.AsyncClient(base_url=cfg.base_url, headers=headers, limits=limits,
-                             timeout=timeout, trust_env=False)
+    return httpx.AsyncClient(
+        base_url=cfg.base_url, headers=headers, limits=limits, timeout=timeout, trust_env=False
+    )
 
 
 async def run_benchmark(cfg: ServeConfig, workload: Workload | None = None) -> BenchResult:
@@ -214,10 +222,17 @@ async def run_benchmark(cfg: ServeConfig, workload: Workload | None = None) -> B
         model = cfg.model or await fetch_model(client)
         await _warm_up(client, cfg, model, workload.nonce)
         records, duration = await _timed_run(client, cfg, model, workload)
-    meta = {"url": cfg.url, "model": model, "endpoint": cfg.endpoint, "workload": cfg.workload,
-            "request_rate": cfg.rate if math.isfinite(cfg.rate) else "inf", "seed": cfg.seed,
-            "nonce": workload.nonce, "max_concurrency": cfg.max_concurrency,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    meta = {
+        "url": cfg.url,
+        "model": model,
+        "endpoint": cfg.endpoint,
+        "workload": cfg.workload,
+        "request_rate": cfg.rate if math.isfinite(cfg.rate) else "inf",
+        "seed": cfg.seed,
+        "nonce": workload.nonce,
+        "max_concurrency": cfg.max_concurrency,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     return compute_result(records, duration, cfg.slo, meta)
 
 
@@ -228,8 +243,12 @@ def plot_cdfs(result: BenchResult, path: str | Path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("TTFT", result.ttfts, result.slo_ttft_s), ("TPOT", result.tpots, result.slo_tpot_s),
-              ("ITL", result.itls, None), ("E2E latency", result.e2els, None)]
+    panels = [
+        ("TTFT", result.ttfts, result.slo_ttft_s),
+        ("TPOT", result.tpots, result.slo_tpot_s),
+        ("ITL", result.itls, None),
+        ("E2E latency", result.e2els, None),
+    ]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, (name, seconds, slo) in zip(axes.flat, panels):
         ms = np.sort(np.asarray(seconds, dtype=np.float64) * 1000.0)
@@ -241,8 +260,9 @@ def plot_cdfs(result: BenchResult, path: str | Path, title: str = "") -> None:
         ylabel = "fraction of gaps" if name == "ITL" else "fraction of requests"
         ax.set(title=name, xlabel="ms", ylabel=ylabel, ylim=(0, 1.02))
         ax.grid(alpha=0.3)
-    fig.suptitle(title or f"{result.meta.get('workload', '')} @ {result.meta.get('request_rate')}"
-                 " req/s")
+    fig.suptitle(
+        title or f"{result.meta.get('workload', '')} @ {result.meta.get('request_rate')} req/s"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -274,11 +294,22 @@ def add_load_args(p) -> None:
 
 def config_from_args(args, rate: float) -> ServeConfig:
     return ServeConfig(
-        url=args.url, workload=args.workload, num_requests=args.num_requests, rate=rate,
-        seed=args.seed, nonce=args.nonce, endpoint=args.endpoint, model=args.model,
-        slo=SLO(args.slo_ttft, args.slo_tpot), warmup=args.warmup,
-        max_concurrency=args.max_concurrency, timeout_s=args.timeout, api_key=args.api_key,
-        temperature=args.temperature, ignore_eos=args.ignore_eos, progress=not args.no_progress,
+        url=args.url,
+        workload=args.workload,
+        num_requests=args.num_requests,
+        rate=rate,
+        seed=args.seed,
+        nonce=args.nonce,
+        endpoint=args.endpoint,
+        model=args.model,
+        slo=SLO(args.slo_ttft, args.slo_tpot),
+        warmup=args.warmup,
+        max_concurrency=args.max_concurrency,
+        timeout_s=args.timeout,
+        api_key=args.api_key,
+        temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
+        progress=not args.no_progress,
     )
 
 

@@ -41,8 +41,15 @@ def goodput_of(points: list[SweepPoint], target: float = ATTAINMENT_TARGET) -> f
 
 
 def point_of(rate: float, res: BenchResult) -> SweepPoint:
-    return SweepPoint(rate, res.slo_attainment or 0.0, res.request_goodput or 0.0,
-                      res.request_throughput, res.ttft_ms.p90, res.tpot_ms.p90, res.failed)
+    return SweepPoint(
+        rate,
+        res.slo_attainment or 0.0,
+        res.request_goodput or 0.0,
+        res.request_throughput,
+        res.ttft_ms.p90,
+        res.tpot_ms.p90,
+        res.failed,
+    )
 
 
 async def run_sweep(cfg: ServeConfig, rates: list[float]) -> tuple[list[SweepPoint], list[dict]]:
@@ -51,8 +58,12 @@ async def run_sweep(cfg: ServeConfig, rates: list[float]) -> tuple[list[SweepPoi
         raise BenchError("a sweep needs --slo-ttft and/or --slo-tpot")
     points, runs = [], []
     for i, rate in enumerate(sorted(rates)):
-        run_cfg = with_rate(cfg, rate, nonce=new_nonce() if cfg.nonce is None else f"{cfg.nonce}-{i}",
-                            warmup=cfg.warmup if i == 0 else 0)
+        run_cfg = with_rate(
+            cfg,
+            rate,
+            nonce=new_nonce() if cfg.nonce is None else f"{cfg.nonce}-{i}",
+            warmup=cfg.warmup if i == 0 else 0,
+        )
         res = await run_benchmark(run_cfg)
         points.append(point_of(rate, res))
         runs.append(res.to_dict())
@@ -60,16 +71,21 @@ async def run_sweep(cfg: ServeConfig, rates: list[float]) -> tuple[list[SweepPoi
 
 
 def format_sweep(points: list[SweepPoint]) -> str:
-    header = (f"{'rate':>8} {'attain':>8} {'goodput':>9} {'thruput':>9} {'p90 TTFT':>10} "
-              f"{'p90 TPOT':>10} {'failed':>7}")
+    header = (
+        f"{'rate':>8} {'attain':>8} {'goodput':>9} {'thruput':>9} {'p90 TTFT':>10} "
+        f"{'p90 TPOT':>10} {'failed':>7}"
+    )
     lines = [header]
     for p in points:
-        lines.append(f"{p.rate:>8.3g} {p.slo_attainment:>8.1%} {p.request_goodput:>9.3f} "
-                     f"{p.request_throughput:>9.3f} {p.p90_ttft_ms:>8.0f}ms {p.p90_tpot_ms:>8.1f}ms "
-                     f"{p.failed:>7}")
+        lines.append(
+            f"{p.rate:>8.3g} {p.slo_attainment:>8.1%} {p.request_goodput:>9.3f} "
+            f"{p.request_throughput:>9.3f} {p.p90_ttft_ms:>8.0f}ms {p.p90_tpot_ms:>8.1f}ms "
+            f"{p.failed:>7}"
+        )
     goodput = goodput_of(points)
-    lines.append(f"goodput (highest rate with >= {ATTAINMENT_TARGET:.0%} attainment): "
-                 f"{goodput:g} req/s")
+    lines.append(
+        f"goodput (highest rate with >= {ATTAINMENT_TARGET:.0%} attainment): {goodput:g} req/s"
+    )
     return "\n".join(lines)
 
 
@@ -90,7 +106,13 @@ def cmd_sweep(args) -> int:
         return 2
     print(format_sweep(points))
     if args.json_out:
-        write_json(args.json_out, {"goodput": goodput_of(points),
-                                   "attainment_target": ATTAINMENT_TARGET,
-                                   "points": [vars(p) for p in points], "runs": runs})
+        write_json(
+            args.json_out,
+            {
+                "goodput": goodput_of(points),
+                "attainment_target": ATTAINMENT_TARGET,
+                "points": [vars(p) for p in points],
+                "runs": runs,
+            },
+        )
     return 0

@@ -56,8 +56,10 @@ class KVShape:
     def make_cache(self, zero: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         new = torch.zeros if zero else torch.randn
-        return [(new(shape, dtype=self.dtype), new(shape, dtype=self.dtype))
-                for _ in range(self.num_layers)]
+        return [
+            (new(shape, dtype=self.dtype), new(shape, dtype=self.dtype))
+            for _ in range(self.num_layers)
+        ]
 
 
 @dataclass
@@ -153,12 +155,15 @@ def _push_once(sender, leases, shape: KVShape, src, src_ids, tag: str):
 
 
 def _blocks_equal(src, dst, src_ids) -> bool:
-    return all(torch.equal(kd, ks[src_ids]) and torch.equal(vd, vs[src_ids])
-               for (ks, vs), (kd, vd) in zip(src, dst))
+    return all(
+        torch.equal(kd, ks[src_ids]) and torch.equal(vd, vs[src_ids])
+        for (ks, vs), (kd, vd) in zip(src, dst)
+    )
 
 
-def measure_transport(name: str, shape: KVShape, repeats: int, loopback_best: float,
-                      seed: int = 0) -> TransportResult:
+def measure_transport(
+    name: str, shape: KVShape, repeats: int, loopback_best: float, seed: int = 0
+) -> TransportResult:
     from kv_transfer import KVReceiver, LeaseTable, make_sender, start_receiver_server
 
     torch.manual_seed(seed)
@@ -181,15 +186,24 @@ def measure_transport(name: str, shape: KVShape, repeats: int, loopback_best: fl
     ok &= _blocks_equal(src, dst, src_ids)
     rates = [shape.bytes_per_push / s / 1e6 for s in seconds]
     best = max(rates)
-    return TransportResult(name, shape.bytes_per_push, seconds, best, statistics.median(rates),
-                           best / loopback_best, frames, ok)
+    return TransportResult(
+        name,
+        shape.bytes_per_push,
+        seconds,
+        best,
+        statistics.median(rates),
+        best / loopback_best,
+        frames,
+        ok,
+    )
 
 
 # ---- share of TTFT ------------------------------------------------------------------------
 
 
-def measure_ttft_share(model: str, transport: str, prompt_tokens: int, runs: int,
-                       seed: int = 0) -> TTFTShare:
+def measure_ttft_share(
+    model: str, transport: str, prompt_tokens: int, runs: int, seed: int = 0
+) -> TTFTShare:
     """Prompts of ``prompt_tokens`` random token ids (fresh per request: no prefix-cache hits)
     through a one-prefill, one-decode local cluster; one warm-up request first."""
     from engine.loader import load_config
@@ -198,9 +212,14 @@ def measure_ttft_share(model: str, transport: str, prompt_tokens: int, runs: int
 
     block_size = 16
     per_request = math.ceil((prompt_tokens + 16) / block_size)
-    spec = ClusterSpec(model=model, kv_transport=transport, block_size=block_size,
-                       num_blocks=4 * per_request, max_model_len=per_request * block_size,
-                       max_num_batched_tokens=max(512, prompt_tokens))
+    spec = ClusterSpec(
+        model=model,
+        kv_transport=transport,
+        block_size=block_size,
+        num_blocks=4 * per_request,
+        max_model_len=per_request * block_size,
+        max_num_batched_tokens=max(512, prompt_tokens),
+    )
     rng = np.random.default_rng(seed)
     rows = []
     with LocalCluster(spec) as cluster, Client(cluster.address) as client:
@@ -221,13 +240,26 @@ def measure_ttft_share(model: str, transport: str, prompt_tokens: int, runs: int
 # ---- report -------------------------------------------------------------------------------
 
 
-def run_transfer_bench(shape: KVShape, transports, repeats: int, loopback_bytes: int,
-                       ttft_model: str | None, ttft_transports=(), ttft_runs: int = 3,
-                       log=print) -> TransferReport:
+def run_transfer_bench(
+    shape: KVShape,
+    transports,
+    repeats: int,
+    loopback_bytes: int,
+    ttft_model: str | None,
+    ttft_transports=(),
+    ttft_runs: int = 3,
+    log=print,
+) -> TransferReport:
     loop = loopback_mb_s(loopback_bytes, repeats)
-    report = TransferReport({**asdict(shape), "dtype": str(shape.dtype).removeprefix("torch."),
-                             "bytes_per_push": shape.bytes_per_push}, max(loop),
-                            statistics.median(loop))
+    report = TransferReport(
+        {
+            **asdict(shape),
+            "dtype": str(shape.dtype).removeprefix("torch."),
+            "bytes_per_push": shape.bytes_per_push,
+        },
+        max(loop),
+        statistics.median(loop),
+    )
     log(f"loopback TCP: {report.loopback_best_mb_s:,.0f} MB/s (best of {repeats})")
     for name in transports:
         res = measure_transport(name, shape, repeats, report.loopback_best_mb_s)
@@ -243,24 +275,36 @@ def run_transfer_bench(shape: KVShape, transports, repeats: int, loopback_bytes:
 
 def format_report(r: TransferReport) -> str:
     s = r.shape
-    kv = (f"KV per push: {s['bytes_per_push'] / MiB:.1f} MiB ({s['tokens']} tokens x "
-          f"{s['num_layers']} layers, block {s['block_size']}, {s['num_kv_heads']} kv heads x "
-          f"{s['head_dim']}, {s['dtype']})")
-    limit = (f"loopback TCP (limit): best {r.loopback_best_mb_s:,.0f} MB/s, "
-             f"median {r.loopback_median_mb_s:,.0f} MB/s")
-    header = (f"{'transport':<12}{'best MB/s':>12}{'median MB/s':>13}{'x loopback':>12}"
-              f"{'frames':>8}{'bytes ok':>10}")
+    kv = (
+        f"KV per push: {s['bytes_per_push'] / MiB:.1f} MiB ({s['tokens']} tokens x "
+        f"{s['num_layers']} layers, block {s['block_size']}, {s['num_kv_heads']} kv heads x "
+        f"{s['head_dim']}, {s['dtype']})"
+    )
+    limit = (
+        f"loopback TCP (limit): best {r.loopback_best_mb_s:,.0f} MB/s, "
+        f"median {r.loopback_median_mb_s:,.0f} MB/s"
+    )
+    header = (
+        f"{'transport':<12}{'best MB/s':>12}{'median MB/s':>13}{'x loopback':>12}"
+        f"{'frames':>8}{'bytes ok':>10}"
+    )
     lines = [f"{' KV Transfer Benchmark ':=^78}", kv, limit, header]
     for t in r.transports:
-        lines.append(f"{t.transport:<12}{t.best_mb_s:>12,.0f}{t.median_mb_s:>13,.0f}"
-                     f"{t.ratio_to_loopback:>12.2f}{t.frames_per_push:>8}{t.bytes_ok!s:>10}")
+        lines.append(
+            f"{t.transport:<12}{t.best_mb_s:>12,.0f}{t.median_mb_s:>13,.0f}"
+            f"{t.ratio_to_loopback:>12.2f}{t.frames_per_push:>8}{t.bytes_ok!s:>10}"
+        )
     if r.ttft:
-        lines.append(f"{'transport':<12}{'prompt':>8}{'prefill s':>11}{'kv exposed s':>14}"
-                     f"{'TTFT s':>9}{'KV MiB':>8}{'share':>8}")
+        lines.append(
+            f"{'transport':<12}{'prompt':>8}{'prefill s':>11}{'kv exposed s':>14}"
+            f"{'TTFT s':>9}{'KV MiB':>8}{'share':>8}"
+        )
     for t in r.ttft:
-        lines.append(f"{t.transport:<12}{t.prompt_tokens:>8}{t.prefill_s:>11.3f}"
-                     f"{t.kv_transfer_s:>14.4f}{t.ttft_s:>9.3f}{t.kv_bytes / MiB:>8.1f}"
-                     f"{t.share_of_ttft:>8.1%}")
+        lines.append(
+            f"{t.transport:<12}{t.prompt_tokens:>8}{t.prefill_s:>11.3f}"
+            f"{t.kv_transfer_s:>14.4f}{t.ttft_s:>9.3f}{t.kv_bytes / MiB:>8.1f}"
+            f"{t.share_of_ttft:>8.1%}"
+        )
     lines.append("=" * 78)
     return "\n".join(lines)
 
@@ -293,9 +337,15 @@ def _names(csv: str) -> list[str]:
 def cmd_transfer(args) -> int:
     shape = KVShape(args.layers, args.block_size, args.kv_heads, args.head_dim, args.tokens)
     report = run_transfer_bench(
-        shape, _names(args.transports), args.repeats, args.loopback_mib * MiB, args.model,
-        _names(args.ttft_transports), args.ttft_runs,
-        log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        shape,
+        _names(args.transports),
+        args.repeats,
+        args.loopback_mib * MiB,
+        args.model,
+        _names(args.ttft_transports),
+        args.ttft_runs,
+        log=lambda msg: print(msg, file=sys.stderr, flush=True),
+    )
     print(format_report(report))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)

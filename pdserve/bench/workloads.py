@@ -51,11 +51,30 @@ _FILLERS = _words(
     "and and but while because although since then also often rarely soon still"
 )
 _TOPICS = (
-    "photosynthesis", "the water cycle", "compound interest", "a bicycle gear", "tides",
-    "the immune system", "a rainbow", "recursion", "an electric motor", "volcanoes",
-    "supply and demand", "a sourdough starter", "public key encryption", "the seasons",
-    "a steam engine", "jet streams", "bird migration", "a hash table", "the printing press",
-    "coral reefs", "a lighthouse", "inflation", "a vaccine", "plate tectonics",
+    "photosynthesis",
+    "the water cycle",
+    "compound interest",
+    "a bicycle gear",
+    "tides",
+    "the immune system",
+    "a rainbow",
+    "recursion",
+    "an electric motor",
+    "volcanoes",
+    "supply and demand",
+    "a sourdough starter",
+    "public key encryption",
+    "the seasons",
+    "a steam engine",
+    "jet streams",
+    "bird migration",
+    "a hash table",
+    "the printing press",
+    "coral reefs",
+    "a lighthouse",
+    "inflation",
+    "a vaccine",
+    "plate tectonics",
 )
 _CHAT_TEMPLATES = (
     "Can you explain how {t} works in simple terms?",
@@ -157,7 +176,9 @@ def longdoc_request(rng: np.random.Generator, nonce: str, index: int) -> BenchRe
     return BenchRequest(max_tokens, messages, kind="longdoc", words=num_words)
 
 
-def make_workload(name: str, num_requests: int, seed: int = 0, nonce: str | None = None) -> Workload:
+def make_workload(
+    name: str, num_requests: int, seed: int = 0, nonce: str | None = None
+) -> Workload:
     """``chat``, ``longdoc`` or ``mixed`` (a fifth long documents, in seeded positions)."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)} or a FILE")
@@ -175,8 +196,12 @@ def make_workload(name: str, num_requests: int, seed: int = 0, nonce: str | None
     return Workload(name, nonce, requests)
 
 
-def load_jsonl(path: str | Path, num_requests: int | None = None, nonce: str | None = None,
-               default_max_tokens: int = 128) -> Workload:
+def load_jsonl(
+    path: str | Path,
+    num_requests: int | None = None,
+    nonce: str | None = None,
+    default_max_tokens: int = 128,
+) -> Workload:
     """One request per line: {"prompt": str | "messages": [...], "max_tokens": int}.
 
     File prompts are used verbatim (a nonce is recorded but not added): the file is the load.

@@ -1,0 +1,45 @@
+"""What a prefill worker and a decode worker share: an engine driven by its own thread,
+aborts deferred to that thread, and a draining flag. No networking here."""
+
+from __future__ import annotations
+
+import uuid
+
+from engine.llm_engine import LLMEngine
+from engine.loop import EngineThread
+
+
+class EngineWorker:
+    role = "worker"
+
+    def __init__(self, engine: LLMEngine, worker_id: str | None = None):
+        self.engine = engine
+        self.worker_id = worker_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
+        self.scheduler = engine.scheduler
+        self.blocks = engine.blocks
+        self.loop = EngineThread(self._step, self._fail_all, name=f"{self.worker_id}-engine")
+        self._aborts: set[str] = set()
+        self.draining = False  # no new work is accepted; what runs finishes
+
+    @property
+    def block_size(self) -> int:
+        return self.blocks.block_size
+
+    def start(self) -> None:
+        self.loop.start()
+
+    def stop(self) -> None:
+        self.loop.stop()
+
+    def abort(self, request_id: str) -> None:
+        """Abort from an RPC thread: applied by the engine thread between steps, so a batch in
+        flight never loses blocks it is writing."""
+        with self.loop.lock:
+            self._aborts.add(request_id)
+        self.loop.wake()
+
+    def _step(self) -> bool:
+        raise NotImplementedError
+
+    def _fail_all(self, error: BaseException) -> None:
+        raise NotImplementedError
