@@ -131,6 +131,34 @@ def sweep_section(d: dict) -> list[str]:
     )
 
 
+def engine_section(d: dict) -> list[str]:
+    out = [
+        "### Engine (`bench engine`)",
+        "",
+        (
+            f"{d['threads']} thread(s). Limits: fp32 GEMM peak {d['gemm_peak_gflops']:.0f} GFLOP/s, "
+            f"streaming read bandwidth {d['read_bandwidth_gbs']:.1f} GB/s. Ratio = MFU for "
+            "prefill, MBU for decode; transformers on the same workload and threads beside it."
+        ),
+        "",
+    ]
+    rows = [
+        [
+            r["kind"],
+            r["batch"],
+            r["tokens"],
+            f"{r['seconds'] * 1e3:.1f}",
+            f"{r['hf_seconds'] * 1e3:.1f}",
+            f"{r['ratio']:.2f}",
+            f"{r['hf_ratio']:.2f}",
+            f"{r['speedup']:.2f}x",
+        ]
+        for r in d["rows"]
+    ]
+    header = ["phase", "batch", "tokens", "pdserve ms", "transformers ms", "ratio", "hf ratio"]
+    return out + _table(header + ["speedup"], rows)
+
+
 def generic_section(name: str, d) -> list[str]:
     """For benchmarks without a renderer here (e.g. ``bench engine``): rows of dicts, or
     top-level scalars."""
@@ -154,7 +182,12 @@ def render(out_dir: Path) -> str:
         ),
         "",
     ]
-    renderers = {"transfer": transfer_section, "serve": serve_section, "sweep": sweep_section}
+    renderers = {
+        "transfer": transfer_section,
+        "engine": engine_section,
+        "serve": serve_section,
+        "sweep": sweep_section,
+    }
     found = False
     for name in ("transfer", "engine", "serve", "sweep"):
         path = out_dir / f"{name}.json"
