@@ -5,24 +5,18 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from concurrent import futures
 
 import grpc
 
 from decode_worker.worker import DecodeWorker, ReservationError
 from engine.errors import InvalidRequestError
-from kv_transfer.auth import resolve_cluster_token, server_interceptors
+from kv_transfer.auth import resolve_cluster_token, worker_server
 from kv_transfer.frame import FrameError
 from kv_transfer.transports import add_kv_servicer, start_receiver_server
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger("pdserve.decode")
-
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", 8 * 2**20),
-    ("grpc.max_send_message_length", 8 * 2**20),
-]
 
 
 class DecodeServicer(pb_grpc.DecodeWorkerServicer):
@@ -118,15 +112,7 @@ def serve_decode_worker(
     With a cluster token (argument or PDSERVE_CLUSTER_TOKEN), every call, KV frames over gRPC
     included, must carry it."""
     token = resolve_cluster_token(cluster_token)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers),
-        options=GRPC_OPTIONS,
-        interceptors=server_interceptors(token),
-    )
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
-    address = f"{host}:{bound}"
+    server, address = worker_server(host, port, token, max_workers)
     kv_server = None
     if kv_transport == "grpc":
         add_kv_servicer(server, worker.receiver, token)

@@ -192,13 +192,7 @@ class DecodeWorker(EngineWorker):
     def status(self) -> dict:
         with self.loop.lock:
             return {
-                "worker_id": self.worker_id,
-                "role": "decode",
-                "num_free_blocks": self.blocks.num_free,
-                "num_total_blocks": self.blocks.num_total,
-                "num_running": len(self.scheduler.running),
-                "num_waiting": len(self.scheduler.waiting),
-                "draining": self.draining,
+                **self.base_status(),
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_leases": len(self.leases),
                 "frames_rejected": self.receiver.frames_rejected,

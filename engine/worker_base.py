@@ -38,6 +38,18 @@ class EngineWorker:
             self._aborts.add(request_id)
         self.loop.wake()
 
+    def base_status(self) -> dict:
+        """Status fields every worker reports (call with ``loop.lock`` held)."""
+        return {
+            "worker_id": self.worker_id,
+            "role": self.role,
+            "num_free_blocks": self.blocks.num_free,
+            "num_total_blocks": self.blocks.num_total,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "draining": self.draining,
+        }
+
     def _step(self) -> bool:
         raise NotImplementedError
 

@@ -59,3 +59,21 @@ class ClusterTokenInterceptor(grpc.ServerInterceptor):
 
 def server_interceptors(token: str | None) -> list[grpc.ServerInterceptor]:
     return [ClusterTokenInterceptor(token)] if token else []
+
+
+def worker_server(host: str, port: int, token: str | None, max_workers: int = 64):
+    """A worker's sync gRPC server, bound to ``host:port`` only, with KV-sized message limits
+    and the cluster-token check; returns (server, "host:port" actually bound)."""
+    from concurrent import futures
+
+    from kv_transfer.transport_grpc import message_options
+
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        options=message_options(),
+        interceptors=server_interceptors(token),
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    return server, f"{host}:{bound}"

@@ -5,24 +5,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent import futures
 
 import grpc
 
 from engine.errors import InvalidRequestError
 from engine.request import sampling_from_message
-from kv_transfer.auth import resolve_cluster_token, server_interceptors
+from kv_transfer.auth import resolve_cluster_token, worker_server
 from kv_transfer.sender import KVSender, TransferError, make_sender
 from prefill_worker.worker import PrefillWorker
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger("pdserve.prefill")
-
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", 8 * 2**20),
-    ("grpc.max_send_message_length", 8 * 2**20),
-]
 
 
 class SenderPool:
@@ -122,18 +116,10 @@ def serve_prefill_worker(
     With a cluster token (argument or PDSERVE_CLUSTER_TOKEN), callers must send it, and KV
     frames sent over gRPC carry it."""
     token = resolve_cluster_token(cluster_token)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers),
-        options=GRPC_OPTIONS,
-        interceptors=server_interceptors(token),
-    )
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+    server, address = worker_server(host, port, token, max_workers)
     senders = SenderPool(token)
     pb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker, senders), server)
     worker.start()
     server.start()
-    address = f"{host}:{bound}"
     log.info("prefill worker %s serving on %s", worker.worker_id, address)
     return server, address, senders

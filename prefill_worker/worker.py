@@ -170,14 +170,8 @@ class PrefillWorker(EngineWorker):
     def status(self) -> dict:
         with self.loop.lock:
             return {
-                "worker_id": self.worker_id,
-                "role": "prefill",
-                "num_free_blocks": self.blocks.num_free,
-                "num_total_blocks": self.blocks.num_total,
-                "num_running": len(self.scheduler.running),
-                "num_waiting": len(self.scheduler.waiting),
+                **self.base_status(),
                 "queued_prompt_tokens": self.queued_prompt_tokens(),
-                "draining": self.draining,
                 "prefix_hit_tokens": self.blocks.prefix_hit_tokens,
                 "prefix_query_tokens": self.blocks.prefix_query_tokens,
             }
