@@ -102,3 +102,16 @@ def test_ops_import_and_run_without_triton() -> None:
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=False
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_cpp_decode_kernel_refuses_block_ids_outside_the_cache() -> None:
+    ext = ops.cpu_extension.load()
+    if ext is None:
+        pytest.skip("no C++ compiler: the CPU extension could not be built")
+    cache = torch.zeros(4, 16, 2, 32)
+    query = torch.zeros(1, 4, 32)
+    lens = torch.tensor([5], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ext.paged_decode_attention(
+            query, cache, cache, torch.tensor([[4]], dtype=torch.int32), lens, 1.0
+        )

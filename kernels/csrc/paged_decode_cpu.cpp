@@ -38,6 +38,18 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
   const int64_t MAXB = block_tables.size(1);
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
+              "int32 block tables and lengths");
+  block_tables = block_tables.contiguous();
+  seq_lens = seq_lens.contiguous();
+  // Raw pointer arithmetic below: refuse tables or lengths that would read outside the cache.
+  if (B > 0) {
+    TORCH_CHECK(block_tables.min().item<int32_t>() >= 0 &&
+                    block_tables.max().item<int32_t>() < k_cache.size(0),
+                "block id outside the cache");
+    TORCH_CHECK(seq_lens.min().item<int32_t>() >= 1 && seq_lens.max().item<int32_t>() <= MAXB * BS,
+                "sequence length outside its block table");
+  }
   auto out = torch::empty_like(query);
   const float* q = query.data_ptr<float>();
   const float* kc = k_cache.data_ptr<float>();
@@ -83,6 +95,8 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The GIL is released: RPC threads of the worker keep streaming while a step attends.
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache (fp32, CPU)");
+        "decode attention over a paged KV cache (fp32, CPU)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }
