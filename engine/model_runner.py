@@ -52,7 +52,11 @@ class ModelRunner:
 
 
 def _token_slice(req, start: int, end: int) -> list[int]:
+    """Tokens start..end-1 without concatenating prompt and outputs (a decode step needs only
+    the last output token; building the whole sequence per step is O(prompt) on the hot path)."""
     n_prompt = req.num_prompt_tokens
     if end <= n_prompt:
         return req.prompt_token_ids[start:end]
-    return req.all_token_ids[start:end]
+    if start >= n_prompt:
+        return req.output_token_ids[start - n_prompt : end - n_prompt]
+    return req.prompt_token_ids[start:] + req.output_token_ids[: end - n_prompt]

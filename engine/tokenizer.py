@@ -76,20 +76,29 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8."""
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8.
+
+    Decodes only a short window per token (vLLM's prefix/read offsets): the text of
+    ``ids[prefix:]`` minus that of ``ids[prefix:read]``, so a token costs O(1), not O(output).
+    """
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.text = ""
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # ids before this are already in ``text``
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
-            return ""
-        delta = text[len(self.text) :]
-        self.text = text
+        decode = self.tokenizer.decode
+        seen = decode(self.ids[self._prefix : self._read])
+        window = decode(self.ids[self._prefix :])
+        if window.endswith("\ufffd") or len(window) <= len(seen):
+            return ""  # an incomplete character, or nothing visible yet
+        delta = window[len(seen) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += delta
         return delta
 
 
