@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import threading
 from pathlib import Path
 
@@ -32,6 +33,13 @@ def load():
     return _module
 
 
+def _vector_math_flags() -> list[str]:
+    """glibc's vector math library on x86-64 (vectorised expf in the softmax); the source falls
+    back to scalar expf where it is absent."""
+    is_glibc = platform.libc_ver()[0] == "glibc"
+    return ["-lmvec"] if is_glibc and platform.machine() in ("x86_64", "AMD64") else []
+
+
 def _build():
     if os.environ.get("PDSERVE_NO_CPU_EXT") == "1":
         return None
@@ -42,7 +50,7 @@ def _build():
             name="pdserve_paged_decode_cpu",
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
+            extra_ldflags=["-fopenmp", *_vector_math_flags()],
             verbose=False,
         )
     except Exception as e:  # no compiler, no headers: the torch path still works

@@ -1,10 +1,25 @@
 // Decode attention over a paged KV cache on CPU: one query token per sequence, read straight
-// from the cache blocks (no gather copy), GQA heads of one KV head share each K/V read.
+// from the cache blocks (no gather copy).
+//
+// A decode step streams every weight between two layers' attention, so the K/V it reads come
+// from memory, not cache: a task reads whole cache rows (all its KV heads of a slot, contiguous)
+// block after block, and every query head of a GQA group shares each K/V read. With AVX-512 the
+// head's key row stays in registers across the group and the exponentials are vectorised; the
+// arithmetic is cheap enough that the kernel runs near memory speed.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#if defined(__GLIBC__)
+// glibc's vector math library (libmvec): 16 expf at once, within 4 ulp like the scalar expf.
+extern "C" __m512 _ZGVeN16v_expf(__m512);
+#define PDSERVE_VECTOR_EXP 1
+#endif
+#endif
 
 namespace {
 
@@ -25,6 +40,144 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
+struct Decode {
+  const float *q, *kc, *vc;
+  const int32_t *tables, *lens;
+  float* o;
+  int64_t H, D, BS, KVH, G, MAXB;
+  float scale;
+  int64_t slot_stride() const { return KVH * D; }
+  int64_t block_stride() const { return BS * KVH * D; }
+};
+
+// Softmax of each of `rows` score rows of length L, in place.
+void softmax_rows(float* scores, int64_t rows, int64_t L) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * L;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < L; ++t) m = s[t] > m ? s[t] : m;
+    float sum = 0.f;
+    int64_t t = 0;
+#if defined(PDSERVE_VECTOR_EXP)
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512 vsum = _mm512_setzero_ps();
+    for (; t < L; t += 16) {
+      const __mmask16 k = L - t >= 16 ? 0xFFFF : (__mmask16)((1u << (L - t)) - 1);
+      __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), vm));
+      e = _mm512_maskz_mov_ps(k, e);
+      _mm512_mask_storeu_ps(s + t, k, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+#endif
+    for (; t < L; ++t) {
+      s[t] = std::exp(s[t] - m);
+      sum += s[t];
+    }
+    const float inv = 1.f / sum;
+    for (t = 0; t < L; ++t) s[t] *= inv;
+  }
+}
+
+// Where a row lies in the cache: block j of the table, slot t of the block, KV head h.
+inline const float* cache_row(const Decode& a, const float* cache, const int32_t* table,
+                              int64_t pos, int64_t h) {
+  return cache + table[pos / a.BS] * a.block_stride() + (pos % a.BS) * a.slot_stride() + h * a.D;
+}
+
+// Blocks of one sequence lie anywhere in the cache, so at each block boundary the hardware
+// prefetcher loses the stream: touching the first lines of the next block restarts it early
+// (measured: ~10% faster from memory; prefetching whole blocks was slower).
+inline void kick_next_block(const Decode& a, const float* cache, const int32_t* table,
+                            int64_t pos, int64_t L, int64_t h) {
+  if (pos % a.BS != 0 || pos + a.BS >= L) return;
+  const float* next = cache_row(a, cache, table, pos + a.BS, h);
+  for (int f = 0; f < 64; f += 16) __builtin_prefetch(next + f, 0, 3);
+}
+
+// Generic path (any head size): scores of `rows` query heads over the context, then the
+// softmax-weighted values.
+void attend_generic(const Decode& a, const int32_t* table, const float* qb, float* ob,
+                    int64_t h0, int64_t nh, int64_t L, float* scores) {
+  const int64_t rows = nh * a.G, D = a.D;
+  for (int64_t pos = 0; pos < L; ++pos) {
+    kick_next_block(a, a.kc, table, pos, L, h0);
+    const float* row = cache_row(a, a.kc, table, pos, h0);
+    for (int64_t r = 0; r < rows; ++r)
+      scores[r * L + pos] = dot(qb + r * D, row + (r / a.G) * D, D) * a.scale;
+  }
+  softmax_rows(scores, rows, L);
+  std::fill(ob, ob + rows * D, 0.f);
+  for (int64_t pos = 0; pos < L; ++pos) {
+    kick_next_block(a, a.vc, table, pos, L, h0);
+    const float* row = cache_row(a, a.vc, table, pos, h0);
+    for (int64_t r = 0; r < rows; ++r) axpy(scores[r * L + pos], row + (r / a.G) * D, ob + r * D, D);
+  }
+}
+
+#if defined(__AVX512F__)
+// Head size 16 * DV: one key row of a KV head sits in DV registers while every query head of
+// its group takes its dot product; each output row accumulates in DV registers over the context.
+template <int DV>
+void attend_avx512(const Decode& a, const int32_t* table, const float* qb, float* ob,
+                   int64_t h0, int64_t nh, int64_t L, float* scores) {
+  constexpr int64_t D = 16 * DV;
+  const int64_t G = a.G, rows = nh * G;
+  for (int64_t pos = 0; pos < L; ++pos) {
+    kick_next_block(a, a.kc, table, pos, L, h0);
+    const float* row = cache_row(a, a.kc, table, pos, h0);
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      __m512 k[DV];
+      for (int v = 0; v < DV; ++v) k[v] = _mm512_loadu_ps(row + hh * D + 16 * v);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qr = qb + (hh * G + g) * D;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qr), k[0]);
+        for (int v = 1; v < DV; ++v) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * v), k[v], acc);
+        scores[(hh * G + g) * L + pos] = _mm512_reduce_add_ps(acc) * a.scale;
+      }
+    }
+  }
+  softmax_rows(scores, rows, L);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t hh = r / G;
+    const float* s = scores + r * L;
+    __m512 acc[DV];
+    for (int v = 0; v < DV; ++v) acc[v] = _mm512_setzero_ps();
+    for (int64_t pos = 0; pos < L; ++pos) {
+      if (r % G == 0) kick_next_block(a, a.vc, table, pos, L, h0 + hh);
+      const float* row = cache_row(a, a.vc, table, pos, h0 + hh);
+      const __m512 p = _mm512_set1_ps(s[pos]);
+      for (int v = 0; v < DV; ++v) acc[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(row + 16 * v), acc[v]);
+    }
+    for (int v = 0; v < DV; ++v) _mm512_storeu_ps(ob + r * D + 16 * v, acc[v]);
+  }
+}
+#endif
+
+using AttendFn = void (*)(const Decode&, const int32_t*, const float*, float*, int64_t, int64_t,
+                          int64_t, float*);
+
+AttendFn pick_attend(int64_t D) {
+#if defined(__AVX512F__)
+  switch (D) {
+    case 16: return attend_avx512<1>;
+    case 32: return attend_avx512<2>;
+    case 64: return attend_avx512<4>;
+    case 128: return attend_avx512<8>;
+  }
+#endif
+  return attend_generic;
+}
+
+// KV heads [h0, h0 + nh) of sequence b: the query heads of those groups, over the whole context.
+void attend(const Decode& a, AttendFn fn, int64_t b, int64_t h0, int64_t nh,
+            std::vector<float>& scores) {
+  const int64_t L = a.lens[b];
+  scores.resize(nh * a.G * L);
+  const int64_t first_row = (b * a.H + h0 * a.G) * a.D;
+  fn(a, a.tables + b * a.MAXB, a.q + first_row, a.o + first_row, h0, nh, L, scores.data());
+}
+
 }  // namespace
 
 // query [B, H, D], caches [N, BS, KVH, D] (fp32, contiguous), block_tables [B, MAXB] int32,
@@ -34,9 +187,10 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
                                      torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32,
               "fp32 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches only");
   query = query.contiguous();
   const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
-  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t MAXB = block_tables.size(1);
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "int32 block tables and lengths");
@@ -51,44 +205,22 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
                 "sequence length outside its block table");
   }
   auto out = torch::empty_like(query);
-  const float* q = query.data_ptr<float>();
-  const float* kc = k_cache.data_ptr<float>();
-  const float* vc = v_cache.data_ptr<float>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  float* o = out.data_ptr<float>();
-  const int64_t slot_stride = KVH * D, block_stride = BS * KVH * D;
-
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+  const Decode a{query.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                 block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                 out.data_ptr<float>(), H, D, BS, KVH, H / KVH, MAXB,
+                 static_cast<float>(scale)};
+  // Whole sequences per task (contiguous rows of every KV head) when there are enough of them
+  // to keep every thread busy; otherwise one task per (sequence, KV head).
+  const bool per_sequence = B >= at::get_num_threads();
+  const int64_t tasks = per_sequence ? B : B * KVH;
+  const AttendFn fn = pick_attend(D);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / KVH, h = idx % KVH, L = lens[b];
-      scores.assign(G * L, 0.f);
-      const float* qh = q + (b * H + h * G) * D;
-      for (int64_t t = 0; t < L; ++t) {  // pass 1: scores, reading each key once
-        const int64_t block = tables[b * MAXB + t / BS];
-        const float* k = kc + block * block_stride + (t % BS) * slot_stride + h * D;
-        for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot(qh + g * D, k, D) * scale;
-      }
-      std::vector<float> inv_sum(G);
-      for (int64_t g = 0; g < G; ++g) {  // softmax per query head
-        float* s = scores.data() + g * L;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < L; ++t) m = s[t] > m ? s[t] : m;
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) {
-          s[t] = std::exp(s[t] - m);
-          sum += s[t];
-        }
-        inv_sum[g] = 1.f / sum;
-      }
-      float* oh = o + (b * H + h * G) * D;
-      std::fill(oh, oh + G * D, 0.f);
-      for (int64_t t = 0; t < L; ++t) {  // pass 2: weighted values, reading each value once
-        const int64_t block = tables[b * MAXB + t / BS];
-        const float* v = vc + block * block_stride + (t % BS) * slot_stride + h * D;
-        for (int64_t g = 0; g < G; ++g) axpy(scores[g * L + t] * inv_sum[g], v, oh + g * D, D);
-      }
+    for (int64_t i = begin; i < end; ++i) {
+      if (per_sequence)
+        attend(a, fn, i, 0, KVH, scores);
+      else
+        attend(a, fn, i / KVH, i % KVH, 1, scores);
     }
   });
   return out;
