@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from engine import cpu_stack
 from engine.config import ModelConfig
 from engine.linear import Linear
 from kernels.metadata import AttentionMetadata
@@ -106,6 +107,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    cpu_stack = None  # the C++ decoder layers (engine/cpu_stack.py), set by pack_weights_for_cpu
+
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
         super().__init__()
         self.cfg = cfg
@@ -135,6 +138,13 @@ class LlamaModel(nn.Module):
         """
         h = self.embed_tokens(input_ids)
         rope_tables = self.rope.tables(positions)
+        if self.cpu_stack is not None and cpu_stack.usable(kv_caches):
+            h = cpu_stack.run_layers(
+                self.cpu_stack, h, rope_tables, meta, kv_caches, self.layers[0].self_attn.scale,
+                lambda i, q: paged_attention(q, *kv_caches[i], meta, self.layers[i].self_attn.scale),
+                layer_callback,
+            )  # fmt: skip
+            return self.norm(h)
         for i, layer in enumerate(self.layers):
             h = layer(h, rope_tables, meta, kv_caches[i])
             if layer_callback is not None:
@@ -145,12 +155,16 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def pack_weights_for_cpu(self) -> int:
-        """Pre-pack every linear weight for oneDNN (CPU fp32); returns how many were packed.
+    def pack_weights_for_cpu(self, fused_layers: bool = True) -> int:
+        """Pre-pack every linear weight for oneDNN (CPU fp32) and, with ``fused_layers``, run
+        the decoder layers as one C++ call (engine/cpu_stack.py); returns how many weights
+        were packed.
 
         The packed copies are extra memory; the plain weights stay (the tied LM head shares the
         embedding, and state dicts keep working)."""
-        return sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear))
+        packed = sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear))
+        self.cpu_stack = cpu_stack.build(self) if fused_layers else None
+        return packed
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype=torch.float32) -> KVCache:
         shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)

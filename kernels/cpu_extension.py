@@ -1,8 +1,10 @@
-"""The CPU paged decode-attention kernel (C++), built on first use with torch's extension loader.
+"""The CPU extension (C++), built on first use with torch's extension loader.
 
-Decode on CPU is bound by memory traffic; reading K/V straight from the cache blocks avoids
-the gather copy (and its second read) that a pure-torch path needs. If no compiler is available
-the build fails once, a warning is logged, and callers keep the torch path.
+Two things live in it: the paged decode-attention kernel (decode on CPU is bound by memory
+traffic; reading K/V straight from the cache blocks avoids the gather copy and its second read),
+and the decoder layers as one call (engine/cpu_stack.py; no interpreter between the small ops of
+a decode step). If no compiler is available the build fails once, a warning is logged, and
+callers keep the torch / Python paths.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from pathlib import Path
 
 log = logging.getLogger("pdserve.kernels")
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ["paged_decode_cpu.cpp", "decoder_stack_cpu.cpp", "bindings.cpp"]
 _lock = threading.Lock()
 _module = None
 _failed = False
@@ -47,8 +50,8 @@ def _build():
         from torch.utils.cpp_extension import load as load_extension
 
         return load_extension(
-            name="pdserve_paged_decode_cpu",
-            sources=[str(_SOURCE)],
+            name="pdserve_cpu_kernels",
+            sources=[str(_CSRC / name) for name in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp", *_vector_math_flags()],
             verbose=False,

@@ -6,7 +6,8 @@
 // block after block, and every query head of a GQA group shares each K/V read. With AVX-512 the
 // head's key row stays in registers across the group and the exponentials are vectorised; the
 // arithmetic is cheap enough that the kernel runs near memory speed.
-#include <torch/extension.h>
+#include "decoder_stack_cpu.h"
+
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -224,11 +225,4 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // The GIL is released: RPC threads of the worker keep streaming while a step attends.
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache (fp32, CPU)",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1,0 +1,45 @@
+// Declarations shared by the CPU extension's sources.
+#pragma once
+#include <torch/extension.h>
+
+#include <vector>
+
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor block_tables,
+                                     torch::Tensor seq_lens, double scale);
+
+struct StackLinear {
+  at::Tensor weight, bias, packed;  // bias / packed undefined when absent
+};
+
+struct StackLayer {
+  at::Tensor input_norm, post_norm;
+  StackLinear qkv, o, gate_up, down;
+};
+
+class DecoderStack {
+ public:
+  DecoderStack(std::vector<StackLayer> layers, int64_t num_heads, int64_t num_kv_heads,
+               int64_t head_dim, double eps, int64_t min_packed_rows);
+
+  // Norm, fused QKV, RoPE and the cache write of layer i; returns the query [T, H, D].
+  at::Tensor attention_input(int64_t i, const at::Tensor& h, const at::Tensor& cos,
+                             const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                             const at::Tensor& slots) const;
+  // Output projection, residual, norm, MLP and residual of layer i; returns the new h.
+  at::Tensor attention_output_and_mlp(int64_t i, const at::Tensor& attn, const at::Tensor& h) const;
+  // Every layer of a decode-only step (one query token per sequence).
+  at::Tensor decode(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
+                    const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                    const at::Tensor& slots, const at::Tensor& block_tables,
+                    const at::Tensor& seq_lens, double scale) const;
+
+ private:
+  at::Tensor rope_and_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                            at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) const;
+
+  std::vector<StackLayer> layers_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_;
+  int64_t min_packed_rows_;
+};
