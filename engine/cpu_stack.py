@@ -1,9 +1,10 @@
-"""The decoder layers as one C++ call on CPU (fp32): the same ATen ops, minus the interpreter.
+"""The decoder layers as one C++ call on CPU (fp32): the same matmuls, minus the interpreter.
 
 At small batch a decode step is a ~540 MB weight stream around ~120 matmuls; the ~35 small
 tensor ops per layer around them cost ~12 ms a step in Python on this machine (20% of the
-step). ``kernels/csrc/decoder_stack_cpu.cpp`` runs them in the same order with the same ATen
-calls, so hidden states are bit-identical to the Python layers (tests/test_cpu_stack.py).
+step). ``kernels/csrc/decoder_stack_cpu.cpp`` runs the same matmuls and fuses the small ops
+(RMSNorm, RoPE + cache write, silu * up, residual adds), so hidden states agree with the
+Python layers to float rounding (tests/test_cpu_stack.py); the GIL is released throughout.
 
 Decode-only steps without a layer callback run every layer in one call; other batches (prefill
 chunks, mixed batches, the prefill worker's per-layer streaming) call the C++ halves of each

@@ -1,6 +1,6 @@
 // Python bindings of the CPU extension. Every entry point releases the GIL: the workers' RPC
 // threads keep streaming while a step computes.
-#include "decoder_stack_cpu.h"
+#include "cpu_kernels.h"
 
 #include <optional>
 

@@ -2,11 +2,12 @@
 //
 // A decode step at small batch is a weight stream of ~540 MB; around its 120 matmuls, the
 // Python of the layer (norms, splits, RoPE, cache writes, residuals: ~35 tensor ops a layer)
-// cost ~12 ms a step on this machine, 20% of the step. Here the same ATen ops run in the same
-// order where it matters, and by hand where a fused loop replaces several ops (RMSNorm; RoPE
-// written straight into the cache slots): hidden states agree with engine/model.py to float
-// rounding (tests/test_cpu_stack.py). The Python model keeps the reference forward.
-#include "decoder_stack_cpu.h"
+// cost ~12 ms a step on this machine, 20% of the step. Here the matmuls are the same ATen /
+// oneDNN calls as engine/model.py's, and fused loops replace the small ops (RMSNorm; RoPE
+// written straight into the cache slots; silu(gate) * up; residual adds inside the matmuls'
+// output stage): hidden states agree with the Python layers to float rounding
+// (tests/test_cpu_stack.py). The Python model keeps the reference forward.
+#include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -51,6 +52,49 @@ at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double ep
       for (; j < n; ++j) ss += xr[j] * xr[j];
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
       for (j = 0; j < n; ++j) orow[j] = (xr[j] * inv) * wp[j];
+    }
+  });
+  return out;
+}
+
+// residual + x @ W^T: the add rides in the matmul's output stage (oneDNN's binary post-op, or
+// BLAS's beta = 1) instead of a second pass over the activations.
+at::Tensor linear_add(const at::Tensor& x, const StackLinear& w, const at::Tensor& residual,
+                      int64_t min_rows) {
+  TORCH_CHECK(!w.bias.defined(), "residual projections carry no bias");
+  if (w.packed.defined() && x.size(0) >= min_rows) {
+    static const auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "binary");
+    torch::jit::Stack stack{x.contiguous(), residual.contiguous(), w.packed, c10::IValue(),
+                            c10::IValue(std::string("add"))};
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+  return at::addmm(residual, x, w.weight.t());
+}
+
+// silu(gate) * up over the fused gate/up output [T, 2 * inter]: one pass instead of three.
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t inter) {
+  const auto gu = gate_up.contiguous();
+  const int64_t T = gu.size(0);
+  auto out = at::empty({T, inter}, gu.options());
+  const float* src = gu.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float *g = src + t * 2 * inter, *u = g + inter;
+      float* o = dst + t * inter;
+      int64_t i = 0;
+#if defined(PDSERVE_VECTOR_EXP)
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; i + 16 <= inter; i += 16) {
+        const __m512 x = _mm512_loadu_ps(g + i);
+        const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        const __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, e));
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
   });
   return out;
@@ -116,9 +160,9 @@ at::Tensor DecoderStack::attention_output_and_mlp(int64_t i, const at::Tensor& a
                                                   const at::Tensor& h) const {
   const StackLayer& L = layers_.at(i);
   const int64_t inter = L.down.weight.size(1);
-  auto out = h + linear(attn.reshape({-1, num_heads_ * head_dim_}), L.o, min_packed_rows_);
-  const auto gate_up = linear(rms_norm(out, L.post_norm, eps_), L.gate_up, min_packed_rows_).split_with_sizes({inter, inter}, -1);
-  return out + linear(at::silu(gate_up[0]) * gate_up[1], L.down, min_packed_rows_);
+  const auto out = linear_add(attn.reshape({-1, num_heads_ * head_dim_}), L.o, h, min_packed_rows_);
+  const auto gate_up = linear(rms_norm(out, L.post_norm, eps_), L.gate_up, min_packed_rows_);
+  return linear_add(silu_mul(gate_up, inter), L.down, out, min_packed_rows_);
 }
 
 at::Tensor DecoderStack::decode(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,

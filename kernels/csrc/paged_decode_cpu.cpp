@@ -6,21 +6,13 @@
 // block after block, and every query head of a GQA group shares each K/V read. With AVX-512 the
 // head's key row stays in registers across the group and the exponentials are vectorised; the
 // arithmetic is cheap enough that the kernel runs near memory speed.
-#include "decoder_stack_cpu.h"
+#include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#if defined(__GLIBC__)
-// glibc's vector math library (libmvec): 16 expf at once, within 4 ulp like the scalar expf.
-extern "C" __m512 _ZGVeN16v_expf(__m512);
-#define PDSERVE_VECTOR_EXP 1
-#endif
-#endif
 
 namespace {
 

@@ -131,7 +131,8 @@ def run(
         torch.set_num_threads(threads)
     model_dir = resolve_model_dir(model)
     max_ctx = max(max(prompt_lens), max(contexts)) + 16
-    blocks = max(batches) * (max(contexts) // 16 + 2) + 8
+    # Enough blocks for the largest decode batch and for the longest prompt.
+    blocks = max(max(batches) * (max(contexts) // 16 + 2), max(prompt_lens) // 16 + 2) + 8
     engine = LLMEngine.from_model_path(
         model_dir,
         CacheConfig(16, blocks),

@@ -4,6 +4,15 @@
 
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#if defined(__GLIBC__)
+// glibc's vector math library (libmvec): 16 expf at once, within 4 ulp like the scalar expf.
+extern "C" __m512 _ZGVeN16v_expf(__m512);
+#define PDSERVE_VECTOR_EXP 1
+#endif
+#endif
+
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale);
