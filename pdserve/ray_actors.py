@@ -58,10 +58,11 @@ class WorkerActor:
 
     def status(self) -> dict:
         st = self.worker.status()
-        # Prefill: jobs whose KV is still streaming after the first token went out.
-        st["num_transfers"] = len(getattr(self.worker, "_jobs", ()))
         st["busy"] = (
-            st["num_running"] + st["num_waiting"] + st.get("num_leases", 0) + st["num_transfers"]
+            st["num_running"]
+            + st["num_waiting"]
+            + st.get("num_leases", 0)  # decode
+            + st.get("num_transfers", 0)  # prefill: KV still streaming after the first token
         ) > 0
         return st
 

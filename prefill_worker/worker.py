@@ -174,4 +174,7 @@ class PrefillWorker(EngineWorker):
                 "queued_prompt_tokens": self.queued_prompt_tokens(),
                 "prefix_hit_tokens": self.blocks.prefix_hit_tokens,
                 "prefix_query_tokens": self.blocks.prefix_query_tokens,
+                # Jobs in flight, including those whose KV still streams after the first
+                # token went out: a draining worker is idle only when this is 0.
+                "num_transfers": len(self._jobs),
             }

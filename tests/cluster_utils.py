@@ -54,6 +54,7 @@ def assert_all_blocks_free(cluster: LocalCluster, timeout: float = 10.0) -> None
             or s.num_leases
             or s.num_running
             or s.num_waiting
+            or s.num_transfers
         ]
         if not busy:
             return

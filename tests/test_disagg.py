@@ -149,9 +149,11 @@ def test_first_layer_arrives_before_last_layer_is_computed(tiny_model, transport
             layer == 0 and received_layer0.set(),
         )
         calls = []
+        in_flight = []
 
         def on_layer(layer, ids):
             calls.append(layer)
+            in_flight.append(cluster.prefill_workers[0].status()["num_transfers"])
             order.append(f"computed chunk {len(calls) // num_layers} layer {layer}")
             if len(calls) == num_layers * num_chunks - 1:  # the last layer is still to come
                 order.append(f"layer0 received: {received_layer0.wait(10)}")
@@ -162,6 +164,7 @@ def test_first_layer_arrives_before_last_layer_is_computed(tiny_model, transport
         )
         assert_all_blocks_free(cluster)
     assert len(calls) == num_layers * num_chunks
+    assert set(in_flight) == {1}  # the job shows in Status while it computes (drain waits on it)
     assert "layer0 received: True" in order, order
     first_recv = next(i for i, e in enumerate(order) if e.startswith("recv kv"))
     last_compute = max(i for i, e in enumerate(order) if e.startswith("computed"))
