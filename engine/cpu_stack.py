@@ -59,9 +59,11 @@ def _layer_tuple(layer) -> tuple:
 
 
 def usable(kv_caches) -> bool:
-    """The C++ layers write contiguous fp32 caches only."""
+    """The C++ layers write contiguous fp32 CPU caches only."""
     return all(
-        c.dtype == torch.float32 and c.is_contiguous() for pair in kv_caches for c in pair
+        c.device.type == "cpu" and c.dtype == torch.float32 and c.is_contiguous()
+        for pair in kv_caches
+        for c in pair
     )
 
 
