@@ -110,3 +110,26 @@ def test_slot_outside_the_cache_is_refused():
     caches = model.allocate_kv_cache(2, BLOCK)
     with pytest.raises(RuntimeError, match="outside the cache"):
         step(model, [3], [1], [1], [[0]], caches, slots=[2 * BLOCK])
+
+
+def test_loaded_models_run_through_the_cpu_stack(tmp_path, make_engine, monkeypatch):
+    """The engine's CPU path is the C++ layers: a loaded model has them, and a decode step
+    goes through ``DecoderStack.decode`` (one call for every layer)."""
+    from engine import cpu_stack
+    from engine.request import SamplingParams
+    from tests.conftest import tiny_llama_dir
+
+    path, _ = tiny_llama_dir(tmp_path, num_heads=4, num_kv_heads=2)
+    engine = make_engine(path, block_size=16, num_blocks=64)
+    model = engine.runner.model
+    assert model.cpu_stack is not None
+    calls = []
+    real = cpu_stack.run_layers
+
+    def spy(stack, h, rope_tables, meta, *args, **kwargs):
+        calls.append(meta.is_decode_only)
+        return real(stack, h, rope_tables, meta, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_stack, "run_layers", spy)
+    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, min_tokens=3))
+    assert calls == [False, True, True]  # the prefill, then two decode-only steps
