@@ -103,6 +103,9 @@ class ClusterConfig(_Strict):
     router: RouterSection = RouterSection()
     autoscaler: AutoscalerConfig = AutoscalerConfig()
     health_period_s: float = Field(1.0, gt=0)
+    # A worker whose actor answers but whose gRPC server the router cannot reach for this long
+    # is replaced, as a dead one is.
+    unreachable_after_s: float = Field(10.0, gt=0)
     worker_start_timeout_s: float = Field(600.0, gt=0)
     drain_timeout_s: float = Field(120.0, gt=0)
     api_key: str | None = None

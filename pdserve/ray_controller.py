@@ -43,6 +43,7 @@ class WorkerRecord:
     address: str = ""
     node_id: str = ""
     status: dict = field(default_factory=dict)
+    unreachable_since: float | None = None  # when the router last found its gRPC server down
 
 
 class Controller:
@@ -230,22 +231,44 @@ class Controller:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.health_period_s)
+            routed = await self._routed_workers()
             ready = [r for r in self.workers.values() if r.state == "ready"]
-            await asyncio.gather(*(self._check(r) for r in ready))
+            await asyncio.gather(*(self._check(r, routed.get(r.address)) for r in ready))
 
-    async def _check(self, rec: WorkerRecord) -> None:
+    async def _routed_workers(self) -> dict:
+        """The router's view of each worker (by address): whether its gRPC server answers."""
+        if self.router is None:
+            return {}
+        pools = await _quietly(self.router.pool_status.remote()) or {}
+        return {w["address"]: w for role in ROLES for w in pools.get(role, [])}
+
+    async def _check(self, rec: WorkerRecord, routed: dict | None) -> None:
         try:
             rec.status = await asyncio.wait_for(rec.actor.status.remote(), 30)
-            return
+            reason = self._unreachable_reason(rec, routed)
         except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
             reason = type(e).__name__
-        if rec.state != "ready":  # drained or stopped meanwhile: not a failure
+        if reason is None or rec.state != "ready":  # drained or stopped meanwhile: no failure
             return
         self._event(f"{rec.worker_id} at {rec.address} is dead ({reason}); replacing it")
         self.workers.pop(rec.worker_id, None)
         ray.kill(rec.actor)
         await _quietly(self.router.remove_worker.remote(rec.role, rec.address))
         self._spawn(self._reconcile(rec.role))
+
+    def _unreachable_reason(self, rec: WorkerRecord, routed: dict | None) -> str | None:
+        """The actor answers; is its gRPC server (what clients use) reachable? A worker the
+        router has not polled yet, or saw answer, is fine."""
+        if routed is None or routed.get("healthy", True):
+            rec.unreachable_since = None
+            return None
+        now = time.monotonic()
+        if rec.unreachable_since is None:
+            rec.unreachable_since = now
+        down = now - rec.unreachable_since
+        if down < self.cfg.unreachable_after_s:
+            return None
+        return f"its actor answers but its gRPC server has not for {down:.0f} s"
 
     # ---- autoscaling ---------------------------------------------------------------------
     async def _autoscale_loop(self) -> None:
@@ -278,10 +301,7 @@ class Controller:
 
     # ---- status --------------------------------------------------------------------------
     async def status(self) -> dict:
-        by_address = {}
-        if self.router is not None:
-            pools = await _quietly(self.router.pool_status.remote()) or {}
-            by_address = {w["address"]: w for role in ROLES for w in pools.get(role, [])}
+        by_address = await self._routed_workers()
         out = {
             "router": dict(self.addresses),
             "autoscaler": self.cfg.autoscaler.enabled,
