@@ -234,4 +234,3 @@ def test_killed_workers_are_replaced(cluster, prompts, reference):
     assert sum("is dead" in e for e in st["events"]) == 2
     outs = generate(cluster.grpc_address, prompts)
     assert [o.token_ids for o in outs] == reference
-
