@@ -66,14 +66,11 @@ def worker_server(host: str, port: int, token: str | None, max_workers: int = 64
     and the cluster-token check; returns (server, "host:port" actually bound)."""
     from concurrent import futures
 
-    from kv_transfer.transport_grpc import message_options
+    from kv_transfer.transport_grpc import EXCLUSIVE_PORT, bind, message_options
 
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        options=message_options(),
+        options=message_options() + EXCLUSIVE_PORT,
         interceptors=server_interceptors(token),
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
-    return server, f"{host}:{bound}"
+    return server, f"{host}:{bind(server, f'{host}:{port}')}"

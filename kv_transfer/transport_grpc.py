@@ -56,6 +56,24 @@ def message_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]
     ]
 
 
+# gRPC servers set SO_REUSEPORT by default: a second server on a taken port then binds too and
+# silently splits its traffic (two workers behind one address; a stopped server still
+# "answering"). Every pdserve server turns it off, so a taken port is an error.
+EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
+
+
+def bind(server, address: str) -> int:
+    """``server.add_insecure_port`` that raises OSError naming the address when it cannot
+    bind (taken, or not this host's), whichever way this gRPC version reports it."""
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise OSError(f"cannot bind {address}: {e}") from e
+    if bound == 0:
+        raise OSError(f"cannot bind {address}")
+    return bound
+
+
 class KvTransferServicer(pdserve_pb2_grpc.KvTransferServicer):
     def __init__(self, receiver, token: str | None = None):
         self.receiver = receiver
@@ -98,11 +116,11 @@ class GrpcReceiverServer(ReceiverServer):
     def __init__(self, receiver, host: str, port: int, max_workers: int = 8, token=None):
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-recv"),
-            options=message_options(),
+            options=message_options() + EXCLUSIVE_PORT,
         )
         add_kv_servicer(self._server, receiver, token)
         address = f"[{host}]" if ":" in host else host
-        bound = self._server.add_insecure_port(f"{address}:{port}")
+        bound = bind(self._server, f"{address}:{port}")
         self.endpoint = f"{address}:{bound}"
         self._server.start()
 

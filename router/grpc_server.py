@@ -8,6 +8,7 @@ import grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.errors import InvalidRequestError
+from kv_transfer.transport_grpc import EXCLUSIVE_PORT, bind
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from router.auth import ApiKeyInterceptor
@@ -93,12 +94,12 @@ async def start_grpc_server(router: Router, host: str = "127.0.0.1", port: int =
     and Postman can call it without the .proto) and the API key check when one is configured;
     returns (server, address)."""
     api_key = router.cfg.api_key
-    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(api_key)] if api_key else None)
+    server = grpc.aio.server(
+        interceptors=[ApiKeyInterceptor(api_key)] if api_key else None, options=EXCLUSIVE_PORT
+    )
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(router), server)
     services = (pb.DESCRIPTOR.services_by_name["Generation"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(services, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+    bound = bind(server, f"{host}:{port}")
     await server.start()
     return server, f"{host}:{bound}"

@@ -30,6 +30,7 @@ def tiny_config(model_path, **fields) -> ClusterConfig:
         "num_blocks": 256,
         "max_model_len": 256,
         "health_period_s": 0.5,
+        "unreachable_after_s": 6,
         "worker_start_timeout_s": 120,
         "pools": {"prefill": dict(pool), "decode": dict(pool)},
     }

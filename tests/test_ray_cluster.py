@@ -234,3 +234,22 @@ def test_killed_workers_are_replaced(cluster, prompts, reference):
     assert sum("is dead" in e for e in st["events"]) == 2
     outs = generate(cluster.grpc_address, prompts)
     assert [o.token_ids for o in outs] == reference
+
+
+def test_worker_whose_grpc_server_died_is_replaced(cluster, prompts, reference):
+    """The actor still answers the controller; only its gRPC server (what the router and the
+    prefill workers use) is gone. The controller goes by the router's view and replaces it."""
+    decode = cluster.status()["pools"]["decode"]["workers"]
+    victim = next(w["id"] for w in decode if w["state"] == "ready")
+    actor = ray.get_actor(f"pdserve-{victim}", namespace=NAMESPACE)
+    ray.get(actor.__ray_call__.remote(lambda worker: worker._closers[0]()))  # stop its gRPC
+
+    def replaced():
+        st = cluster.status()
+        ready = [w for w in st["pools"]["decode"]["workers"] if w["state"] == "ready"]
+        return len(ready) == 1 and victim not in _pool_ids(st, "decode") and st
+
+    st = wait_for(replaced, 90, "a replacement for the unreachable worker")
+    assert any(victim in e and "gRPC server has not" in e for e in st["events"])
+    outs = generate(cluster.grpc_address, prompts)
+    assert [o.token_ids for o in outs] == reference
