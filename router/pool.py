@@ -97,6 +97,13 @@ class WorkerPool:
                 log.warning("%s worker %s is unreachable: %s", self.role, w.address, e.code().name)
             w.healthy = False
             return
+        except asyncio.CancelledError:
+            # Removing a worker closes its channel, which cancels a Status call in flight: that
+            # must not end the poll (nor the router's poller with it), only a real cancel may.
+            if asyncio.current_task().cancelling():
+                raise
+            w.healthy = False
+            return
         w.last_status = st
         w.free_blocks = st.num_free_blocks
         w.total_blocks = st.num_total_blocks
