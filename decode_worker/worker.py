@@ -97,13 +97,7 @@ class DecodeWorker(EngineWorker):
         if not lease.committed.wait(max(0.0, lease.deadline - time.monotonic())):
             self.release(lease_id)
             raise TimeoutError(f"KV for lease {lease_id} did not arrive before its deadline")
-        req = Request(
-            request_id,
-            list(prompt),
-            sampling,
-            eos_token_ids=self.engine.eos_token_ids,
-            output_token_ids=list(outputs),
-        )
+        req = self.new_request(request_id, prompt, outputs, sampling)
         req.num_computed_tokens = req.num_tokens - 1
         req.mark("kv_ready")
         stream = _Stream(req)
@@ -129,13 +123,7 @@ class DecodeWorker(EngineWorker):
         Used for every request in a colocated pool, and for prompts short enough that the
         router skips the transfer."""
         sampling = sampling_from_message(sampling_msg)
-        req = Request(
-            request_id,
-            list(prompt),
-            sampling,
-            eos_token_ids=self.engine.eos_token_ids,
-            output_token_ids=list(outputs),
-        )
+        req = self.new_request(request_id, prompt, outputs, sampling)
         stream = _Stream(req)
         with self.loop.lock:
             if self.draining:

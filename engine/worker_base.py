@@ -7,6 +7,7 @@ import uuid
 
 from engine.llm_engine import LLMEngine
 from engine.loop import EngineThread
+from engine.request import Request, SamplingParams
 
 
 class EngineWorker:
@@ -37,6 +38,19 @@ class EngineWorker:
         with self.loop.lock:
             self._aborts.add(request_id)
         self.loop.wake()
+
+    def new_request(
+        self, request_id: str, prompt: list[int], outputs: list[int], sampling: SamplingParams
+    ) -> Request:
+        """A request arriving over RPC: its prompt, tokens generated before (a re-prefill after
+        preemption, or a prefilled first token) and this model's EOS ids."""
+        return Request(
+            request_id,
+            list(prompt),
+            sampling,
+            eos_token_ids=self.engine.eos_token_ids,
+            output_token_ids=list(outputs),
+        )
 
     def base_status(self) -> dict:
         """Status fields every worker reports (call with ``loop.lock`` held)."""

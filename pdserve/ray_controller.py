@@ -66,21 +66,8 @@ class Controller:
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> dict:
         """Start the router and every worker; returns the router's addresses once it is ready."""
-        here = ray.get_runtime_context().get_node_id()
         # The router lives next to the controller, where the driver resolved the model folder.
-        self.router = (
-            ray.remote(RouterActor)
-            .options(
-                name=ROUTER_NAME,
-                namespace=NAMESPACE,
-                num_cpus=0,
-                max_concurrency=16,
-                scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
-                    here, soft=False
-                ),
-            )
-            .remote()
-        )
+        self.router = pinned_here(RouterActor, ROUTER_NAME, max_concurrency=16).remote()
         self.addresses = await self.router.start.remote(self.cfg.model_dump(), self.model_dir)
         results = await asyncio.gather(*(self._reconcile(role) for role in ROLES))
         errors = [e for errs in results for e in errs]
@@ -349,6 +336,21 @@ def _worker_row(rec: WorkerRecord, routed: dict) -> dict:
         "waiting": st.get("num_waiting", 0),
         "served_requests": routed.get("served_requests", 0),
     }
+
+
+def pinned_here(actor_cls, name: str, max_concurrency: int):
+    """A named actor class of pdserve's namespace, placed on this node, taking no CPU slot (the
+    controller and the router: cheap, and next to the model folder the driver resolved)."""
+    here = ray.get_runtime_context().get_node_id()
+    return ray.remote(actor_cls).options(
+        name=name,
+        namespace=NAMESPACE,
+        num_cpus=0,
+        max_concurrency=max_concurrency,
+        scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+            here, soft=False
+        ),
+    )
 
 
 def root_cause(error: BaseException) -> str:

@@ -19,7 +19,7 @@ from typing_extensions import Self
 from engine.errors import PdserveError
 from engine.model_files import resolve_model_dir
 from pdserve.config import ClusterConfig
-from pdserve.ray_controller import CONTROLLER_NAME, NAMESPACE, Controller
+from pdserve.ray_controller import CONTROLLER_NAME, NAMESPACE, Controller, pinned_here
 
 LOCAL_OBJECT_STORE_BYTES = 128 * 2**20  # control calls only: KV never goes through it
 
@@ -113,19 +113,8 @@ def launch(
                 "a pdserve cluster is already running in this Ray cluster: "
                 "use `pdserve status` / `pdserve scale`, or stop it first"
             )
-        here = ray.get_runtime_context().get_node_id()
-        controller = (
-            ray.remote(Controller)
-            .options(
-                name=CONTROLLER_NAME,
-                namespace=NAMESPACE,
-                num_cpus=0,
-                max_concurrency=1000,
-                scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
-                    here, soft=False
-                ),
-            )
-            .remote(cfg.model_dump(), str(model_dir))
+        controller = pinned_here(Controller, CONTROLLER_NAME, max_concurrency=1000).remote(
+            cfg.model_dump(), str(model_dir)
         )
         addresses = _wait_loading(controller, controller.start.remote(), progress, stop)
     except BaseException:

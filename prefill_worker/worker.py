@@ -57,13 +57,7 @@ class PrefillWorker(EngineWorker):
         stream: KVStream,
         dst_blocks: list[int],
     ) -> PrefillJob:
-        req = Request(
-            request_id,
-            list(prompt),
-            sampling,
-            eos_token_ids=self.engine.eos_token_ids,
-            output_token_ids=list(outputs),
-        )
+        req = self.new_request(request_id, prompt, outputs, sampling)
         if len(dst_blocks) < self.blocks.blocks_needed(req.num_tokens):
             raise InvalidRequestError(
                 "destination.block_ids",
