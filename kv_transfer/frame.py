@@ -9,22 +9,24 @@ kv frames it should have accepted for the lease. The header is a msgpack map:
      "layer": int, "block_ids": [int], "dtype": str, "shape": [int], "checksum": int,
      "num_frames": int}
 
-``checksum`` is ``zlib.crc32`` of the payload: it runs at ~4.7 GB/s on one core, well above
-what any transport here moves, so a faster hash is not worth a dependency. No pickle: the
-receiver parses untrusted bytes and must never execute them.
+``checksum`` is the CRC-32C (Castagnoli) of the payload, computed by the ``crc32c`` package
+with the CPU's CRC instruction: ~20 GB/s on one core here, against ~5 GB/s for ``zlib.crc32``
+(format version 1), which cost more than the socket for a 45 MiB prompt (sender and receiver
+each hash every byte). No pickle: the receiver parses untrusted bytes and must never execute
+them.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-import zlib
 from dataclasses import dataclass
 
+import crc32c
 import msgpack
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: CRC-32C checksums (1 was zlib's CRC-32)
 # gRPC's default message limit is 4 MiB; leave room for the header and protobuf framing.
 MAX_FRAME_BYTES = 3 * 1024 * 1024 + 512 * 1024
 # Bounds the header (block ids) so a hostile header cannot make us allocate much.
@@ -69,8 +71,13 @@ class FrameHeader:
     block_ids: tuple[int, ...]  # DESTINATION block ids (the decode side's reservation)
     dtype: str  # a key of DTYPES; "" on commit frames
     shape: tuple[int, ...]  # [2, n_blocks, block_size, num_kv_heads, head_dim]; () on commit
-    checksum: int  # zlib.crc32 of the payload
+    checksum: int  # CRC-32C of the payload
     num_frames: int = 0  # commit frames only: kv frames sent for the lease before the commit
+
+
+def checksum(payload) -> int:
+    """CRC-32C of a byte buffer (bytes, memoryview, anything with the buffer protocol)."""
+    return crc32c.crc32c(payload)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -107,7 +114,7 @@ def encode_kv_frame(
         "block_ids": list(block_ids),
         "dtype": dtype_name(kv.dtype),
         "shape": list(kv.shape),
-        "checksum": zlib.crc32(payload),
+        "checksum": checksum(payload),
         "num_frames": 0,
     }
     return msgpack.packb(header), payload
@@ -123,7 +130,7 @@ def encode_commit_frame(request_id: str, lease_id: str, num_frames: int) -> tupl
         "block_ids": [],
         "dtype": "",
         "shape": [],
-        "checksum": zlib.crc32(b""),
+        "checksum": checksum(b""),
         "num_frames": int(num_frames),
     }
     return msgpack.packb(header), b""
@@ -231,7 +238,7 @@ def decode_frame(header, payload) -> tuple[FrameHeader, torch.Tensor | None]:
     expected = math.prod(h.shape) * dtype.itemsize
     if data.nbytes != expected:
         raise FrameError(f"payload is {data.nbytes} bytes; shape {list(h.shape)} needs {expected}")
-    if zlib.crc32(data) != h.checksum:
+    if checksum(data) != h.checksum:
         raise FrameError("payload checksum mismatch")
     if expected == 0:
         return h, torch.empty(h.shape, dtype=dtype)

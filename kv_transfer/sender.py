@@ -4,7 +4,7 @@ Threading: one background thread per KVSender (per destination endpoint). ``send
 enqueues; the thread gathers blocks, splits them into frames under MAX_FRAME_BYTES, encodes and
 pushes them, in FIFO order across all streams of the sender. One thread per destination keeps
 frames of one link in order (torch_dist needs that) and bounds threads by the number of decode
-workers rather than by in-flight requests; gathering and crc32 are far faster than any link.
+workers rather than by in-flight requests; gathering and CRC-32C are far faster than any link.
 
 Transports plug in as a ``Link`` (a sender's connection, shared by its streams) that opens one
 ``Channel`` per stream. They are chosen by name: see ``make_sender``/``start_receiver_server``.

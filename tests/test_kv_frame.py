@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import time
-import zlib
 
 import msgpack
 import pytest
 import torch
 
 from kv_transfer import (
+    FORMAT_VERSION,
     MAX_FRAME_BYTES,
     FrameError,
     KVReceiver,
@@ -19,6 +19,7 @@ from kv_transfer import (
     encode_commit_frame,
     encode_kv_frame,
 )
+from kv_transfer.frame import checksum
 
 # decode_frame views protobuf bytes without copying; torch warns once about read-only buffers.
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -61,8 +62,21 @@ def test_kv_frame_round_trips_exactly(dtype):
     assert (h.kind, h.request_id, h.lease_id, h.layer) == ("kv", "req-1", "lease-1", 2)
     assert h.block_ids == (7, 1, 5) and h.shape == tuple(kv.shape)
     assert h.dtype == str(dtype).removeprefix("torch.")
-    assert h.checksum == zlib.crc32(payload)
+    assert h.checksum == checksum(payload)
     assert torch.equal(out, kv)
+
+
+def test_checksum_is_crc32c():
+    # The standard CRC-32C check value (RFC 3720, iSCSI): the receiver of another
+    # implementation can verify frames by the spec alone.
+    assert checksum(b"123456789") == 0xE3069283
+    assert checksum(memoryview(b"123456789")) == 0xE3069283
+
+
+def test_version_1_frames_are_refused():
+    header, payload = encode_kv_frame("r", "l", 0, [0], kv_for(1))
+    with pytest.raises(FrameError, match="unsupported frame version 1"):
+        decode_frame(repack(header, version=1), bytes(payload))
 
 
 def test_kv_frame_payload_is_a_view_not_a_copy():
@@ -137,7 +151,7 @@ def test_receiver_rejects_each_malformed_frame_then_keeps_serving(receiver):
     short = leases.open("req-x", [4], ttl_s=0.0)
     time.sleep(0.01)
     cases = {
-        "unsupported frame version": (repack(header, version=2), payload),
+        "unsupported frame version": (repack(header, version=FORMAT_VERSION + 1), payload),
         "checksum mismatch": (header, payload[:-1] + bytes([payload[-1] ^ 1])),
         "payload is": (header, payload[:-4]),
         "does not match cache": (
