@@ -7,6 +7,10 @@ import logging
 import signal
 import threading
 
+from engine import hugepages
+
+hugepages.request()  # before anything imports torch: its allocator reads it once
+
 from decode_worker.server import serve_decode_worker
 from decode_worker.worker import DecodeWorker
 from engine.args import add_engine_args, engine_from_args

@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from engine import hugepages
+
+hugepages.request()  # before anything imports torch: its allocator reads it once
+
 from engine.errors import PdserveError
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import ray
 
+from engine import hugepages
 from pdserve.autoscaler import Autoscaler, PoolSignal
 from pdserve.config import ClusterConfig
 from pdserve.ray_actors import RouterActor, WorkerActor
@@ -158,6 +159,7 @@ class Controller:
                 num_gpus=pool.num_gpus,
                 resources=dict(pool.resources) or None,
                 max_concurrency=8,
+                runtime_env={"env_vars": hugepages.env_vars()},  # set before torch loads
             )
             .remote(role, worker_id, self.cfg.model_dump())
         )

@@ -7,6 +7,10 @@ import logging
 import signal
 import threading
 
+from engine import hugepages
+
+hugepages.request()  # before anything imports torch: its allocator reads it once
+
 from engine.args import add_engine_args, engine_from_args
 from prefill_worker.server import serve_prefill_worker
 from prefill_worker.worker import PrefillWorker

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from engine import hugepages
 from pdserve.bench.limits import best_time, gemm_peak, read_bandwidth
 
 
@@ -157,6 +158,7 @@ def run(
             )
     return {
         "threads": torch.get_num_threads(),
+        "huge_pages": hugepages.active(),
         "gemm_peak_gflops": peak / 1e9,
         "read_bandwidth_gbs": bandwidth / 1e9,
         "rows": [{**asdict(r), "speedup": r.speedup} for r in rows],
@@ -167,7 +169,8 @@ def format_report(result: dict) -> str:
     lines = [
         (
             f"threads {result['threads']}  GEMM peak {result['gemm_peak_gflops']:.1f} GFLOP/s  "
-            f"read bandwidth {result['read_bandwidth_gbs']:.1f} GB/s"
+            f"read bandwidth {result['read_bandwidth_gbs']:.1f} GB/s  "
+            f"huge pages {'on' if result.get('huge_pages') else 'off'}"
         ),
         (
             f"{'phase':<8}{'batch':>6}{'tokens':>8}{'pdserve ms':>12}{'hf ms':>10}{'ratio':>8}"

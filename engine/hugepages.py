@@ -1,0 +1,67 @@
+"""Transparent huge pages for torch's large CPU tensors.
+
+A decode step streams every weight (~540 MB fp32 for SmolLM2-135M). With 4 KiB pages that is
+~130,000 page translations a step, and in a virtual machine each TLB miss walks two page tables
+(guest and host). PyTorch's CPU allocator backs allocations of 2 MiB and more with huge pages
+when ``THP_MEM_ALLOC_ENABLE=1`` is in the environment before it first allocates
+(``c10/core/alloc_cpu.cpp``: it ``madvise(MADV_HUGEPAGE)``s them), which works where the
+kernel's THP mode is ``madvise`` as well as ``always``. Measured on the 2-core CI machine, same
+run: decode at batch 1 112 -> 76 ms a step, batch 8 169 -> 124 ms (``bench engine``).
+
+The variable must be set before torch is imported, so the process entry points (``pdserve``,
+``python -m prefill_worker`` / ``decode_worker``) call :func:`request` first, and Ray worker
+actors get it through their ``runtime_env``. ``PDSERVE_HUGE_PAGES=0`` turns it off.
+
+This module must not import torch at import time.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+TORCH_ENV = "THP_MEM_ALLOC_ENABLE"
+OPT_OUT_ENV = "PDSERVE_HUGE_PAGES"
+_SMAPS = "/proc/self/smaps_rollup"
+
+
+def wanted() -> bool:
+    return os.environ.get(OPT_OUT_ENV, "1") != "0"
+
+
+def env_vars() -> dict[str, str]:
+    """What a child process (a Ray actor's runtime_env) needs in its environment."""
+    return {TORCH_ENV: "1"} if wanted() else {}
+
+
+def request() -> bool:
+    """Ask torch's allocator for huge pages; returns False if torch was imported too early to
+    take it (the allocator reads the variable once)."""
+    if not wanted():
+        return True
+    os.environ.setdefault(TORCH_ENV, "1")
+    return "torch" not in sys.modules or os.environ[TORCH_ENV] == "1"
+
+
+def _anon_huge_kb() -> int | None:
+    try:
+        with open(_SMAPS) as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def active() -> bool:
+    """Whether a fresh large torch tensor in this process actually lands on huge pages."""
+    import torch
+
+    before = _anon_huge_kb()
+    if before is None:
+        return False
+    probe = torch.zeros(16 * 2**20 // 4)  # 16 MiB, touched
+    after = _anon_huge_kb() or 0
+    del probe
+    return after - before >= 4096
