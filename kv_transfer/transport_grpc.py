@@ -24,7 +24,8 @@ MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # frames stay under 4 MiB; this is headroom
 MAX_QUEUED_FRAMES = 8  # per stream: ~28 MiB in flight at most
 MAX_REPORTED_ERRORS = 32
 TOKEN_KEY = "x-pdserve-token"
-PUSH_FRAMES = "/pdserve.v1.KvTransfer/PushFrames"
+SERVICE = "pdserve.v1.KvTransfer"
+PUSH_FRAMES = f"/{SERVICE}/PushFrames"
 
 
 def _varint(n: int) -> bytes:
@@ -47,6 +48,62 @@ def serialize_kv_frame(frame: tuple[bytes, memoryview]) -> bytes:
     return b"".join(
         (b"\x0a", _varint(len(header)), header, b"\x12", _varint(len(payload)), payload)
     )
+
+
+class WireFrame:
+    """A KvFrame as it came off the wire: views into the message bytes (no copy), or the reason
+    it could not be split (reported as that frame's rejection, not a dead stream)."""
+
+    __slots__ = ("error", "header", "payload")
+
+    def __init__(self, header=b"", payload=b"", error: str | None = None):
+        self.header, self.payload, self.error = header, payload, error
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while pos < len(buf) and shift < 64:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    raise ValueError("truncated varint")
+
+
+_FIXED_SIZE = {1: 8, 5: 4}  # protobuf wire types 1 (64-bit) and 5 (32-bit)
+
+
+def split_kv_frame(data: bytes) -> WireFrame:
+    """Parse a KvFrame's protobuf wire format without copying the payload.
+
+    The generated ``KvFrame.FromString`` copies the multi-MiB payload into a new bytes object;
+    here header and payload are memoryviews of ``data``. Fields may come in any order, a repeated
+    field's last value wins and unknown fields are skipped, as protobuf parsers do.
+    """
+    buf, pos, fields = memoryview(data), 0, {1: b"", 2: b""}
+    try:
+        while pos < len(buf):
+            tag, pos = _read_varint(buf, pos)
+            number, wire_type = tag >> 3, tag & 7
+            if wire_type == 2:
+                length, pos = _read_varint(buf, pos)
+                if pos + length > len(buf):
+                    raise ValueError("field runs past the end of the message")
+                fields[number] = buf[pos : pos + length]
+                pos += length
+            elif wire_type == 0:
+                _, pos = _read_varint(buf, pos)
+            elif wire_type in _FIXED_SIZE:
+                pos += _FIXED_SIZE[wire_type]
+            else:
+                raise ValueError(f"unsupported wire type {wire_type}")
+        if pos != len(buf):
+            raise ValueError("field runs past the end of the message")
+    except ValueError as e:
+        return WireFrame(error=f"malformed KvFrame message: {e}")
+    return WireFrame(fields[1], fields[2])
 
 
 def message_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -96,6 +153,8 @@ class KvTransferServicer(pdserve_pb2_grpc.KvTransferServicer):
         return ack
 
     def _accept(self, frame) -> str | None:
+        if getattr(frame, "error", None):
+            return frame.error
         try:
             self.receiver.accept(frame.header, frame.payload)
         except FrameError as e:
@@ -108,8 +167,18 @@ class KvTransferServicer(pdserve_pb2_grpc.KvTransferServicer):
 
 def add_kv_servicer(server: grpc.Server, receiver, token: str | None = None) -> None:
     """Host KvTransfer on an existing server (configure its message limits with
-    ``message_options()``)."""
-    pdserve_pb2_grpc.add_KvTransferServicer_to_server(KvTransferServicer(receiver, token), server)
+    ``message_options()``). Same method as the generated ``add_KvTransferServicer_to_server``,
+    with a request parser that does not copy the payload."""
+    handlers = {
+        "PushFrames": grpc.stream_unary_rpc_method_handler(
+            KvTransferServicer(receiver, token).PushFrames,
+            request_deserializer=split_kv_frame,
+            response_serializer=pdserve_pb2.PushAck.SerializeToString,
+        )
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    if hasattr(server, "add_registered_method_handlers"):  # grpcio >= 1.62: no per-call lookup
+        server.add_registered_method_handlers(SERVICE, handlers)
 
 
 class GrpcReceiverServer(ReceiverServer):

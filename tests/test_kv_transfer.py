@@ -18,7 +18,7 @@ from kv_transfer import (
     make_sender,
     start_receiver_server,
 )
-from kv_transfer.transport_grpc import serialize_kv_frame
+from kv_transfer.transport_grpc import serialize_kv_frame, split_kv_frame
 from protos import pdserve_pb2
 
 # decode_frame views protobuf bytes without copying; torch warns once about read-only buffers.
@@ -207,6 +207,57 @@ def test_grpc_serializer_matches_generated_kv_frame(n_blocks):
     generated = pdserve_pb2.KvFrame(header=header, payload=bytes(payload))
     assert wire == generated.SerializeToString()
     assert len(wire) < 4 * 1024 * 1024
+
+
+def test_split_kv_frame_reads_what_protobuf_writes_without_copying():
+    header, payload = encode_kv_frame("r", "l", 3, [4, 2], torch.randn(2, 2, 1, 1, 8))
+    wire = pdserve_pb2.KvFrame(header=header, payload=bytes(payload)).SerializeToString()
+    frame = split_kv_frame(wire)
+    assert frame.error is None
+    assert bytes(frame.header) == header and bytes(frame.payload) == bytes(payload)
+    assert isinstance(frame.payload, memoryview) and frame.payload.obj is wire  # a view
+    # Any field order, unknown fields of every wire type skipped, last value wins.
+    unknown = b"\x18\x07" + b"\x21" + bytes(8) + b"\x2d" + bytes(4) + b"\x32\x01x"
+    reordered = b"\x12\x01z" + unknown + serialize_kv_frame((header, payload))
+    again = split_kv_frame(reordered)
+    assert bytes(again.header) == header and bytes(again.payload) == bytes(payload)
+    assert split_kv_frame(b"").error is None  # an empty message is an empty frame
+
+
+@pytest.mark.parametrize(
+    "wire, reason",
+    [
+        (b"\x0a\x05abc", "past the end"),  # length beyond the message
+        (b"\x0a\xff", "truncated varint"),
+        (b"\x0b", "wire type 3"),  # groups are not used by KvFrame
+        (b"\x09\x00", "past the end"),  # a fixed64 field cut short
+    ],
+)
+def test_split_kv_frame_reports_malformed_messages(wire, reason):
+    frame = split_kv_frame(wire)
+    assert frame.error is not None and reason in frame.error
+
+
+def test_a_malformed_message_is_one_rejected_frame_not_a_dead_stream():
+    """Raw bytes straight onto PushFrames: the bad message is reported, the good one lands."""
+    import grpc
+
+    cache = make_cache(zero=True)
+    ep = Endpoint("grpc", cache)
+    lease = ep.leases.open("r", [0])
+    kv = torch.randn(2, 1, *cache[0][0].shape[1:])
+    good = serialize_kv_frame(encode_kv_frame("r", lease.lease_id, 0, [0], kv))
+    with grpc.insecure_channel(ep.server.endpoint) as channel:
+        push = channel.stream_unary(
+            "/pdserve.v1.KvTransfer/PushFrames",
+            request_serializer=lambda b: b,
+            response_deserializer=pdserve_pb2.PushAck.FromString,
+        )
+        ack = push(iter([b"\x0a\x05abc", good]), timeout=30)
+    ep.close()
+    assert (ack.frames_accepted, ack.frames_rejected) == (1, 1)
+    assert "malformed KvFrame" in ack.errors[0]
+    assert torch.equal(cache[0][0][0], kv[0, 0])
 
 
 def test_report_loopback_throughput(endpoints, transport, capsys):

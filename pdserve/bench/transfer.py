@@ -6,7 +6,9 @@ Each transport then pushes one prompt's KV (every layer: ``send_layer`` per laye
 ``commit``, which waits for the receiver's acknowledgement) from a source cache into a
 ``KVReceiver``'s cache several times; throughput = payload bytes / seconds, and the ratio to
 loopback says how close the transport gets to what the socket can carry. Both figures are the
-best of their repeats (a limit is a best case; other processes share these cores).
+best of their repeats (a limit is a best case; other processes share these cores). A second,
+tighter limit for the gRPC transport: a bare grpcio client stream of 4 MiB ``bytes`` messages
+(no frames, no cache, nothing but the Python gRPC stack) over the same bytes.
 
 Then the transfer's share of TTFT with layer-wise streaming: a local cluster (one prefill and
 one decode worker) serves prompts of the same length with ``include_timings``; kv_transfer_s
@@ -91,6 +93,7 @@ class TransferReport:
     shape: dict
     loopback_best_mb_s: float
     loopback_median_mb_s: float
+    grpc_stack_best_mb_s: float  # a bare grpcio stream of bytes messages, same process
     transports: list[TransportResult] = field(default_factory=list)
     ttft: list[TTFTShare] = field(default_factory=list)
 
@@ -135,6 +138,47 @@ def loopback_seconds(total_bytes: int, chunk: int = 4 * MiB) -> float:
 
 def loopback_mb_s(total_bytes: int, repeats: int) -> list[float]:
     return [total_bytes / loopback_seconds(total_bytes) / 1e6 for _ in range(repeats)]
+
+
+# ---- the Python gRPC stack's own ceiling -----------------------------------------------------
+
+
+def grpc_stack_seconds(total_bytes: int, chunk: int = 4 * MiB, calls: int = 3) -> float:
+    """Best seconds for a bare grpcio client stream of ``chunk``-byte messages (identity
+    serializers, a server that only counts them) to carry ``total_bytes``: what any transport
+    built on Python gRPC can reach at best on this machine."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from kv_transfer.transport_grpc import message_options
+
+    def count(messages, context):
+        return str(sum(len(m) for m in messages)).encode()
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(count)}
+    )
+    server = grpc.server(ThreadPoolExecutor(max_workers=2), options=message_options())
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    payload = np.random.default_rng(0).bytes(chunk)
+    n = max(1, total_bytes // chunk)
+    best = float("inf")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=message_options()) as channel:
+            push = channel.stream_unary("/bench.Sink/Push")
+            push(iter([payload]))  # connect
+            for _ in range(calls):
+                start = time.perf_counter()
+                received = int(push(iter([payload] * n)))
+                best = min(best, time.perf_counter() - start)
+                if received != n * chunk:
+                    raise RuntimeError(f"bare gRPC stream lost bytes: {received} of {n * chunk}")
+    finally:
+        server.stop(None)
+    return best * total_bytes / (n * chunk)
 
 
 # ---- KV transports ------------------------------------------------------------------------
@@ -259,8 +303,10 @@ def run_transfer_bench(
         },
         max(loop),
         statistics.median(loop),
+        loopback_bytes / grpc_stack_seconds(loopback_bytes, calls=repeats) / 1e6,
     )
     log(f"loopback TCP: {report.loopback_best_mb_s:,.0f} MB/s (best of {repeats})")
+    log(f"bare gRPC stream: {report.grpc_stack_best_mb_s:,.0f} MB/s")
     for name in transports:
         res = measure_transport(name, shape, repeats, report.loopback_best_mb_s)
         report.transports.append(res)
@@ -282,17 +328,20 @@ def format_report(r: TransferReport) -> str:
     )
     limit = (
         f"loopback TCP (limit): best {r.loopback_best_mb_s:,.0f} MB/s, "
-        f"median {r.loopback_median_mb_s:,.0f} MB/s"
+        f"median {r.loopback_median_mb_s:,.0f} MB/s\n"
+        f"bare grpcio stream of 4 MiB messages (Python gRPC's own ceiling): "
+        f"{r.grpc_stack_best_mb_s:,.0f} MB/s = {r.grpc_stack_best_mb_s / r.loopback_best_mb_s:.2f} x loopback"
     )
     header = (
         f"{'transport':<12}{'best MB/s':>12}{'median MB/s':>13}{'x loopback':>12}"
-        f"{'frames':>8}{'bytes ok':>10}"
+        f"{'x grpcio':>10}{'frames':>8}{'bytes ok':>10}"
     )
     lines = [f"{' KV Transfer Benchmark ':=^78}", kv, limit, header]
     for t in r.transports:
         lines.append(
             f"{t.transport:<12}{t.best_mb_s:>12,.0f}{t.median_mb_s:>13,.0f}"
-            f"{t.ratio_to_loopback:>12.2f}{t.frames_per_push:>8}{t.bytes_ok!s:>10}"
+            f"{t.ratio_to_loopback:>12.2f}{t.best_mb_s / r.grpc_stack_best_mb_s:>10.2f}"
+            f"{t.frames_per_push:>8}{t.bytes_ok!s:>10}"
         )
     if r.ttft:
         lines.append(
