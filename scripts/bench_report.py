@@ -23,6 +23,16 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
     return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
+def _grpc_stack_sentence(d: dict) -> str:
+    stack = d.get("grpc_stack_best_mb_s")
+    if not stack:
+        return ""
+    return (
+        f" A bare grpcio stream of 4 MiB messages (Python gRPC's own ceiling) reaches "
+        f"{stack:,.0f} MB/s = {stack / d['loopback_best_mb_s']:.2f}x loopback."
+    )
+
+
 def transfer_section(d: dict) -> list[str]:
     s = d["shape"]
     out = [
@@ -32,20 +42,25 @@ def transfer_section(d: dict) -> list[str]:
             f"{s['bytes_per_push'] / 2**20:.1f} MiB per push ({s['tokens']} tokens, "
             f"{s['num_layers']} layers, {s['dtype']}). Limit: loopback TCP, best "
             f"{d['loopback_best_mb_s']:,.0f} MB/s (median {d['loopback_median_mb_s']:,.0f})."
+            + _grpc_stack_sentence(d)
         ),
         "",
     ]
+    stack = d.get("grpc_stack_best_mb_s")
     rows = [
         [
             t["transport"],
             f"{t['best_mb_s']:,.0f}",
             f"{t['median_mb_s']:,.0f}",
             f"{t['ratio_to_loopback']:.2f}",
+            f"{t['best_mb_s'] / stack:.2f}" if stack else "-",
             "yes" if t["bytes_ok"] else "NO",
         ]
         for t in d["transports"]
     ]
-    out += _table(["transport", "best MB/s", "median MB/s", "x loopback", "bytes ok"], rows)
+    out += _table(
+        ["transport", "best MB/s", "median MB/s", "x loopback", "x bare grpcio", "bytes ok"], rows
+    )
     if d.get("ttft"):
         rows = [
             [
@@ -137,8 +152,14 @@ def engine_section(d: dict) -> list[str]:
         "",
         (
             f"{d['threads']} thread(s). Limits: fp32 GEMM peak {d['gemm_peak_gflops']:.0f} GFLOP/s, "
-            f"streaming read bandwidth {d['read_bandwidth_gbs']:.1f} GB/s. Ratio = MFU for "
-            "prefill, MBU for decode; transformers on the same workload and threads beside it."
+            f"streaming read bandwidth {d['read_bandwidth_gbs']:.1f} GB/s"
+            + (
+                ""
+                if "huge_pages" not in d
+                else f", huge pages {'on' if d['huge_pages'] else 'off'}"
+            )
+            + ". Ratio = MFU for prefill, MBU for decode; transformers on the same workload and "
+            "threads beside it."
         ),
         "",
     ]
