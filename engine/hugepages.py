@@ -24,6 +24,18 @@ import sys
 TORCH_ENV = "THP_MEM_ALLOC_ENABLE"
 OPT_OUT_ENV = "PDSERVE_HUGE_PAGES"
 _SMAPS = "/proc/self/smaps_rollup"
+_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def kernel_mode() -> str:
+    """The kernel's THP mode: "always", "madvise", "never", or "" where there is none."""
+    try:
+        with open(_THP_MODE) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else ""
 
 
 def wanted() -> bool:

@@ -50,10 +50,13 @@ class WorkerActor:
     def ready(self) -> dict:
         import ray
 
+        from engine import hugepages
+
         return {
             "address": self.address,
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": _pid(),
+            "huge_pages": hugepages.active(),  # the runtime_env asked torch for them
         }
 
     def status(self) -> dict:

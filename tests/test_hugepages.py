@@ -12,11 +12,7 @@ import pytest
 from engine import hugepages
 
 REPO = Path(__file__).resolve().parents[1]
-THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def _thp_possible() -> bool:
-    return THP_MODE.exists() and "[never]" not in THP_MODE.read_text()
+THP_POSSIBLE = hugepages.kernel_mode() in ("always", "madvise")
 
 
 def _python(code: str, **env) -> str:
@@ -59,9 +55,9 @@ def test_entry_points_request_huge_pages_before_torch_loads(entry):
     assert _python(code) == "1"
 
 
-@pytest.mark.skipif(not _thp_possible(), reason="the kernel's transparent huge pages are off")
+@pytest.mark.skipif(not THP_POSSIBLE, reason="the kernel's transparent huge pages are off")
 def test_large_tensors_land_on_huge_pages_only_when_requested():
     code = "from engine import hugepages; hugepages.request(); print(hugepages.active())"
     assert _python(code) == "True"
-    if "[madvise]" in THP_MODE.read_text():  # with [always] every process gets them anyway
+    if hugepages.kernel_mode() == "madvise":  # with "always" every process gets them anyway
         assert _python(code, **{hugepages.OPT_OUT_ENV: "0"}) == "False"

@@ -15,6 +15,7 @@ import pytest
 import ray
 import yaml
 
+from engine import hugepages
 from pdserve.config import REPO_ROOT
 from pdserve.ray_controller import NAMESPACE
 from pdserve.ray_launcher import format_status, launch
@@ -177,6 +178,16 @@ def cluster(ray_address, tiny_model):
 
 def _pool_ids(st: dict, role: str) -> set[str]:
     return {w["id"] for w in st["pools"][role]["workers"]}
+
+
+@pytest.mark.skipif(
+    hugepages.kernel_mode() not in ("always", "madvise"), reason="the kernel's THP are off"
+)
+def test_worker_actors_put_their_tensors_on_huge_pages(cluster):
+    st = cluster.status()
+    for role in ("prefill", "decode"):
+        actor = ray.get_actor(f"pdserve-{min(_pool_ids(st, role))}", namespace=NAMESPACE)
+        assert ray.get(actor.ready.remote(), timeout=60)["huge_pages"], role
 
 
 def test_scale_up_and_down_during_a_steady_stream(cluster, prompts, reference):
