@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Side by side on the mixed workload, same seed and SLOs: disaggregated 1 prefill + 1 decode
 # worker (1 thread each, separate processes) vs one colocated worker (2 threads), and vLLM's
-# CPU build when PEER_URL is given (../shared/peers/vllm-cpu.sh serves it).
+# CPU build when PEER_URL is given (../shared/peers/vllm-cpu.sh serves it). All servers stay up
+# and `bench compare` runs every rate on each in turn (the order rotating per rate), so a noisy
+# stretch of the shared machine hits them alike; only one is under load at a time.
 #
 #   bash scripts/bench_compare.sh                    # RATES=0.1,0.2,0.3 N=20 by default
 #   PEER_URL=http://127.0.0.1:8011 bash scripts/bench_compare.sh
@@ -15,27 +17,32 @@ SLO_TPOT=${SLO_TPOT:-0.1}
 mkdir -p "$OUT"
 export GRPC_VERBOSITY=${GRPC_VERBOSITY:-ERROR}
 
-sweep() {  # name url
-  python -m pdserve.bench sweep --url "$2" --workload mixed --rates "$RATES" --num-requests "$N" \
-    --slo-ttft "$SLO_TTFT" --slo-tpot "$SLO_TPOT" --temperature 0 --seed 2 --no-progress \
-    --json "$OUT/compare_$1.json" | tail -n 6
-}
+PIDS=()
+trap 'kill "${PIDS[@]}" 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 
-cluster() {  # name, bench_cluster args...
+start_cluster() {  # name, bench_cluster args...
   local name=$1
   shift
   python scripts/bench_cluster.py --model embedded "$@" >"$OUT/$name.out" 2>"$OUT/$name.log" &
-  local pid=$!
-  for _ in $(seq 600); do grep -q '^URL ' "$OUT/$name.out" && break; sleep 1; done
-  echo "== $name"
-  sweep "$name" "$(awk '/^URL /{print $2; exit}' "$OUT/$name.out")"
-  kill "$pid"
-  wait "$pid" 2>/dev/null || true
+  PIDS+=($!)
 }
 
-cluster disaggregated --threads 1
-cluster colocated --num-prefill 0 --threads 2
+url_of() {  # name: wait for the cluster's URL line
+  for _ in $(seq 600); do
+    grep -q '^URL ' "$OUT/$1.out" && { awk '/^URL /{print $2; exit}' "$OUT/$1.out"; return; }
+    sleep 1
+  done
+  echo "cluster $1 did not start: $(tail -n 1 "$OUT/$1.log")" >&2
+  exit 1
+}
+
+start_cluster disaggregated --threads 1
+start_cluster colocated --num-prefill 0 --threads 2
+AGAINST=(--against "colocated=$(url_of colocated)")
 if [ -n "${PEER_URL:-}" ]; then
-  echo "== vllm-cpu at $PEER_URL"
-  sweep vllm "$PEER_URL"
+  AGAINST+=(--against "vllm=$PEER_URL")
 fi
+python -m pdserve.bench compare --url "$(url_of disaggregated)" --name disaggregated \
+  "${AGAINST[@]}" --workload mixed --rates "$RATES" --num-requests "$N" \
+  --slo-ttft "$SLO_TTFT" --slo-tpot "$SLO_TPOT" --temperature 0 --seed 2 --no-progress \
+  --json "$OUT/compare.json"

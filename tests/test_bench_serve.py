@@ -318,3 +318,49 @@ def test_register_adds_bench_with_extra_subcommands():
     args = parser.parse_args(["bench", "hello"])
     assert args.func(args) == 7
     assert parser.parse_args(["bench", "serve", "--url", "u"]).func.__name__ == "cmd_serve"
+
+
+def test_bench_compare_interleaves_servers_rate_by_rate(fake_server, tmp_path, capsys):
+    url, seen = fake_server
+    out = tmp_path / "compare.json"
+    args = ["compare", "--url", url, "--name", "a", "--against", f"b={url}"]
+    args += ["--against", f"c={url}", "--workload", "chat", "--num-requests", "2"]
+    args += ["--rates", "50,20", "--slo-ttft", "5", "--warmup", "1", "--no-progress"]
+    assert bench_main([*args, "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert list(res) == ["a", "b", "c"]
+    for name in "abc":
+        assert [p["rate"] for p in res[name]["points"]] == [20.0, 50.0]
+        assert res[name]["goodput"] == 50.0
+    # warm-up once per system, then 2 rates x 3 systems x 2 requests; every prompt new
+    assert len(seen) == 3 + 2 * 3 * 2
+    prompts = [r["messages"][0]["content"] for r in seen]
+    assert len(set(prompts)) == len(prompts)
+    text = capsys.readouterr().out
+    assert "goodput a: 50 req/s" in text and "goodput c: 50 req/s" in text
+
+
+def test_compare_rotates_the_order_and_checks_its_arguments():
+    from pdserve.bench.compare import System, parse_system, run_order
+    from pdserve.bench.serve import BenchError
+
+    systems = [System(n, f"http://{n}") for n in "abc"]
+    assert [[s.name for s in run_order(systems, i)] for i in range(4)] == [
+        ["a", "b", "c"],
+        ["b", "c", "a"],
+        ["c", "a", "b"],
+        ["a", "b", "c"],
+    ]
+    assert parse_system("vllm=http://127.0.0.1:8011") == System("vllm", "http://127.0.0.1:8011")
+    for bad in ("http://x", "=http://x", "name="):
+        with pytest.raises(BenchError, match="NAME=URL"):
+            parse_system(bad)
+
+
+def test_bench_compare_needs_an_slo_and_distinct_names(fake_server, capsys):
+    url, _ = fake_server
+    base = ["compare", "--url", url, "--rates", "1", "--no-progress"]
+    assert bench_main(base) == 2
+    assert "needs --slo-ttft" in capsys.readouterr().err
+    assert bench_main([*base, "--slo-ttft", "1", "--name", "x", "--against", f"x={url}"]) == 2
+    assert "names must differ" in capsys.readouterr().err

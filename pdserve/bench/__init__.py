@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterable
 
-BENCH_MODULES = ("serve", "sweep", "transfer", "engine", "router_overhead")
+BENCH_MODULES = ("serve", "sweep", "compare", "transfer", "engine", "router_overhead")
 
 
 def _available_modules() -> list:
