@@ -48,12 +48,13 @@ def env_vars() -> dict[str, str]:
 
 
 def request() -> bool:
-    """Ask torch's allocator for huge pages; returns False if torch was imported too early to
-    take it (the allocator reads the variable once)."""
+    """Ask torch's allocator for huge pages. False when this call set the variable after torch
+    was already imported (the allocator reads it once); child processes still inherit it."""
     if not wanted():
         return True
+    already = os.environ.get(TORCH_ENV) == "1"
     os.environ.setdefault(TORCH_ENV, "1")
-    return "torch" not in sys.modules or os.environ[TORCH_ENV] == "1"
+    return already or "torch" not in sys.modules
 
 
 def _anon_huge_kb() -> int | None:

@@ -37,8 +37,9 @@ def test_request_sets_torchs_variable_unless_opted_out(monkeypatch):
     assert hugepages.TORCH_ENV not in os.environ
     assert hugepages.env_vars() == {}
     monkeypatch.delenv(hugepages.OPT_OUT_ENV)
-    hugepages.request()
-    assert os.environ[hugepages.TORCH_ENV] == "1"
+    assert not hugepages.request()  # torch is loaded in this process: too late for it
+    assert os.environ[hugepages.TORCH_ENV] == "1"  # but child processes inherit it
+    assert hugepages.request()  # already set, as when inherited from a parent process
     assert hugepages.env_vars() == {hugepages.TORCH_ENV: "1"}
 
 
