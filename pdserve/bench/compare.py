@@ -15,17 +15,8 @@ import asyncio
 import sys
 from dataclasses import dataclass, replace
 
-from pdserve.bench.serve import (
-    BenchError,
-    ServeConfig,
-    add_load_args,
-    config_from_args,
-    run_benchmark,
-    with_rate,
-    write_json,
-)
-from pdserve.bench.sweep import SweepPoint, goodput_of, point_of
-from pdserve.bench.workloads import new_nonce
+from pdserve.bench.serve import BenchError, ServeConfig, add_load_args, config_from_args, write_json
+from pdserve.bench.sweep import SweepPoint, goodput_of, run_rate
 
 
 @dataclass(frozen=True)
@@ -68,16 +59,10 @@ async def run_compare(
     sweeps = {s.name: SystemSweep(s, [], []) for s in systems}
     for i, rate in enumerate(sorted(rates)):
         for system in run_order(systems, i):
-            nonce = new_nonce() if cfg.nonce is None else f"{cfg.nonce}-{system.name}-{i}"
-            run_cfg = with_rate(
-                replace(cfg, url=system.url, model=None),
-                rate,
-                nonce=nonce,
-                warmup=cfg.warmup if i == 0 else 0,
-            )
-            res = await run_benchmark(run_cfg)
-            sweeps[system.name].points.append(point_of(rate, res))
-            sweeps[system.name].runs.append(res.to_dict())
+            system_cfg = replace(cfg, url=system.url, model=None)  # each server's own model
+            point, run = await run_rate(system_cfg, rate, i, tag=f"-{system.name}")
+            sweeps[system.name].points.append(point)
+            sweeps[system.name].runs.append(run)
     return list(sweeps.values())
 
 

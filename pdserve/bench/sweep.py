@@ -58,16 +58,22 @@ async def run_sweep(cfg: ServeConfig, rates: list[float]) -> tuple[list[SweepPoi
         raise BenchError("a sweep needs --slo-ttft and/or --slo-tpot")
     points, runs = [], []
     for i, rate in enumerate(sorted(rates)):
-        run_cfg = with_rate(
-            cfg,
-            rate,
-            nonce=new_nonce() if cfg.nonce is None else f"{cfg.nonce}-{i}",
-            warmup=cfg.warmup if i == 0 else 0,
-        )
-        res = await run_benchmark(run_cfg)
-        points.append(point_of(rate, res))
-        runs.append(res.to_dict())
+        point, run = await run_rate(cfg, rate, i)
+        points.append(point)
+        runs.append(run)
     return points, runs
+
+
+async def run_rate(
+    cfg: ServeConfig, rate: float, index: int, tag: str = ""
+) -> tuple[SweepPoint, dict]:
+    """The ``index``-th rate of a sweep: a fresh nonce (or ``--nonce`` plus tag and index),
+    warm-up only before the first rate."""
+    nonce = new_nonce() if cfg.nonce is None else f"{cfg.nonce}{tag}-{index}"
+    res = await run_benchmark(
+        with_rate(cfg, rate, nonce=nonce, warmup=cfg.warmup if index == 0 else 0)
+    )
+    return point_of(rate, res), res.to_dict()
 
 
 def format_sweep(points: list[SweepPoint]) -> str:
