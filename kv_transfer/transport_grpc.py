@@ -152,8 +152,8 @@ class KvTransferServicer(pdserve_pb2_grpc.KvTransferServicer):
                 ack.errors.append(reason)
         return ack
 
-    def _accept(self, frame) -> str | None:
-        if getattr(frame, "error", None):
+    def _accept(self, frame: WireFrame) -> str | None:
+        if frame.error is not None:
             return frame.error
         try:
             self.receiver.accept(frame.header, frame.payload)
