@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, replace
 
 from pdserve.bench.serve import BenchError, ServeConfig, add_load_args, config_from_args, write_json
-from pdserve.bench.sweep import SweepPoint, goodput_of, run_rate
+from pdserve.bench.sweep import SweepPoint, goodput_of, parse_rates, run_rate, sweep_json
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_compare(args) -> int:
-    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    rates = parse_rates(args.rates)
     try:
         systems = [System(args.name, args.url)] + [parse_system(t) for t in args.against]
         sweeps = asyncio.run(run_compare(config_from_args(args, rates[0]), systems, rates))
@@ -108,14 +108,6 @@ def cmd_compare(args) -> int:
     if args.json_out:
         write_json(
             args.json_out,
-            {
-                s.system.name: {
-                    "url": s.system.url,
-                    "goodput": s.goodput,
-                    "points": [vars(p) for p in s.points],
-                    "runs": s.runs,
-                }
-                for s in sweeps
-            },
+            {s.system.name: {"url": s.system.url, **sweep_json(s.points, s.runs)} for s in sweeps},
         )
     return 0

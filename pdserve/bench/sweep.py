@@ -102,8 +102,22 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_sweep)
 
 
+def parse_rates(text: str) -> list[float]:
+    return [float(r) for r in text.split(",") if r.strip()]
+
+
+def sweep_json(points: list[SweepPoint], runs: list[dict]) -> dict:
+    """One sweep as written to --json (bench sweep; one per system in bench compare)."""
+    return {
+        "goodput": goodput_of(points),
+        "attainment_target": ATTAINMENT_TARGET,
+        "points": [vars(p) for p in points],
+        "runs": runs,
+    }
+
+
 def cmd_sweep(args) -> int:
-    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    rates = parse_rates(args.rates)
     cfg = config_from_args(args, rates[0])
     try:
         points, runs = asyncio.run(run_sweep(cfg, rates))
@@ -112,13 +126,5 @@ def cmd_sweep(args) -> int:
         return 2
     print(format_sweep(points))
     if args.json_out:
-        write_json(
-            args.json_out,
-            {
-                "goodput": goodput_of(points),
-                "attainment_target": ATTAINMENT_TARGET,
-                "points": [vars(p) for p in points],
-                "runs": runs,
-            },
-        )
+        write_json(args.json_out, sweep_json(points, runs))
     return 0
