@@ -28,7 +28,10 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
     def Reserve(self, request, context):
         try:
             lease = self.worker.reserve(
-                request.request_id, request.num_tokens, request.lease_seconds or None
+                request.request_id,
+                request.num_tokens,
+                request.lease_seconds or None,
+                request.lease_id or None,
             )
         except ReservationError as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))

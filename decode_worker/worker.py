@@ -19,6 +19,7 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus, sampling_from_message
 from engine.worker_base import EngineWorker
+from kv_transfer.frame import MAX_ID_LEN
 from kv_transfer.lease import LeaseTable
 from kv_transfer.receiver import KVReceiver
 
@@ -50,8 +51,26 @@ class DecodeWorker(EngineWorker):
         self._streams: dict[str, _Stream] = {}
 
     # ---- reservations ------------------------------------------------------------------
-    def reserve(self, request_id: str, num_tokens: int, ttl_s: float | None = None):
-        """Allocate blocks for ``num_tokens`` tokens of KV under a new lease."""
+    def reserve(
+        self,
+        request_id: str,
+        num_tokens: int,
+        ttl_s: float | None = None,
+        lease_id: str | None = None,
+    ):
+        """Allocate blocks for ``num_tokens`` tokens of KV under a new lease (``lease_id`` if
+        the caller chose one: its prefill may already be on the way, and a refusal tells the
+        frames waiting for the lease to give up)."""
+        try:
+            return self._reserve(request_id, num_tokens, ttl_s, lease_id)
+        except (ReservationError, InvalidRequestError) as e:
+            if lease_id and lease_id not in self.leases:  # not a duplicate of a live one
+                self.leases.refuse(lease_id, str(e))
+            raise
+
+    def _reserve(self, request_id, num_tokens, ttl_s, lease_id):
+        if lease_id is not None and not 0 < len(lease_id) <= MAX_ID_LEN:
+            raise InvalidRequestError("lease_id", f"must be 1-{MAX_ID_LEN} characters")
         if num_tokens < 1:
             raise InvalidRequestError("num_tokens", "must be >= 1")
         if num_tokens >= self.engine.config.max_model_len:
@@ -64,7 +83,10 @@ class DecodeWorker(EngineWorker):
                 raise ReservationError(f"{self.worker_id} is draining")
             if not self.blocks.can_allocate(n_blocks):
                 raise ReservationError(f"need {n_blocks} blocks, {self.blocks.num_free} free")
-            return self.leases.open(request_id, tuple(self.blocks.allocate(n_blocks)), ttl_s)
+            if lease_id and lease_id in self.leases:
+                raise InvalidRequestError("lease_id", f"{lease_id[:64]} is already in use")
+            blocks = tuple(self.blocks.allocate(n_blocks))
+            return self.leases.open(request_id, blocks, ttl_s, lease_id)
 
     def release(self, lease_id: str) -> bool:
         """Give a lease's blocks back (the prefill failed or the client went away)."""
@@ -181,6 +203,7 @@ class DecodeWorker(EngineWorker):
         with self.loop.lock:
             return {
                 **self.base_status(),
+                "block_size": self.block_size,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_leases": len(self.leases),
                 "frames_rejected": self.receiver.frames_rejected,

@@ -1,12 +1,15 @@
 """KV frame wire format: a msgpack header plus the raw bytes of one tensor.
 
-A "kv" frame carries one layer's K and V for a list of destination blocks; its payload is a
+A "kv" frame carries one layer's K and V for a list of blocks of one lease, named by their
+position in the lease (block i holds the request's tokens [i*block_size, (i+1)*block_size)):
+the sender never needs the decode side's block ids, so a prefill may start before the
+reservation answers. Its payload is a
 C-contiguous tensor ``[2, n_blocks, block_size, num_kv_heads, head_dim]`` (K then V) in native
 (little-endian) byte order. A "commit" frame has an empty payload and tells the receiver how many
 kv frames it should have accepted for the lease. The header is a msgpack map:
 
-    {"version": 1, "kind": "kv" | "commit", "request_id": str, "lease_id": str,
-     "layer": int, "block_ids": [int], "dtype": str, "shape": [int], "checksum": int,
+    {"version": 3, "kind": "kv" | "commit", "request_id": str, "lease_id": str,
+     "layer": int, "blocks": [int], "dtype": str, "shape": [int], "checksum": int,
      "num_frames": int}
 
 ``checksum`` is the CRC-32C (Castagnoli) of the payload, computed by the ``crc32c`` package
@@ -26,10 +29,12 @@ import crc32c
 import msgpack
 import torch
 
-FORMAT_VERSION = 2  # 2: CRC-32C checksums (1 was zlib's CRC-32)
+# 3: blocks named by position in the lease (2 sent the decode side's block ids);
+# 2: CRC-32C checksums (1 was zlib's CRC-32).
+FORMAT_VERSION = 3
 # gRPC's default message limit is 4 MiB; leave room for the header and protobuf framing.
 MAX_FRAME_BYTES = 3 * 1024 * 1024 + 512 * 1024
-# Bounds the header (block ids) so a hostile header cannot make us allocate much.
+# Bounds the header (block list) so a hostile header cannot make us allocate much.
 MAX_HEADER_BYTES = 64 * 1024
 MAX_BLOCKS_PER_FRAME = 4096
 MAX_ID_LEN = 256
@@ -68,7 +73,7 @@ class FrameHeader:
     request_id: str
     lease_id: str
     layer: int  # -1 on commit frames
-    block_ids: tuple[int, ...]  # DESTINATION block ids (the decode side's reservation)
+    blocks: tuple[int, ...]  # positions in the lease of the blocks carried (not block ids)
     dtype: str  # a key of DTYPES; "" on commit frames
     shape: tuple[int, ...]  # [2, n_blocks, block_size, num_kv_heads, head_dim]; () on commit
     checksum: int  # CRC-32C of the payload
@@ -94,16 +99,17 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def encode_kv_frame(
-    request_id: str, lease_id: str, layer: int, block_ids, kv: torch.Tensor
+    request_id: str, lease_id: str, layer: int, blocks, kv: torch.Tensor
 ) -> tuple[bytes, memoryview]:
-    """Encode one layer's K/V for ``block_ids``; the payload is a view of ``kv`` (no copy)."""
+    """Encode one layer's K/V for the lease's ``blocks`` (positions in the lease); the
+    payload is a view of ``kv`` (no copy)."""
     kv = kv.detach()
     if kv.device.type != "cpu":
         kv = kv.cpu()
     kv = kv.contiguous()
-    block_ids = tuple(int(b) for b in block_ids)
-    if kv.dim() != _KV_RANK or kv.shape[0] != 2 or kv.shape[1] != len(block_ids):
-        raise ValueError(f"kv shape {tuple(kv.shape)} is not [2, {len(block_ids)}, bs, h, d]")
+    blocks = tuple(int(b) for b in blocks)
+    if kv.dim() != _KV_RANK or kv.shape[0] != 2 or kv.shape[1] != len(blocks):
+        raise ValueError(f"kv shape {tuple(kv.shape)} is not [2, {len(blocks)}, bs, h, d]")
     payload = tensor_bytes(kv)
     header = {
         "version": FORMAT_VERSION,
@@ -111,7 +117,7 @@ def encode_kv_frame(
         "request_id": request_id,
         "lease_id": lease_id,
         "layer": int(layer),
-        "block_ids": list(block_ids),
+        "blocks": list(blocks),
         "dtype": dtype_name(kv.dtype),
         "shape": list(kv.shape),
         "checksum": checksum(payload),
@@ -127,7 +133,7 @@ def encode_commit_frame(request_id: str, lease_id: str, num_frames: int) -> tupl
         "request_id": request_id,
         "lease_id": lease_id,
         "layer": -1,
-        "block_ids": [],
+        "blocks": [],
         "dtype": "",
         "shape": [],
         "checksum": checksum(b""),
@@ -189,7 +195,7 @@ def _parse_header(fields: dict) -> FrameHeader:
         request_id=ids["request_id"],
         lease_id=ids["lease_id"],
         layer=_field(fields, "layer", int),
-        block_ids=_int_list(fields, "block_ids", MAX_BLOCKS_PER_FRAME),
+        blocks=_int_list(fields, "blocks", MAX_BLOCKS_PER_FRAME),
         dtype=dtype,
         shape=_int_list(fields, "shape", 8),
         checksum=_field(fields, "checksum", int),
@@ -200,12 +206,12 @@ def _parse_header(fields: dict) -> FrameHeader:
 def _check_kv_header(h: FrameHeader) -> None:
     if h.layer < 0:
         raise FrameError(f"layer {h.layer} is negative")
-    if not h.block_ids:
-        raise FrameError("kv frame has no block ids")
-    if len(set(h.block_ids)) != len(h.block_ids):
-        raise FrameError("kv frame repeats a block id")
-    if len(h.shape) != _KV_RANK or h.shape[0] != 2 or h.shape[1] != len(h.block_ids):
-        raise FrameError(f"shape {list(h.shape)} is not [2, {len(h.block_ids)}, bs, h, d]")
+    if not h.blocks:
+        raise FrameError("kv frame names no blocks")
+    if len(set(h.blocks)) != len(h.blocks):
+        raise FrameError("kv frame repeats a block")
+    if len(h.shape) != _KV_RANK or h.shape[0] != 2 or h.shape[1] != len(h.blocks):
+        raise FrameError(f"shape {list(h.shape)} is not [2, {len(h.blocks)}, bs, h, d]")
 
 
 def _payload_view(payload) -> memoryview:

@@ -1,8 +1,11 @@
 """Leases: the decode side's reservation of destination blocks for one incoming transfer.
 
-The decode worker opens a lease when it reserves blocks for a request, hands the lease id to
-the prefill side, and only accepts frames that name a live lease and stay inside its blocks.
-A lease that is not committed by its deadline is popped so the worker can free its blocks.
+The decode worker opens a lease when it reserves blocks for a request, and only accepts frames
+that name a live lease and stay inside its blocks. The lease id may be chosen by the caller, so
+the router can send the prefill toward a lease whose reservation is still in flight: a frame
+that arrives first waits for the lease (``wait_for``), and fails at once if the reservation
+is refused. A lease that is not committed by its deadline is popped so the worker can free
+its blocks.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kv_transfer.frame import FrameError
@@ -38,22 +42,58 @@ class Lease:
 class LeaseTable:
     """Thread-safe map lease_id -> Lease; the receiver reads it, the worker opens/closes."""
 
+    MAX_REFUSED = 1024  # refused ids remembered for frames still on their way
+
     def __init__(self, default_ttl_s: float = 30.0):
         self.default_ttl_s = default_ttl_s
         self._leases: dict[str, Lease] = {}
+        self._refused: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
 
-    def open(self, request_id: str, block_ids, ttl_s: float | None = None) -> Lease:
+    def open(
+        self, request_id: str, block_ids, ttl_s: float | None = None, lease_id: str | None = None
+    ) -> Lease:
+        """Open a lease on ``block_ids``; ``lease_id`` is the caller's (unique) or a new one."""
         ttl = self.default_ttl_s if ttl_s is None else ttl_s
         lease = Lease(
-            lease_id=uuid.uuid4().hex,
+            lease_id=lease_id or uuid.uuid4().hex,
             request_id=request_id,
             block_ids=tuple(int(b) for b in block_ids),
             deadline=time.monotonic() + ttl,
         )
-        with self._lock:
+        with self._changed:
+            if lease.lease_id in self._leases:
+                raise ValueError(f"lease {lease.lease_id[:64]} already exists")
             self._leases[lease.lease_id] = lease
+            self._changed.notify_all()
         return lease
+
+    def refuse(self, lease_id: str, reason: str) -> None:
+        """The reservation for ``lease_id`` failed: frames waiting for it fail now."""
+        with self._changed:
+            self._refused[lease_id] = reason
+            while len(self._refused) > self.MAX_REFUSED:
+                self._refused.popitem(last=False)
+            self._changed.notify_all()
+
+    def wait_for(self, lease_id: str, timeout: float) -> None:
+        """Return once ``lease_id`` is open (at once if it is); FrameError if it was refused or
+        does not open within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while lease_id not in self._leases:
+                if lease_id in self._refused:
+                    reason = self._refused[lease_id]
+                    raise FrameError(f"lease {lease_id[:64]} was refused: {reason}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise FrameError(f"unknown lease {lease_id[:64]}")
+                self._changed.wait(left)
+
+    def __contains__(self, lease_id: str) -> bool:
+        with self._lock:
+            return lease_id in self._leases
 
     def get(self, lease_id: str) -> Lease:
         with self._lock:

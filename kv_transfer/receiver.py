@@ -27,10 +27,14 @@ class KVReceiver:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         leases: LeaseTable,
         on_event: EventHook | None = None,
+        pending_lease_wait_s: float = 2.0,
     ):
         self.kv_caches = kv_caches
         self.leases = leases
         self.on_event = on_event
+        # How long a frame waits for a lease whose reservation is still in flight (the router
+        # sends the prefill and the reservation together); a refused one fails it at once.
+        self.pending_lease_wait_s = pending_lease_wait_s
         self.frames_accepted = 0
         self.frames_rejected = 0
         self.bytes_received = 0
@@ -46,6 +50,7 @@ class KVReceiver:
         """Apply one frame; raise FrameError (after logging and counting it) if it is bad."""
         try:
             h, kv = decode_frame(header, payload)  # checksum runs outside the lock
+            self.leases.wait_for(h.lease_id, self.pending_lease_wait_s)  # outside it too
             with self.lock:
                 lease = self._lease_for(h)
                 if h.kind == "commit":
@@ -87,15 +92,17 @@ class KVReceiver:
         if not 0 <= h.layer < self.num_layers:
             raise FrameError(f"layer {h.layer} out of range [0, {self.num_layers})")
         k_cache, v_cache = self.kv_caches[h.layer]
-        outside = set(h.block_ids).difference(lease.block_ids)
+        n = len(lease.block_ids)
+        outside = [b for b in h.blocks if b >= n]
         if outside:
-            raise FrameError(f"block ids {sorted(outside)[:8]} not in lease {h.lease_id}")
-        expected = (2, len(h.block_ids), *k_cache.shape[1:])
+            raise FrameError(f"blocks {outside[:8]} outside lease {h.lease_id} of {n} blocks")
+        expected = (2, len(h.blocks), *k_cache.shape[1:])
         if tuple(h.shape) != expected:
             raise FrameError(f"shape {list(h.shape)} does not match cache {list(expected)}")
         if kv.dtype != k_cache.dtype:
             raise FrameError(f"dtype {h.dtype} does not match cache {k_cache.dtype}")
-        idx = torch.tensor(h.block_ids, dtype=torch.long, device=k_cache.device)
+        ids = [lease.block_ids[b] for b in h.blocks]
+        idx = torch.tensor(ids, dtype=torch.long, device=k_cache.device)
         kv = kv.to(k_cache.device, non_blocking=False)
         k_cache.index_copy_(0, idx, kv[0])
         v_cache.index_copy_(0, idx, kv[1])

@@ -91,8 +91,8 @@ class ReceiverServer(ABC):
 @dataclass
 class _LayerJob:
     layer: int
-    src: list[int]
-    dst: list[int]
+    src: list[int]  # block ids in the sender's cache
+    dst: list[int]  # positions in the destination lease
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     ready: object | None  # a CUDA event recorded after the layer's compute, or None
@@ -129,13 +129,15 @@ class KVStream:
         self._aborted = False
         self._closed = False
 
-    def send_layer(self, layer, src_block_ids, dst_block_ids, k_cache, v_cache) -> None:
-        """Queue one layer's blocks; returns at once. Blocks must not change afterwards."""
+    def send_layer(self, layer, src_block_ids, lease_blocks, k_cache, v_cache) -> None:
+        """Queue one layer's blocks ``src_block_ids`` of the local cache, to land in the
+        lease's blocks at positions ``lease_blocks``; returns at once. Blocks must not change
+        afterwards."""
         if self._closed:
             raise RuntimeError(f"stream for lease {self.lease_id} is closed")
-        src, dst = [int(b) for b in src_block_ids], [int(b) for b in dst_block_ids]
+        src, dst = [int(b) for b in src_block_ids], [int(b) for b in lease_blocks]
         if len(src) != len(dst):
-            raise ValueError(f"{len(src)} source blocks but {len(dst)} destination blocks")
+            raise ValueError(f"{len(src)} source blocks but {len(dst)} lease positions")
         if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
             raise ValueError("k_cache and v_cache differ in shape or dtype")
         dtype_name(k_cache.dtype)

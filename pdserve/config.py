@@ -66,6 +66,9 @@ class RouterSection(_Strict):
     default_max_tokens: int = Field(128, ge=1)
     # Prompts up to this many tokens are prefilled on the decode worker (no KV transfer).
     local_prefill_max_tokens: int = Field(0, ge=0)
+    # Reserve decode blocks and prefill at once while a decode worker keeps this share of its
+    # blocks free after the request (else reserve first); -1 turns it off.
+    concurrent_reserve_headroom: float = Field(0.1, ge=-1, le=1)
 
 
 class AutoscalerConfig(_Strict):

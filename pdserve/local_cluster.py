@@ -32,6 +32,7 @@ class ClusterSpec:
     threads_per_worker: int = 0
     lease_ttl_s: float = 30.0
     local_prefill_max_tokens: int = 0  # prompts up to this are prefilled on the decode worker
+    concurrent_reserve_headroom: float = 0.1  # router.flow.FlowConfig; < 0: reserve first
     prefill_policy: str = "least_queued"
     decode_policy: str = "most_free_blocks"
     separate_processes: bool = False
@@ -216,6 +217,7 @@ class LocalCluster:
             prefill_policy=s.prefill_policy,
             decode_policy=s.decode_policy,
             local_prefill_max_tokens=s.local_prefill_max_tokens,
+            concurrent_reserve_headroom=s.concurrent_reserve_headroom,
         )
         self.servers = await start_router(
             cfg,

@@ -202,6 +202,7 @@ async def _start_router(c: ClusterConfig, model_dir: str):
         "max_inflight_requests": c.router.max_inflight_requests,
         "default_max_tokens": c.router.default_max_tokens,
         "local_prefill_max_tokens": c.router.local_prefill_max_tokens,
+        "concurrent_reserve_headroom": c.router.concurrent_reserve_headroom,
         "api_key": c.api_key,
         "cluster_token": c.cluster_token,
     }

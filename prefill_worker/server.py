@@ -67,7 +67,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 list(request.output_token_ids),
                 sampling,
                 stream,
-                list(dest.block_ids),
+                dest.num_blocks,
             )
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -31,7 +31,6 @@ log = logging.getLogger("pdserve.prefill")
 class PrefillJob:
     req: Request
     stream: KVStream
-    dst_blocks: list[int]
     # First block index not yet sent; a partially filled block is sent again with the next
     # chunk (whole blocks are idempotent to overwrite).
     next_block: int = 0
@@ -55,15 +54,17 @@ class PrefillWorker(EngineWorker):
         outputs: list[int],
         sampling,
         stream: KVStream,
-        dst_blocks: list[int],
+        lease_blocks: int,
     ) -> PrefillJob:
+        """Queue a prefill whose KV goes to a lease of ``lease_blocks`` blocks through
+        ``stream`` (block i of the request to the lease's block i)."""
         req = self.new_request(request_id, prompt, outputs, sampling)
-        if len(dst_blocks) < self.blocks.blocks_needed(req.num_tokens):
+        if lease_blocks < self.blocks.blocks_needed(req.num_tokens):
             raise InvalidRequestError(
-                "destination.block_ids",
-                f"{len(dst_blocks)} blocks cannot hold {req.num_tokens} tokens",
+                "destination.num_blocks",
+                f"{lease_blocks} blocks cannot hold {req.num_tokens} tokens",
             )
-        job = PrefillJob(req, stream, list(dst_blocks))
+        job = PrefillJob(req, stream)
         with self.loop.lock:
             self.scheduler.add(req)
             self._jobs[request_id] = job
@@ -105,7 +106,7 @@ class PrefillWorker(EngineWorker):
         return True
 
     def _plan_sends(self, batch: list[ScheduledSequence]):
-        """Per sequence with a destination: (stream, src block ids, dst block ids) this step."""
+        """Per sequence with a destination: (stream, src block ids, lease positions) this step."""
         sends = []
         bs = self.block_size
         for s in batch:
@@ -118,7 +119,7 @@ class PrefillWorker(EngineWorker):
             job.next_block = min(job.next_block, start // bs)
             idx = range(job.next_block, (end - 1) // bs + 1)
             src = torch.tensor([s.request.block_table[i] for i in idx], dtype=torch.int64)
-            sends.append((job.stream, src, [job.dst_blocks[i] for i in idx]))
+            sends.append((job.stream, src, list(idx)))
             job.next_block = end // bs
         return sends
 

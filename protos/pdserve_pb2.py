@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/pdserve.proto\x12\npdserve.v1\"\xc1\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\rB\x07\n\x05_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\xeb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0finclude_timings\x18\x07 \x01(\x08\x42\x07\n\x05input\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x95\x01\n\x07Timings\x12\x17\n\x0fprefill_queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_queue_s\x18\x04 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x06 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x04\"\xa6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"\x0f\n\rHealthRequest\"P\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x17\n\x0fprefill_workers\x18\x02 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x03 \x01(\r\"\x0f\n\rStatusRequest\"\xfc\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x07 \x01(\x04\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x19\n\x11prefix_hit_tokens\x18\t \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x04\x12\x12\n\nnum_leases\x18\x0c \x01(\r\x12\x17\n\x0f\x66rames_rejected\x18\r \x01(\x04\x12\x13\n\x0bkv_endpoint\x18\x0e \x01(\t\x12\x14\n\x0ckv_transport\x18\x0f \x01(\t\x12\x15\n\rnum_transfers\x18\x10 \x01(\r\"O\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\"\x89\x01\n\x0fReserveResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x13\n\x0bkv_endpoint\x18\x04 \x01(\t\x12\x14\n\x0ckv_transport\x18\x05 \x01(\t\x12\x12\n\ndeadline_s\x18\x06 \x01(\x01\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x97\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"N\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_queue_s\x18\x03 \x01(\x01\"m\n\rKvDestination\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\"\xb6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12.\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KvDestination\"Y\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"@\n\x0cTransferDone\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x66rames\x18\x02 \x01(\r\x12\x11\n\texposed_s\x18\x03 \x01(\x01\"y\n\x0cPrefillEvent\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12\x31\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"*\n\x07KvFrame\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"K\n\x07PushAck\x12\x17\n\x0f\x66rames_accepted\x18\x01 \x01(\r\x12\x17\n\x0f\x66rames_rejected\x18\x02 \x01(\r\x12\x0e\n\x06\x65rrors\x18\x03 \x03(\t2\xe3\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse2\x94\x02\n\x0c\x44\x65\x63odeWorker\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12=\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12=\n\x06Status\x12\x19.pdserve.v1.StatusRequest\x1a\x18.pdserve.v1.WorkerStatus2\x91\x01\n\rPrefillWorker\x12\x41\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillEvent0\x01\x12=\n\x06Status\x12\x19.pdserve.v1.StatusRequest\x1a\x18.pdserve.v1.WorkerStatus2F\n\nKvTransfer\x12\x38\n\nPushFrames\x12\x13.pdserve.v1.KvFrame\x1a\x13.pdserve.v1.PushAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/pdserve.proto\x12\npdserve.v1\"\xc1\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\rB\x07\n\x05_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\xeb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0finclude_timings\x18\x07 \x01(\x08\x42\x07\n\x05input\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x95\x01\n\x07Timings\x12\x17\n\x0fprefill_queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_queue_s\x18\x04 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x06 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x04\"\xa6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"\x0f\n\rHealthRequest\"P\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x17\n\x0fprefill_workers\x18\x02 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x03 \x01(\r\"\x0f\n\rStatusRequest\"\x90\x03\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x07 \x01(\x04\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x19\n\x11prefix_hit_tokens\x18\t \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x04\x12\x12\n\nnum_leases\x18\x0c \x01(\r\x12\x17\n\x0f\x66rames_rejected\x18\r \x01(\x04\x12\x13\n\x0bkv_endpoint\x18\x0e \x01(\t\x12\x14\n\x0ckv_transport\x18\x0f \x01(\t\x12\x15\n\rnum_transfers\x18\x10 \x01(\r\x12\x12\n\nblock_size\x18\x11 \x01(\r\"a\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x10\n\x08lease_id\x18\x04 \x01(\t\"\x89\x01\n\x0fReserveResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x13\n\x0bkv_endpoint\x18\x04 \x01(\t\x12\x14\n\x0ckv_transport\x18\x05 \x01(\t\x12\x12\n\ndeadline_s\x18\x06 \x01(\x01\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x97\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"N\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_queue_s\x18\x03 \x01(\x01\"t\n\rKvDestination\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\rJ\x04\x08\x04\x10\x05\"\xb6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12.\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KvDestination\"Y\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"@\n\x0cTransferDone\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x66rames\x18\x02 \x01(\r\x12\x11\n\texposed_s\x18\x03 \x01(\x01\"y\n\x0cPrefillEvent\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12\x31\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"*\n\x07KvFrame\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"K\n\x07PushAck\x12\x17\n\x0f\x66rames_accepted\x18\x01 \x01(\r\x12\x17\n\x0f\x66rames_rejected\x18\x02 \x01(\r\x12\x0e\n\x06\x65rrors\x18\x03 \x03(\t2\xe3\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse2\x94\x02\n\x0c\x44\x65\x63odeWorker\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12=\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12=\n\x06Status\x12\x19.pdserve.v1.StatusRequest\x1a\x18.pdserve.v1.WorkerStatus2\x91\x01\n\rPrefillWorker\x12\x41\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillEvent0\x01\x12=\n\x06Status\x12\x19.pdserve.v1.StatusRequest\x1a\x18.pdserve.v1.WorkerStatus2F\n\nKvTransfer\x12\x38\n\nPushFrames\x12\x13.pdserve.v1.KvFrame\x1a\x13.pdserve.v1.PushAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -60,39 +60,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSREQUEST']._serialized_start=1239
   _globals['_STATUSREQUEST']._serialized_end=1254
   _globals['_WORKERSTATUS']._serialized_start=1257
-  _globals['_WORKERSTATUS']._serialized_end=1637
-  _globals['_RESERVEREQUEST']._serialized_start=1639
-  _globals['_RESERVEREQUEST']._serialized_end=1718
-  _globals['_RESERVERESPONSE']._serialized_start=1721
-  _globals['_RESERVERESPONSE']._serialized_end=1858
-  _globals['_RELEASEREQUEST']._serialized_start=1860
-  _globals['_RELEASEREQUEST']._serialized_end=1894
-  _globals['_RELEASERESPONSE']._serialized_start=1896
-  _globals['_RELEASERESPONSE']._serialized_end=1931
-  _globals['_DECODEREQUEST']._serialized_start=1934
-  _globals['_DECODEREQUEST']._serialized_end=2085
-  _globals['_TOKENCHUNK']._serialized_start=2087
-  _globals['_TOKENCHUNK']._serialized_end=2165
-  _globals['_KVDESTINATION']._serialized_start=2167
-  _globals['_KVDESTINATION']._serialized_end=2276
-  _globals['_PREFILLREQUEST']._serialized_start=2279
-  _globals['_PREFILLREQUEST']._serialized_end=2461
-  _globals['_FIRSTTOKEN']._serialized_start=2463
-  _globals['_FIRSTTOKEN']._serialized_end=2552
-  _globals['_TRANSFERDONE']._serialized_start=2554
-  _globals['_TRANSFERDONE']._serialized_end=2618
-  _globals['_PREFILLEVENT']._serialized_start=2620
-  _globals['_PREFILLEVENT']._serialized_end=2741
-  _globals['_KVFRAME']._serialized_start=2743
-  _globals['_KVFRAME']._serialized_end=2785
-  _globals['_PUSHACK']._serialized_start=2787
-  _globals['_PUSHACK']._serialized_end=2862
-  _globals['_GENERATION']._serialized_start=2865
-  _globals['_GENERATION']._serialized_end=3092
-  _globals['_DECODEWORKER']._serialized_start=3095
-  _globals['_DECODEWORKER']._serialized_end=3371
-  _globals['_PREFILLWORKER']._serialized_start=3374
-  _globals['_PREFILLWORKER']._serialized_end=3519
-  _globals['_KVTRANSFER']._serialized_start=3521
-  _globals['_KVTRANSFER']._serialized_end=3591
+  _globals['_WORKERSTATUS']._serialized_end=1657
+  _globals['_RESERVEREQUEST']._serialized_start=1659
+  _globals['_RESERVEREQUEST']._serialized_end=1756
+  _globals['_RESERVERESPONSE']._serialized_start=1759
+  _globals['_RESERVERESPONSE']._serialized_end=1896
+  _globals['_RELEASEREQUEST']._serialized_start=1898
+  _globals['_RELEASEREQUEST']._serialized_end=1932
+  _globals['_RELEASERESPONSE']._serialized_start=1934
+  _globals['_RELEASERESPONSE']._serialized_end=1969
+  _globals['_DECODEREQUEST']._serialized_start=1972
+  _globals['_DECODEREQUEST']._serialized_end=2123
+  _globals['_TOKENCHUNK']._serialized_start=2125
+  _globals['_TOKENCHUNK']._serialized_end=2203
+  _globals['_KVDESTINATION']._serialized_start=2205
+  _globals['_KVDESTINATION']._serialized_end=2321
+  _globals['_PREFILLREQUEST']._serialized_start=2324
+  _globals['_PREFILLREQUEST']._serialized_end=2506
+  _globals['_FIRSTTOKEN']._serialized_start=2508
+  _globals['_FIRSTTOKEN']._serialized_end=2597
+  _globals['_TRANSFERDONE']._serialized_start=2599
+  _globals['_TRANSFERDONE']._serialized_end=2663
+  _globals['_PREFILLEVENT']._serialized_start=2665
+  _globals['_PREFILLEVENT']._serialized_end=2786
+  _globals['_KVFRAME']._serialized_start=2788
+  _globals['_KVFRAME']._serialized_end=2830
+  _globals['_PUSHACK']._serialized_start=2832
+  _globals['_PUSHACK']._serialized_end=2907
+  _globals['_GENERATION']._serialized_start=2910
+  _globals['_GENERATION']._serialized_end=3137
+  _globals['_DECODEWORKER']._serialized_start=3140
+  _globals['_DECODEWORKER']._serialized_end=3416
+  _globals['_PREFILLWORKER']._serialized_start=3419
+  _globals['_PREFILLWORKER']._serialized_end=3564
+  _globals['_KVTRANSFER']._serialized_start=3566
+  _globals['_KVTRANSFER']._serialized_end=3636
 # @@protoc_insertion_point(module_scope)

@@ -147,7 +147,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "queued_prompt_tokens", "draining", "prefix_hit_tokens", "prefix_query_tokens", "num_preemptions", "num_leases", "frames_rejected", "kv_endpoint", "kv_transport", "num_transfers")
+    __slots__ = ("worker_id", "role", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "queued_prompt_tokens", "draining", "prefix_hit_tokens", "prefix_query_tokens", "num_preemptions", "num_leases", "frames_rejected", "kv_endpoint", "kv_transport", "num_transfers", "block_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class WorkerStatus(_message.Message):
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     NUM_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_free_blocks: int
@@ -180,17 +181,20 @@ class WorkerStatus(_message.Message):
     kv_endpoint: str
     kv_transport: str
     num_transfers: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_leases: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., num_transfers: _Optional[int] = ...) -> None: ...
+    block_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_leases: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., num_transfers: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "lease_seconds")
+    __slots__ = ("request_id", "num_tokens", "lease_seconds", "lease_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
     lease_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    lease_id: str
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("lease_id", "block_ids", "block_size", "kv_endpoint", "kv_transport", "deadline_s")
@@ -245,18 +249,18 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., decode_queue_s: _Optional[float] = ...) -> None: ...
 
 class KvDestination(_message.Message):
-    __slots__ = ("endpoint", "transport", "lease_id", "block_ids", "block_size")
+    __slots__ = ("endpoint", "transport", "lease_id", "block_size", "num_blocks")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     endpoint: str
     transport: str
     lease_id: str
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
-    def __init__(self, endpoint: _Optional[str] = ..., transport: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
+    num_blocks: int
+    def __init__(self, endpoint: _Optional[str] = ..., transport: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "destination")

@@ -23,6 +23,8 @@ async def _serve(args) -> None:
         block_size=args.block_size,
         prefill_policy=args.prefill_policy,
         decode_policy=args.decode_policy,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+        concurrent_reserve_headroom=args.concurrent_reserve_headroom,
     )
     servers = await start_router(
         cfg,
@@ -60,6 +62,19 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--prefill-policy", default="least_queued")
     parser.add_argument("--decode-policy", default="most_free_blocks")
+    parser.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=0,
+        help="prompts up to this many tokens are prefilled on the decode worker",
+    )
+    parser.add_argument(
+        "--concurrent-reserve-headroom",
+        type=float,
+        default=0.1,
+        help="reserve and prefill at once while a decode worker keeps this share of its "
+        "blocks free; -1: always reserve first",
+    )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(_serve(parser.parse_args()))
 

@@ -37,6 +37,7 @@ class RouterConfig:
     reserve_timeout_s: float = 30.0
     status_poll_s: float = 0.1
     local_prefill_max_tokens: int = 0  # see FlowConfig
+    concurrent_reserve_headroom: float = 0.1  # see FlowConfig; < 0 turns it off
     api_key: str | None = None  # clients must send it (HTTP Bearer, gRPC metadata) when set
     cluster_token: str | None = None  # sent to workers as x-pdserve-token when set
 
@@ -74,6 +75,7 @@ class Router:
             block_size=cfg.block_size,
             reserve_timeout_s=cfg.reserve_timeout_s,
             local_prefill_max_tokens=cfg.local_prefill_max_tokens,
+            concurrent_reserve_headroom=cfg.concurrent_reserve_headroom,
         )
         self.flow = RequestFlow(self.prefill, self.decode, flow_cfg)
         self.inflight = 0

@@ -3,6 +3,12 @@
   Reserve blocks on a decode worker -> Prefill on a prefill worker toward that lease
   -> first token out as soon as it is sampled -> Decode streams the rest.
 
+When the decode worker had room to spare at the last poll, Reserve and Prefill go out together
+(the router names the lease, frames name blocks by position in it, and the decode side holds an
+early frame until the lease opens): the first token waits for the slower of the two, not their
+sum. The token leaves only once the reservation is confirmed; a refused one drops that prefill
+and the request goes the safe way, reserve first. So a prefill never feeds a full pool.
+
 Or, colocated (no prefill worker up, or a prompt short enough to skip the transfer): Decode
 without a lease, and the decode worker prefills the request in its own batch.
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -59,15 +66,30 @@ class FlowConfig:
     # Prompts up to this many tokens are prefilled on the decode worker (no transfer). Pick it
     # from measured latencies: where local prefill costs less than the transfer round trip.
     local_prefill_max_tokens: int = 0
+    # Reserve and prefill at once when a decode worker (as last polled, less the router's own
+    # reservations since) keeps this share of its blocks free after the request; < 0: never.
+    concurrent_reserve_headroom: float = 0.1
 
 
 @dataclass
 class _Attempt:
     decode: WorkerHandle
-    lease: pb.ReserveResponse
+    destination: pb.KvDestination
+    reservation: asyncio.Future  # -> pb.ReserveResponse; raises AioRpcError if refused
     calls: list = field(default_factory=list)
     transfer: asyncio.Future | None = None
     attached: bool = False
+
+    @property
+    def lease_id(self) -> str:
+        return self.destination.lease_id
+
+    async def lease(self) -> pb.ReserveResponse | None:
+        """The reservation's answer once it is in; None if it was refused or failed."""
+        try:
+            return await asyncio.shield(self.reservation)
+        except grpc.aio.AioRpcError:
+            return None
 
 
 class RequestFlow:
@@ -82,10 +104,13 @@ class RequestFlow:
         """Yield (new tokens, finish reason or None) until the request finishes."""
         outputs: list[int] = []
         start = time.monotonic()
-        for _ in range(self.cfg.max_attempts):
+        for i in range(self.cfg.max_attempts):
             n_tokens = len(prompt) + len(outputs)
             path = self._local if self.prefill_locally(n_tokens) else self._disaggregated
-            steps = path(request_id, prompt, outputs, sampling, timings)
+            # Workers abort by request id when a call ends, and that can land after the next
+            # attempt arrived: each attempt goes under its own id.
+            attempt_id = request_id if i == 0 else f"{request_id}.{i}"
+            steps = path(attempt_id, prompt, outputs, sampling, timings)
             try:
                 async for tokens, reason in steps:
                     if tokens and not timings.ttft_s:
@@ -108,9 +133,9 @@ class RequestFlow:
         return not self.prefill.routable() or num_tokens <= self.cfg.local_prefill_max_tokens
 
     async def _disaggregated(self, request_id, prompt, outputs, sampling, timings):
-        attempt = await self._reserve(request_id, len(prompt) + len(outputs))
+        args = (request_id, prompt, outputs, sampling, timings)
+        attempt, first = await self._reserve_and_prefill(*args)
         try:
-            first = await self._prefill(attempt, request_id, prompt, outputs, sampling, timings)
             outputs.append(first)
             yield [first], None
             async for item in self._decode(attempt, request_id, prompt, outputs, sampling, timings):
@@ -144,6 +169,71 @@ class RequestFlow:
         raise Overloaded("no decode worker accepted the request")
 
     # ---- steps -------------------------------------------------------------------------
+    async def _reserve_and_prefill(self, request_id, prompt, outputs, sampling, timings):
+        """Reserve decode blocks and prefill toward them; returns (attempt, first token)."""
+        args = (request_id, prompt, outputs, sampling, timings)
+        attempt = self._reserve_concurrently(request_id, len(prompt) + len(outputs))
+        if attempt is not None:
+            try:
+                first = await self._prefill(attempt, *args)
+                confirmed = await attempt.lease() is not None
+            except grpc.aio.AioRpcError:
+                # A refused lease fails the prefill's transfer, which may end the prefill
+                # before its first token: that is the refusal, not a prefill failure.
+                if await attempt.lease() is not None:
+                    await self._cleanup(attempt)
+                    raise
+                confirmed = False
+            except BaseException:
+                await self._cleanup(attempt)
+                raise
+            if confirmed:
+                return attempt, first
+            await self._cleanup(attempt)  # drops that prefill and its frames
+            log.info(
+                "%s: %s refused the reservation; reserving first",
+                request_id,
+                attempt.decode.address,
+            )
+            # A new id at the prefill worker: see run(), the dropped prefill's abort may lag.
+            args = (f"{request_id}.r", *args[1:])
+        attempt = await self._reserve(args[0], len(prompt) + len(outputs))
+        try:
+            return attempt, await self._prefill(attempt, *args)
+        except BaseException:
+            await self._cleanup(attempt)
+            raise
+
+    def _reserve_concurrently(self, request_id: str, num_tokens: int) -> _Attempt | None:
+        """Send the reservation without waiting for it, where a decode worker had room to
+        spare at the last poll; None otherwise."""
+        headroom = self.cfg.concurrent_reserve_headroom
+        num_blocks = -(-num_tokens // self.cfg.block_size)
+        if headroom < 0:
+            return None
+        for w in self.cfg.decode_policy(self.decode.routable(), num_blocks):
+            st = w.last_status
+            if st is None or not st.kv_endpoint or st.block_size != self.cfg.block_size:
+                continue  # a worker that does not say where its KV goes, or sizes differ
+            if w.free_blocks - num_blocks < headroom * w.total_blocks:
+                continue
+            lease_id = uuid.uuid4().hex
+            reserve = w.stub.Reserve(
+                pb.ReserveRequest(request_id=request_id, num_tokens=num_tokens, lease_id=lease_id),
+                timeout=self.cfg.reserve_timeout_s,
+            )
+            w.free_blocks -= num_blocks
+            w.served_requests += 1
+            dest = pb.KvDestination(
+                endpoint=st.kv_endpoint,
+                transport=st.kv_transport,
+                lease_id=lease_id,
+                block_size=st.block_size,
+                num_blocks=num_blocks,
+            )
+            return _Attempt(w, dest, asyncio.ensure_future(reserve))
+        return None
+
     async def _reserve(self, request_id: str, num_tokens: int) -> _Attempt:
         """Decode first: never prefill into a pool that has no room. Waits, then 429."""
         deadline = time.monotonic() + self.cfg.reserve_timeout_s
@@ -161,7 +251,16 @@ class RequestFlow:
                     continue
                 w.free_blocks -= len(lease.block_ids)
                 w.served_requests += 1
-                return _Attempt(w, lease)
+                dest = pb.KvDestination(
+                    endpoint=lease.kv_endpoint,
+                    transport=lease.kv_transport,
+                    lease_id=lease.lease_id,
+                    block_size=lease.block_size,
+                    num_blocks=len(lease.block_ids),
+                )
+                done = asyncio.get_running_loop().create_future()
+                done.set_result(lease)
+                return _Attempt(w, dest, done)
             if time.monotonic() > deadline:
                 raise Overloaded(f"no decode worker could hold {num_tokens} tokens of KV")
             await asyncio.sleep(delay)
@@ -172,19 +271,12 @@ class RequestFlow:
         if not candidates:
             raise WorkerFailure("no prefill worker is available")
         p = candidates[0]
-        lease = attempt.lease
         req = pb.PrefillRequest(
             request_id=request_id,
             prompt_token_ids=prompt,
             output_token_ids=outputs,
             sampling=sampling,
-            destination=pb.KvDestination(
-                endpoint=lease.kv_endpoint,
-                transport=lease.kv_transport,
-                lease_id=lease.lease_id,
-                block_ids=lease.block_ids,
-                block_size=lease.block_size,
-            ),
+            destination=attempt.destination,
         )
         n_tokens = len(prompt) + len(outputs)
         p.inflight_tokens += n_tokens
@@ -216,7 +308,7 @@ class RequestFlow:
     async def _decode(self, attempt, request_id, prompt, outputs, sampling, timings):
         req = pb.DecodeRequest(
             request_id=request_id,
-            lease_id=attempt.lease.lease_id,
+            lease_id=attempt.lease_id,
             prompt_token_ids=prompt,
             output_token_ids=outputs,
             sampling=sampling,
@@ -247,10 +339,11 @@ class RequestFlow:
             call.cancel()
         if attempt.transfer is not None and not attempt.transfer.done():
             attempt.transfer.cancel()
-        if not attempt.attached:
-            try:
-                await attempt.decode.stub.Release(
-                    pb.ReleaseRequest(lease_id=attempt.lease.lease_id), timeout=5
-                )
-            except grpc.aio.AioRpcError as e:
-                log.warning("release of lease %s failed: %s", attempt.lease.lease_id, e.code().name)
+        if attempt.attached or await attempt.lease() is None:  # taken over, or never held
+            return
+        try:
+            await attempt.decode.stub.Release(
+                pb.ReleaseRequest(lease_id=attempt.lease_id), timeout=5
+            )
+        except grpc.aio.AioRpcError as e:
+            log.warning("release of lease %s failed: %s", attempt.lease_id, e.code().name)

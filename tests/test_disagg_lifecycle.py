@@ -84,20 +84,12 @@ def test_bad_frames_are_rejected_and_the_worker_keeps_serving(tiny_model):
         lease = stub.Reserve(pb.ReserveRequest(request_id="r1", num_tokens=8))
         good_shape = (2, 1, 16, 2, 16)
         frames = [
-            encode_kv_frame(
-                "r1", "no-such-lease", 0, [lease.block_ids[0]], torch.zeros(good_shape)
-            ),
-            encode_kv_frame(
-                "r1", lease.lease_id, 0, [lease.block_ids[0]], torch.zeros(2, 1, 8, 2, 16)
-            ),
-            encode_kv_frame(
-                "r1", lease.lease_id, 99, [lease.block_ids[0]], torch.zeros(good_shape)
-            ),
+            encode_kv_frame("r1", "no-such-lease", 0, [0], torch.zeros(good_shape)),
+            encode_kv_frame("r1", lease.lease_id, 0, [0], torch.zeros(2, 1, 8, 2, 16)),
+            encode_kv_frame("r1", lease.lease_id, 99, [0], torch.zeros(good_shape)),
             (b"\x93garbage", b""),
         ]
-        header, payload = encode_kv_frame(
-            "r1", lease.lease_id, 0, [lease.block_ids[0]], torch.zeros(good_shape)
-        )
+        header, payload = encode_kv_frame("r1", lease.lease_id, 0, [0], torch.zeros(good_shape))
         frames.append((header, bytes(payload)[:-4] + b"\x00\x00\x00\x01"))  # checksum mismatch
         kv_stub = pb_grpc.KvTransferStub(grpc.insecure_channel(cluster.decode_addresses[0]))
         ack = kv_stub.PushFrames(iter([pb.KvFrame(header=h, payload=bytes(p)) for h, p in frames]))
@@ -132,3 +124,89 @@ def test_client_that_leaves_mid_stream_frees_everything(tiny_model):
         assert asyncio.run(leave_early()) == 3
         time.sleep(0.2)
         assert_all_blocks_free(cluster)
+
+
+def test_reservation_under_a_caller_chosen_lease_id(tiny_model):
+    """The router names the lease so it can prefill toward it before Reserve answers; a name in
+    use is refused by name, and a reservation that fails tells frames waiting for it."""
+    from kv_transfer.frame import FrameError
+
+    with LocalCluster(
+        ClusterSpec(model=str(tiny_model), num_blocks=64, max_model_len=128)
+    ) as cluster:
+        stub = _decode_stub(cluster)
+        st = stub.Status(pb.StatusRequest())
+        assert st.block_size == 16 and st.kv_endpoint and st.kv_transport
+        lease = stub.Reserve(pb.ReserveRequest(request_id="r1", num_tokens=40, lease_id="mine"))
+        assert lease.lease_id == "mine" and len(lease.block_ids) == 3
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Reserve(pb.ReserveRequest(request_id="r2", num_tokens=8, lease_id="mine"))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "lease_id" in err.value.details()
+        for i in range(7):  # 3 + 7 x 8 = 59 of 64 blocks
+            stub.Reserve(pb.ReserveRequest(request_id=f"f{i}", num_tokens=120))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Reserve(pb.ReserveRequest(request_id="r3", num_tokens=120, lease_id="late"))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(FrameError, match="refused: need 8 blocks, 5 free"):
+            cluster.decode_workers[0].leases.wait_for("late", timeout=5)
+
+
+def test_prefill_refuses_a_destination_too_small_by_name(tiny_model):
+    with LocalCluster(
+        ClusterSpec(model=str(tiny_model), num_blocks=64, max_model_len=128)
+    ) as cluster:
+        st = _decode_stub(cluster).Status(pb.StatusRequest())
+        channel = grpc.insecure_channel(cluster.prefill_addresses[0])
+        dest = pb.KvDestination(
+            endpoint=st.kv_endpoint,
+            transport=st.kv_transport,
+            lease_id="l",
+            block_size=16,
+            num_blocks=1,
+        )
+        call = pb_grpc.PrefillWorkerStub(channel).Prefill(
+            pb.PrefillRequest(request_id="r", prompt_token_ids=[5] * 20, destination=dest)
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            next(call)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "destination.num_blocks" in err.value.details()
+        assert_all_blocks_free(cluster)
+
+
+def _count_named_reservations(decode, refuse: bool) -> list[str]:
+    """Wrap the decode worker's reserve: record caller-named (concurrent) reservations, and
+    refuse them all if asked, as a pool that filled up since the router's last poll would."""
+    from decode_worker.worker import ReservationError
+
+    real, named = decode.reserve, []
+
+    def reserve(request_id, num_tokens, ttl_s=None, lease_id=None):
+        if lease_id is not None:
+            named.append(lease_id)
+            if refuse:
+                decode.leases.refuse(lease_id, "pretend the pool filled up")
+                raise ReservationError("pretend the pool filled up")
+        return real(request_id, num_tokens, ttl_s, lease_id)
+
+    decode.reserve = reserve
+    return named
+
+
+@pytest.mark.parametrize("refuse", [False, True], ids=["granted", "refused"])
+def test_concurrent_reservation_outputs_stay_exact(tiny_model, refuse):
+    """With room at the decode worker the router reserves and prefills at once; a refused
+    reservation drops that prefill and the request goes again, reserving first."""
+    prompts = mixed_prompts(6, seed=5)
+    ref = engine_reference(tiny_model, prompts)
+    with LocalCluster(
+        ClusterSpec(model=str(tiny_model), num_blocks=512, max_model_len=256)
+    ) as cluster:
+        named = _count_named_reservations(cluster.decode_workers[0], refuse)
+        outs = generate_concurrently(
+            cluster, [dict(token_ids=p, max_tokens=12, ignore_eos=True) for p in prompts]
+        )
+        assert_all_blocks_free(cluster)
+    assert len(named) == len(prompts)  # every request tried the concurrent path first
+    assert [o.token_ids for o in outs] == ref

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import msgpack
@@ -48,7 +49,10 @@ def repack(header: bytes, **changes) -> bytes:
 def receiver():
     events = []
     rx = KVReceiver(
-        make_cache(0.0), LeaseTable(default_ttl_s=30.0), on_event=lambda *e: events.append(e)
+        make_cache(0.0),
+        LeaseTable(default_ttl_s=30.0),
+        on_event=lambda *e: events.append(e),
+        pending_lease_wait_s=0.05,  # frames for an unknown lease wait this long, then fail
     )
     rx.events = events
     return rx
@@ -60,7 +64,7 @@ def test_kv_frame_round_trips_exactly(dtype):
     header, payload = encode_kv_frame("req-1", "lease-1", 2, [7, 1, 5], kv)
     h, out = decode_frame(header, bytes(payload))
     assert (h.kind, h.request_id, h.lease_id, h.layer) == ("kv", "req-1", "lease-1", 2)
-    assert h.block_ids == (7, 1, 5) and h.shape == tuple(kv.shape)
+    assert h.blocks == (7, 1, 5) and h.shape == tuple(kv.shape)
     assert h.dtype == str(dtype).removeprefix("torch.")
     assert h.checksum == checksum(payload)
     assert torch.equal(out, kv)
@@ -111,8 +115,8 @@ def garbage_headers():
         "int keys": msgpack.packb({1: 2}),
         "version is str": repack(good, version="1"),
         "version is bool": repack(good, version=True),
-        "block ids not ints": repack(good, block_ids=["a"]),
-        "negative block id": repack(good, block_ids=[-1]),
+        "blocks not ints": repack(good, blocks=["a"]),
+        "negative block": repack(good, blocks=[-1]),
         "lease id missing": msgpack.packb({"version": 1, "kind": "commit"}),
         "not bytes": 12345,
         "huge header": b"\x00" * (65 * 1024),
@@ -162,8 +166,8 @@ def test_receiver_rejects_each_malformed_frame_then_keeps_serving(receiver):
         ),
         "not allowed": (repack(header, dtype="complex64"), payload),
         "unknown lease": encode_kv_frame("req", "no-such-lease", 1, [2, 3], kv),
-        "expired": encode_kv_frame("req-x", short.lease_id, 0, [4], kv_for(1)),
-        "not in lease": encode_kv_frame("req", lease.lease_id, 1, [3, 9], kv),
+        "expired": encode_kv_frame("req-x", short.lease_id, 0, [0], kv_for(1)),
+        "outside lease": encode_kv_frame("req", lease.lease_id, 1, [3, 9], kv),
         "out of range": encode_kv_frame("req", lease.lease_id, LAYERS, [2, 3], kv),
         "another request": encode_kv_frame("other", lease.lease_id, 1, [2, 3], kv),
         "malformed header": (b"\xc1garbage", payload),
@@ -174,7 +178,7 @@ def test_receiver_rejects_each_malformed_frame_then_keeps_serving(receiver):
     assert torch.count_nonzero(receiver.kv_caches[1][0]) == 0  # nothing bad was written
 
     other = leases.open("req-2", [5, 6])
-    receiver.accept(*encode_kv_frame("req-2", other.lease_id, 0, [6, 5], kv))
+    receiver.accept(*encode_kv_frame("req-2", other.lease_id, 0, [1, 0], kv))
     receiver.accept(*encode_commit_frame("req-2", other.lease_id, 1))
     k_cache, v_cache = receiver.kv_caches[0]
     assert torch.equal(k_cache[6], kv[0, 0]) and torch.equal(v_cache[5], kv[1, 1])
@@ -241,3 +245,25 @@ def test_extend_moves_the_deadline():
     lease = table.open("req", [1])
     table.extend(lease.lease_id, 60.0)
     assert table.pop_expired() == [] and table.get(lease.lease_id) is lease
+
+
+def test_a_lease_opened_under_a_chosen_id_ends_a_wait_for_it():
+    table = LeaseTable()
+    threading.Timer(0.05, lambda: table.open("req", [3, 8], lease_id="mine")).start()
+    table.wait_for("mine", timeout=5)
+    assert table.get("mine").block_ids == (3, 8) and "mine" in table
+    with pytest.raises(ValueError, match="already exists"):
+        table.open("req", [4], lease_id="mine")
+
+
+def test_a_wait_for_a_refused_or_absent_lease_fails():
+    table = LeaseTable()
+    table.refuse("gone", "need 3 blocks, 1 free")
+    with pytest.raises(FrameError, match="refused: need 3 blocks, 1 free"):
+        table.wait_for("gone", timeout=5)
+    with pytest.raises(FrameError, match="unknown lease"):
+        table.wait_for("never", timeout=0.05)
+    for i in range(LeaseTable.MAX_REFUSED + 1):  # the memory of refusals is bounded
+        table.refuse(f"r{i}", "full")
+    with pytest.raises(FrameError, match="unknown lease"):
+        table.wait_for("gone", timeout=0.0)

@@ -25,6 +25,7 @@ from protos import pdserve_pb2
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 4, 32, 4, 2, 8
+PENDING_WAIT_S = 0.5  # how long frames wait for a lease not open yet
 
 
 def make_cache(blocks=BLOCKS, block_size=BLOCK_SIZE, heads=HEADS, head_dim=HEAD_DIM, zero=False):
@@ -41,7 +42,9 @@ class Endpoint:
     def __init__(self, transport: str, dst_cache):
         self.events: list[tuple[str, str, int]] = []
         self.leases = LeaseTable(default_ttl_s=30.0)
-        self.receiver = KVReceiver(dst_cache, self.leases, on_event=self._record)
+        self.receiver = KVReceiver(
+            dst_cache, self.leases, on_event=self._record, pending_lease_wait_s=PENDING_WAIT_S
+        )
         self.server = start_receiver_server(transport, self.receiver, host="127.0.0.1", port=0)
         self.sender = make_sender(transport, self.server.endpoint)
         self._lock = threading.Lock()
@@ -73,9 +76,10 @@ def endpoints(transport):
         ep.close()
 
 
-def send_all_layers(stream, src_cache, src_ids, dst_ids):
+def send_all_layers(stream, src_cache, src_ids):
+    """Every layer of blocks ``src_ids``, to the lease's blocks in order (position i <- src i)."""
     for layer, (k_cache, v_cache) in enumerate(src_cache):
-        stream.send_layer(layer, src_ids, dst_ids, k_cache, v_cache)
+        stream.send_layer(layer, src_ids, range(len(src_ids)), k_cache, v_cache)
 
 
 def assert_blocks_equal(src_cache, dst_cache, src_ids, dst_ids):
@@ -113,14 +117,14 @@ def test_two_concurrent_streams_arrive_intact(endpoints, transport):
     dst_a, dst_b = [20, 3, 9, 14, 0, 31, 7, 11], [1, 30, 2, 18, 25]
     lease_a, lease_b = ep.leases.open("req-a", dst_a), ep.leases.open("req-b", dst_b)
 
-    def transfer(request_id, lease, src_ids, dst_ids):
+    def transfer(request_id, lease, src_ids):
         stream = ep.sender.open_stream(request_id, lease.lease_id)
-        send_all_layers(stream, src, src_ids, dst_ids)
+        send_all_layers(stream, src, src_ids)
         return stream.commit(timeout=20)
 
     stats = run_concurrently(
-        lambda: transfer("req-a", lease_a, src_a, dst_a),
-        lambda: transfer("req-b", lease_b, src_b, dst_b),
+        lambda: transfer("req-a", lease_a, src_a),
+        lambda: transfer("req-b", lease_b, src_b),
     )
     assert all(s.frames == LAYERS for s in stats), stats
     assert lease_a.committed.is_set() and lease_b.committed.is_set()
@@ -139,19 +143,19 @@ def test_bad_frame_fails_its_stream_and_not_a_concurrent_one(endpoints, transpor
 
     def bad_transfer():
         stream = ep.sender.open_stream("bad", bad_lease.lease_id)
-        stream.send_layer(0, [4, 5], [10, 11], *src[0])
-        stream.send_layer(1, [4, 5], [10, 12], *src[1])  # block 12 is not in the lease
-        stream.send_layer(2, [4, 5], [10, 11], *src[2])
+        stream.send_layer(0, [4, 5], [0, 1], *src[0])
+        stream.send_layer(1, [4, 5], [1, 2], *src[1])  # the lease has no block at position 2
+        stream.send_layer(2, [4, 5], [0, 1], *src[2])
         return stream.commit(timeout=20)
 
     def good_transfer():
         stream = ep.sender.open_stream("good", good_lease.lease_id)
-        send_all_layers(stream, src, [7, 8, 9], [0, 1, 2])
+        send_all_layers(stream, src, [7, 8, 9])
         return stream.commit(timeout=20)
 
     bad, good = run_concurrently(bad_transfer, good_transfer)
     assert isinstance(bad, TransferError), bad
-    assert any("not in lease" in r for r in bad.reasons), bad.reasons
+    assert any("outside lease" in r for r in bad.reasons), bad.reasons
     assert not bad_lease.committed.is_set()
     assert good.frames == LAYERS and good_lease.committed.is_set()
     assert_blocks_equal(src, ep.receiver.kv_caches, [7, 8, 9], [0, 1, 2])
@@ -177,10 +181,10 @@ def test_aborted_stream_leaves_lease_uncommitted_and_sender_usable(endpoints, tr
     ep = endpoints(make_cache(zero=True))
     dropped, kept = ep.leases.open("drop", [0, 1]), ep.leases.open("keep", [2, 3])
     stream = ep.sender.open_stream("drop", dropped.lease_id)
-    send_all_layers(stream, src, [0, 1], [0, 1])
+    send_all_layers(stream, src, [0, 1])
     stream.abort()
     stream = ep.sender.open_stream("keep", kept.lease_id)
-    send_all_layers(stream, src, [4, 5], [2, 3])
+    send_all_layers(stream, src, [4, 5])
     assert stream.commit(timeout=20).frames == LAYERS
     assert not dropped.committed.is_set() and kept.committed.is_set()
 
@@ -190,6 +194,33 @@ def test_commit_to_unknown_lease_raises_transfer_error(endpoints, transport):
     stream = ep.sender.open_stream("req", "no-such-lease")
     with pytest.raises(TransferError, match="unknown lease"):
         stream.commit(timeout=20)
+
+
+def test_frames_sent_before_the_lease_opens_wait_for_it(endpoints, transport):
+    """The router sends the prefill while the reservation is in flight: early frames wait."""
+    src = make_cache()
+    ep = endpoints(make_cache(zero=True))
+    stream = ep.sender.open_stream("early", "lease-early")
+    send_all_layers(stream, src, [6, 2, 9])
+    time.sleep(0.1)  # the frames are on their way or waiting at the receiver
+    lease = ep.leases.open("early", [30, 4, 17], lease_id="lease-early")
+    assert stream.commit(timeout=20).frames == LAYERS and lease.committed.is_set()
+    assert_blocks_equal(src, ep.receiver.kv_caches, [6, 2, 9], [30, 4, 17])
+
+
+def test_a_refused_reservation_fails_its_waiting_frames_at_once(endpoints, transport):
+    src = make_cache()
+    ep = endpoints(make_cache(zero=True))
+    ep.receiver.pending_lease_wait_s = 30.0  # only the refusal can end the wait in time
+    stream = ep.sender.open_stream("late", "lease-refused")
+    send_all_layers(stream, src, [1, 2])
+    time.sleep(0.1)
+    started = time.monotonic()
+    ep.leases.refuse("lease-refused", "need 2 blocks, 0 free")
+    with pytest.raises(TransferError, match="refused: need 2 blocks"):
+        stream.commit(timeout=20)
+    assert time.monotonic() - started < 10
+    assert ep.receiver.kv_caches[0][0].abs().sum() == 0
 
 
 def test_servers_bind_the_given_address(endpoints, transport):
@@ -270,7 +301,7 @@ def test_report_loopback_throughput(endpoints, transport, capsys):
         lease = ep.leases.open(f"bench-{attempt}", ids)
         start = time.perf_counter()
         stream = ep.sender.open_stream(f"bench-{attempt}", lease.lease_id)
-        send_all_layers(stream, src, ids, ids)
+        send_all_layers(stream, src, ids)
         stats = stream.commit(timeout=30)
         best = max(best, stats.bytes / (time.perf_counter() - start) / 1e6)
         ep.leases.close(lease.lease_id)
@@ -288,7 +319,7 @@ def test_stream_to_a_stopped_server_raises_transfer_error(transport):
         ep.server.stop()
         stream = ep.sender.open_stream("req", lease.lease_id)
         for _ in range(3):  # torch_dist notices on the message after the stop
-            send_all_layers(stream, src, [0, 1], [0, 1])
+            send_all_layers(stream, src, [0, 1])
         with pytest.raises(TransferError):
             stream.commit(timeout=10)
     finally:
@@ -305,7 +336,7 @@ def test_torch_dist_pair_survives_idle_periods_via_pings():
         time.sleep(1.0)  # without pings the receiver's recv would time out and drop the pair
         lease = leases.open("req", [3])
         stream = sender.open_stream("req", lease.lease_id)
-        send_all_layers(stream, src, [5], [3])
+        send_all_layers(stream, src, [5])
         assert stream.commit(timeout=10).frames == LAYERS
     finally:
         sender.close()

@@ -191,7 +191,7 @@ def _push_once(sender, leases, shape: KVShape, src, src_ids, tag: str):
     start = time.perf_counter()
     stream = sender.open_stream(tag, lease.lease_id)
     for layer, (k_cache, v_cache) in enumerate(src):
-        stream.send_layer(layer, src_ids, dst_ids, k_cache, v_cache)
+        stream.send_layer(layer, src_ids, range(len(dst_ids)), k_cache, v_cache)
     stats = stream.commit(timeout=120)
     seconds = time.perf_counter() - start
     leases.close(lease.lease_id)
