@@ -31,6 +31,12 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--local-prefill-max-tokens", type=int, default=0)
+    p.add_argument(
+        "--prefill-chunk-size",
+        type=int,
+        default=0,
+        help="most prompt tokens of one request per step (0: the whole budget)",
+    )
     p.add_argument("--in-process", action="store_true", help="workers as threads of this process")
     args = p.parse_args()
     spec = ClusterSpec(
@@ -45,6 +51,7 @@ def main() -> int:
         separate_processes=not args.in_process,
         max_num_batched_tokens=args.max_num_batched_tokens,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
+        prefill_chunk_size=args.prefill_chunk_size,
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
