@@ -202,7 +202,7 @@ class LocalCluster:
             self._procs.append(proc)
             started.append((proc, addresses))
         for proc, addresses in started:
-            addresses.append(_wait_ready(proc))
+            addresses.append(wait_ready(proc)[0])
 
     # ---- router ------------------------------------------------------------------------
     async def _start_router(self) -> None:
@@ -237,10 +237,11 @@ class LocalCluster:
         await self.servers.stop()
 
 
-def _wait_ready(proc: subprocess.Popen) -> str:
+def wait_ready(proc: subprocess.Popen) -> list[str]:
+    """The words after ``READY`` on a child's stdout (its addresses), once it prints them."""
     for line in proc.stdout:
         if line.startswith("READY "):
             # Keep draining stdout so the child never blocks on a full pipe.
             threading.Thread(target=proc.stdout.read, daemon=True).start()
-            return line.split()[1]
-    raise RuntimeError(f"worker process exited with {proc.wait()} before READY")
+            return line.split()[1:]
+    raise RuntimeError(f"process {proc.args} exited with {proc.wait()} before READY")

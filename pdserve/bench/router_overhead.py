@@ -19,12 +19,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent import futures
 
 import grpc
 
+from pdserve.local_cluster import wait_ready
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 
@@ -111,11 +111,7 @@ def _spawn(args: list[str]) -> tuple[subprocess.Popen, list[str]]:
         text=True,
         env=env,
     )
-    for line in proc.stdout:
-        if line.startswith("READY "):
-            threading.Thread(target=proc.stdout.read, daemon=True).start()  # never block it
-            return proc, line.split()[1:]
-    raise RuntimeError(f"{args[:2]} exited with {proc.wait()} before READY")
+    return proc, wait_ready(proc)
 
 
 def _router(prefill: str, decode: str, headroom: float) -> tuple[subprocess.Popen, str]:
