@@ -52,7 +52,10 @@ class LLMEngine:
         scheduler: SchedulerConfig | None = None,
         max_model_len: int = 2048,
         progress: bool = True,
+        device: str = "cpu",
     ) -> LLMEngine:
+        """Load a checkpoint; ``device`` "cuda" runs the forward on the GPU, attention through
+        the Triton kernels."""
         model_dir = resolve_model_dir(model, progress=progress)
         cfg = load_config(model_dir)
         max_model_len = min(max_model_len, cfg.max_position_embeddings)
@@ -61,7 +64,7 @@ class LLMEngine:
         )
         has_tokenizer = (model_dir / "tokenizer.json").is_file()
         tokenizer = Tokenizer(model_dir) if has_tokenizer else None
-        return cls(engine_cfg, load_model(model_dir, cfg, max_model_len), tokenizer)
+        return cls(engine_cfg, load_model(model_dir, cfg, max_model_len, device), tokenizer)
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(

@@ -30,7 +30,10 @@ def load_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_hf_dict(raw)
 
 
-def load_model(model_dir: Path, cfg: ModelConfig, max_positions: int | None = None) -> LlamaModel:
+def load_model(
+    model_dir: Path, cfg: ModelConfig, max_positions: int | None = None, device: str = "cpu"
+) -> LlamaModel:
+    """fp32 weights on ``device``; on the CPU also pre-packed for oneDNN and the C++ layers."""
     from safetensors.torch import load_file
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -49,8 +52,9 @@ def load_model(model_dir: Path, cfg: ModelConfig, max_positions: int | None = No
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     _check_loaded(model)
-    model = model.float().eval()
-    model.pack_weights_for_cpu()
+    model = model.float().eval().to(device)
+    if model.embed_tokens.weight.device.type == "cpu":
+        model.pack_weights_for_cpu()
     return model
 
 

@@ -26,7 +26,9 @@ class Sampler:
             return greedy.tolist()
         out = greedy.tolist()
         rows = torch.tensor(random_rows)
-        probs = self._filtered_probs(logits[rows], [requests[i] for i in random_rows])
+        # Random rows are drawn on the CPU (from GPU logits too): a seed gives the same tokens
+        # on every device, and the rows are few next to the forward.
+        probs = self._filtered_probs(logits[rows].cpu(), [requests[i] for i in random_rows])
         for j, i in enumerate(random_rows):
             noise = torch.empty_like(probs[j]).exponential_(generator=self._generator(requests[i]))
             out[i] = int((probs[j] / noise).argmax())

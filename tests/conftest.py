@@ -71,12 +71,15 @@ class EngineFactory:
     def __init__(self):
         self.engines: list[LLMEngine] = []
 
-    def __call__(self, model_path, block_size=16, num_blocks=256, **sched) -> LLMEngine:
+    def __call__(
+        self, model_path, block_size=16, num_blocks=256, device="cpu", **sched
+    ) -> LLMEngine:
         engine = LLMEngine.from_model_path(
             model_path,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
             scheduler=SchedulerConfig(**sched),
             progress=False,
+            device=device,
         )
         self.engines.append(engine)
         return engine
