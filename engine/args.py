@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import CacheConfig, SchedulerConfig, check_device_name
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -17,6 +17,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--prefill-chunk-size", type=int, default=0)
     g.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    g.add_argument(
+        "--device",
+        type=_device_name,
+        default="auto",
+        help="cpu, cuda[:N], or auto (cuda where a GPU is visible)",
+    )
+
+
+def _device_name(value: str) -> str:
+    try:
+        return check_device_name(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def engine_from_args(args: argparse.Namespace, progress: bool = False):
@@ -36,4 +49,5 @@ def engine_from_args(args: argparse.Namespace, progress: bool = False):
         ),
         max_model_len=args.max_model_len,
         progress=progress,
+        device=args.device,
     )

@@ -12,6 +12,17 @@ from engine.errors import UnsupportedModelError
 SUPPORTED_MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": True}
 
 
+DEVICE_KINDS = ("auto", "cpu", "cuda")
+
+
+def check_device_name(device: str) -> str:
+    """Validate a device name (cpu, cuda, cuda:N, auto) without touching any device."""
+    kind, sep, index = device.partition(":")
+    if kind not in DEVICE_KINDS or (sep and (kind != "cuda" or not index.isdigit())):
+        raise ValueError(f"device {device!r}: expected cpu, cuda, cuda:N or auto")
+    return device
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str

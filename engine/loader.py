@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, check_device_name
 from engine.errors import ModelNotFoundError
 from engine.model import LlamaModel
 from engine.model_files import EMBEDDED_GGUF, EMBEDDED_MODEL, embedded_gguf_path, resolve_model_dir
@@ -18,6 +18,7 @@ __all__ = [
     "embedded_gguf_path",
     "load_config",
     "load_model",
+    "resolve_device",
     "resolve_model_dir",
 ]
 
@@ -28,6 +29,17 @@ def load_config(model_dir: Path) -> ModelConfig:
     except (OSError, json.JSONDecodeError) as e:
         raise ModelNotFoundError(f"cannot read {model_dir / 'config.json'}: {e}") from e
     return ModelConfig.from_hf_dict(raw)
+
+
+def resolve_device(device: str) -> str:
+    """"auto" -> "cuda" where a GPU is visible (a Ray actor sees only the GPUs it asked for),
+    else "cpu". "cuda:N" names one GPU."""
+    kind = check_device_name(device).partition(":")[0]
+    if kind == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: no CUDA device is visible to this process")
+    return device
 
 
 def load_model(
@@ -52,7 +64,7 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     _check_loaded(model)
-    model = model.float().eval().to(device)
+    model = model.float().eval().to(resolve_device(device))
     if model.embed_tokens.weight.device.type == "cpu":
         model.pack_weights_for_cpu()
     return model

@@ -12,6 +12,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engine.config import check_device_name
 from engine.errors import PdserveError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -99,6 +100,9 @@ class ClusterConfig(_Strict):
     max_num_batched_tokens: int = Field(512, ge=1)
     max_num_seqs: int = Field(64, ge=1)
     prefill_chunk_size: int = Field(0, ge=0)
+    device: str = Field(
+        "auto", description="cpu, cuda[:N], or auto: cuda where the worker's actor has a GPU"
+    )
     lease_ttl_s: float = Field(30.0, gt=0)
     host: str | None = Field(None, description="bind address; null: each node's own IP")
     grpc_port: int = Field(50051, ge=0, le=65535)
@@ -119,6 +123,12 @@ class ClusterConfig(_Strict):
     def _nccl_is_torch_dist(cls, value):
         # torch_dist runs NCCL between GPUs (gloo on CPU); operators know it as "nccl".
         return "torch_dist" if value == "nccl" else value
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        # Checked by name only: the machine reading the config may have no GPU.
+        return check_device_name(value)
 
     @field_validator("model")
     @classmethod

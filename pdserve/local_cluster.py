@@ -30,6 +30,7 @@ class ClusterSpec:
     max_num_seqs: int = 64
     prefill_chunk_size: int = 0
     threads_per_worker: int = 0
+    device: str = "cpu"  # where workers run the model: cpu, cuda[:N], auto
     lease_ttl_s: float = 30.0
     local_prefill_max_tokens: int = 0  # prompts up to this are prefilled on the decode worker
     concurrent_reserve_headroom: float = 0.1  # router.flow.FlowConfig; < 0: reserve first
@@ -130,7 +131,7 @@ class LocalCluster:
         s = self.spec
         cfg = load_config(self.model_dir)
         # Weights are read-only during inference: in-process workers share one copy.
-        model = load_model(self.model_dir, cfg, s.max_model_len)
+        model = load_model(self.model_dir, cfg, s.max_model_len, s.device)
         tok = Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
 
         def engine(role: str):
@@ -183,13 +184,18 @@ class LocalCluster:
             str(s.prefill_chunk_size),
             "--threads",
             str(s.threads_per_worker),
+            "--device",
+            s.device,
         ]
         if module == "decode_worker":
             cmd += ["--kv-transport", s.kv_transport, "--lease-ttl", str(s.lease_ttl_s)]
         return cmd
 
     def _start_processes(self) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **self.spec.extra_env}
+        # The repo first, then whatever the caller's PYTHONPATH already held (packages
+        # installed with --target, say).
+        path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path, **self.spec.extra_env}
         if self.spec.cluster_token:
             env["PDSERVE_CLUSTER_TOKEN"] = self.spec.cluster_token
         specs = [("prefill_worker", self.prefill_addresses)] * self.spec.num_prefill

@@ -97,6 +97,7 @@ def _engine(c: ClusterConfig):
         scheduler=SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, c.prefill_chunk_size),
         max_model_len=c.max_model_len,
         progress=False,
+        device=c.device,
     )
 
 

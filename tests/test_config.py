@@ -28,6 +28,18 @@ def test_gpu_example_asks_one_gpu_per_worker_and_nccl():
     cfg = load_config(CONFIG_DIR / "gpu.yaml")
     assert cfg.pools.prefill.num_gpus == cfg.pools.decode.num_gpus == 1
     assert cfg.kv_transport == "torch_dist"  # "nccl" in the file is its alias
+    assert cfg.device == "cuda"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1", "auto"])
+def test_device_names_are_accepted_without_a_gpu(device):
+    assert validate_config({"device": device}).device == device
+
+
+@pytest.mark.parametrize("device", ["tpu", "gpu", "cpu:0", "cuda:x", ""])
+def test_bad_device_is_refused_naming_the_field(device):
+    with pytest.raises(ConfigError, match=r"^config is invalid:\ndevice: device "):
+        validate_config({"device": device})
 
 
 def test_ray_launcher_file_has_head_and_worker_types():

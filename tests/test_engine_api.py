@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, ModelNotFoundError, UnsupportedModelError
@@ -130,3 +131,31 @@ def test_prefix_cache_hits_for_a_shared_prefix(make_engine, tiny):
     [b] = engine.generate([system + [4]], SamplingParams(max_tokens=4))
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == 20
     assert engine.blocks.prefix_hit_tokens >= 20
+
+
+def test_device_auto_follows_cuda_and_bad_names_are_refused():
+    from engine.loader import resolve_device
+
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == "cpu"
+    with pytest.raises(ValueError, match="device 'gpu': expected cpu, cuda, cuda:N or auto"):
+        resolve_device("gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda': no CUDA device is visible"):
+            resolve_device("cuda")
+
+
+def test_worker_cli_refuses_an_unknown_device_by_name():
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "prefill_worker", "--device", "tpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "argument --device: device 'tpu'" in proc.stderr
+    assert "Traceback" not in proc.stderr
