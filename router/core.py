@@ -21,6 +21,8 @@ from router.metrics import Metrics
 from router.policies import get_policy
 from router.pool import WorkerPool
 
+MAX_REQUEST_ID_LEN = 256
+
 log = logging.getLogger("pdserve.router")
 
 
@@ -79,6 +81,7 @@ class Router:
         )
         self.flow = RequestFlow(self.prefill, self.decode, flow_cfg)
         self.inflight = 0
+        self._active_ids: set[str] = set()  # workers key aborts and leases by request id
         self._poller: asyncio.Task | None = None
         self._ids = itertools.count()
         # (finish time, ttft_s, tpot_s or None) of recent requests: the autoscaler's signal.
@@ -160,6 +163,12 @@ class Router:
     ) -> GenerateInput:
         """Validate everything a request carries; raises InvalidRequestError naming the field."""
         params = sampling_from_message(sampling, self.cfg.default_max_tokens)
+        if request_id and ("#" in request_id or len(request_id) > MAX_REQUEST_ID_LEN):
+            raise InvalidRequestError(
+                "request_id",
+                f"must be at most {MAX_REQUEST_ID_LEN} characters without '#' (the router's "
+                "separator for retries)",
+            )
         if not prompt_ids:
             raise InvalidRequestError("prompt", "must not be empty")
         vocab = self.tokenizer.vocab_size
@@ -181,12 +190,17 @@ class Router:
 
     # ---- the request -------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Delta]:
+        if inp.request_id in self._active_ids:
+            # A second live request under one id would share the first's worker-side state
+            # (aborts, leases) and could cancel it: refused, as vLLM does.
+            raise InvalidRequestError("request_id", f"{inp.request_id!r} is already in flight")
         if self.inflight >= self.cfg.max_inflight_requests:
             self.metrics.rejected.inc()
             raise Overloaded(
                 f"{self.inflight} requests in flight (max {self.cfg.max_inflight_requests})"
             )
         self.inflight += 1
+        self._active_ids.add(inp.request_id)
         tracker = self.metrics.track()
         try:
             async for delta in self._generate(inp):
@@ -197,6 +211,7 @@ class Router:
             raise
         finally:
             self.inflight -= 1
+            self._active_ids.discard(inp.request_id)
 
     async def _generate(self, inp: GenerateInput) -> AsyncIterator[Delta]:
         timings = FlowTimings()

@@ -109,7 +109,8 @@ class RequestFlow:
             path = self._local if self.prefill_locally(n_tokens) else self._disaggregated
             # Workers abort by request id when a call ends, and that can land after the next
             # attempt arrived: each attempt goes under its own id.
-            attempt_id = request_id if i == 0 else f"{request_id}.{i}"
+            # '#' is the router's own: client ids may not hold it (Router.prepare).
+            attempt_id = request_id if i == 0 else f"{request_id}#{i}"
             steps = path(attempt_id, prompt, outputs, sampling, timings)
             try:
                 async for tokens, reason in steps:
@@ -196,7 +197,7 @@ class RequestFlow:
                 attempt.decode.address,
             )
             # A new id at the prefill worker: see run(), the dropped prefill's abort may lag.
-            args = (f"{request_id}.r", *args[1:])
+            args = (f"{request_id}#r", *args[1:])
         attempt = await self._reserve(args[0], len(prompt) + len(outputs))
         try:
             return attempt, await self._prefill(attempt, *args)

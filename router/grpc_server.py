@@ -67,6 +67,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             )
                         )
                 yield msg
+        except InvalidRequestError as e:  # admission: a request id already in flight
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Overloaded as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except WorkerFailure as e:

@@ -150,6 +150,8 @@ class OpenAIHandlers:
         deltas = self.router.generate(inp)
         try:
             first = await deltas.__anext__()  # admission errors become a status, not a stream
+        except InvalidRequestError as e:
+            raise _bad_request(e) from None
         except WORKER_ERRORS as e:
             raise _worker_error(e) from None
         if req.stream:

@@ -37,6 +37,8 @@ BAD_INPUTS = [
     (dict(token_ids=[5] * 100, max_tokens=100), "max_tokens"),
     (dict(), "input"),
     (dict(messages=[]), "messages"),
+    (dict(token_ids=[5], request_id="a#1"), "request_id"),
+    (dict(token_ids=[5], request_id="x" * 257), "request_id"),
 ]
 
 
@@ -90,3 +92,19 @@ def test_seeded_sampling_matches_between_requests(client):
     a = client.generate(token_ids=[9, 10], max_tokens=8, temperature=3.0, seed=42, ignore_eos=True)
     b = client.generate(token_ids=[9, 10], max_tokens=8, temperature=3.0, seed=42, ignore_eos=True)
     assert a.token_ids == b.token_ids
+
+
+def test_a_request_id_already_in_flight_is_refused_and_the_first_goes_on(client):
+    """Workers key aborts and leases by request id: a second live request under the same id is
+    INVALID_ARGUMENT naming request_id, and the first one finishes untouched."""
+    first = client.stream(token_ids=[5, 6, 7], max_tokens=40, ignore_eos=True, request_id="dup")
+    head = next(first)  # the first request is live
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(token_ids=[5, 6], max_tokens=2, request_id="dup")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request_id" in e.value.details() and "already in flight" in e.value.details()
+    rest = list(first)
+    tokens = list(head.token_ids) + [t for c in rest for t in c.token_ids]
+    assert len(tokens) == 40 and rest[-1].finish_reason == "length"
+    # Once it finished, the id is free again.
+    assert len(client.generate(token_ids=[5], max_tokens=3, request_id="dup").token_ids) == 3

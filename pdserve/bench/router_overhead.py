@@ -8,6 +8,11 @@ is the router's cost. Two request patterns: back to back (each request starts as
 first token lands, while the router still finishes it) and spaced 10 ms apart. A second router
 that always reserves before prefilling runs beside the default one, to show what sending the
 reservation and the prefill together saves.
+
+The floor, measured in the same run: a bare relay in its own process (a ``grpc.aio`` server
+whose Generate makes the same Prefill call and returns its first token, nothing else), i.e.
+one Python gRPC hop. What the router adds beyond the relay is its own work (validation,
+routing, the reservation, bookkeeping).
 """
 
 from __future__ import annotations
@@ -114,6 +119,37 @@ def _spawn(args: list[str]) -> tuple[subprocess.Popen, list[str]]:
     return proc, wait_ready(proc)
 
 
+class BareRelay(pb_grpc.GenerationServicer):
+    """One ``grpc.aio`` hop: the Prefill call the router makes, and its first token back."""
+
+    def __init__(self, prefill_address: str):
+        self.channel = grpc.aio.insecure_channel(prefill_address)
+        self.stub = pb_grpc.PrefillWorkerStub(self.channel)
+
+    async def Generate(self, request, context):
+        call = self.stub.Prefill(
+            pb.PrefillRequest(
+                request_id="relay",
+                prompt_token_ids=request.token_ids.ids,
+                sampling=request.sampling,
+            )
+        )
+        event = await call.read()
+        call.cancel()
+        yield pb.GenerateResponse(request_id="relay", token_ids=[event.first_token.token_id])
+
+
+async def serve_relay(prefill_address: str) -> None:
+    """The relay's process: print its address, serve until stdin closes."""
+    server = grpc.aio.server()
+    pb_grpc.add_GenerationServicer_to_server(BareRelay(prefill_address), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(f"READY 127.0.0.1:{port}", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await server.stop(None)
+
+
 def _router(prefill: str, decode: str, headroom: float) -> tuple[subprocess.Popen, str]:
     cmd = ["-m", "router", "--model", _tokenizer_dir(), "--prefill", prefill, "--decode", decode]
     cmd += [
@@ -160,8 +196,10 @@ async def _rounds(p_addr: str, routers: dict[str, str], n: int, prompt_tokens: i
 async def _measure(n: int, prompt_tokens: int) -> dict:
     fakes, (p_addr, d_addr) = _spawn(["-m", "pdserve.bench.router_overhead"])
     routers = [_router(p_addr, d_addr, h) for h in (0.1, -1.0)]
+    relay, (relay_addr,) = _spawn(["-m", "pdserve.bench.router_overhead", "--relay", p_addr])
+    routers.append((relay, relay_addr))
     try:
-        addresses = {"routed": routers[0][1], "reserve_first": routers[1][1]}
+        addresses = {"routed": routers[0][1], "reserve_first": routers[1][1], "relay": relay_addr}
         times = await _rounds(p_addr, addresses, n, prompt_tokens)
     finally:
         for proc in [fakes] + [r for r, _ in routers]:
@@ -179,7 +217,7 @@ def _summary(times: dict, prompt_tokens: int) -> dict:
     rows = []
     for pattern in PATTERNS:
         direct, routed = times[pattern, "direct"], times[pattern, "routed"]
-        first = times[pattern, "reserve_first"]
+        first, relay = times[pattern, "reserve_first"], times[pattern, "relay"]
         rows.append(
             {
                 "pattern": pattern,
@@ -188,6 +226,8 @@ def _summary(times: dict, prompt_tokens: int) -> dict:
                 "routed_p90_ms": _p(routed, 90),
                 "router_added_p50_ms": _p(routed, 50) - _p(direct, 50),
                 "reserve_first_added_p50_ms": _p(first, 50) - _p(direct, 50),
+                "relay_added_p50_ms": _p(relay, 50) - _p(direct, 50),
+                "router_beyond_relay_p50_ms": _p(routed, 50) - _p(relay, 50),
             }
         )
     return {
@@ -195,6 +235,7 @@ def _summary(times: dict, prompt_tokens: int) -> dict:
         "separate_processes": True,
         "rows": rows,
         "router_added_p50_ms": max(r["router_added_p50_ms"] for r in rows),
+        "relay_added_p50_ms": max(r["relay_added_p50_ms"] for r in rows),
         "target_ms": 2.0,
     }
 
@@ -224,15 +265,19 @@ def _main(args) -> int:
     )
     print(
         f"{'requests':<14}{'direct p50':>12}{'routed p50':>12}{'p90':>8}{'added p50':>11}"
-        f"{'reserve-first added':>21}"
+        f"{'reserve-first added':>21}{'bare relay added':>18}"
     )
     for r in result["rows"]:
         print(
             f"{r['pattern']:<14}{r['direct_p50_ms']:>10.2f}ms{r['routed_p50_ms']:>10.2f}ms"
             f"{r['routed_p90_ms']:>6.2f}ms{r['router_added_p50_ms']:>9.2f}ms"
-            f"{r['reserve_first_added_p50_ms']:>19.2f}ms"
+            f"{r['reserve_first_added_p50_ms']:>19.2f}ms{r['relay_added_p50_ms']:>16.2f}ms"
         )
-    print(f"router adds at most {result['router_added_p50_ms']:.2f} ms at p50 (target < 2 ms)")
+    print(
+        f"router adds at most {result['router_added_p50_ms']:.2f} ms at p50 (target < 2 ms); "
+        f"one bare grpc.aio hop adds {result['relay_added_p50_ms']:.2f} ms "
+        f"(router / hop: {result['router_added_p50_ms'] / result['relay_added_p50_ms']:.2f}x)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -240,4 +285,7 @@ def _main(args) -> int:
 
 
 if __name__ == "__main__":
-    serve_fakes()
+    if sys.argv[1:2] == ["--relay"]:
+        asyncio.run(serve_relay(sys.argv[2]))
+    else:
+        serve_fakes()
