@@ -18,7 +18,12 @@ from pathlib import Path
 log = logging.getLogger("pdserve.kernels")
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ["paged_decode_cpu.cpp", "decoder_stack_cpu.cpp", "bindings.cpp"]
+_SOURCES = [
+    "paged_decode_cpu.cpp",
+    "prefill_attention_cpu.cpp",
+    "decoder_stack_cpu.cpp",
+    "bindings.cpp",
+]
 _lock = threading.Lock()
 _module = None
 _failed = False

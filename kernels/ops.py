@@ -118,8 +118,15 @@ def _prefill_torch(query, k_cache, v_cache, meta, scale):
         seq_lens = [meta.seq_lens_cpu[i] for i in decode_rows]
         tables = meta.block_tables.index_select(0, rows)
         out[tokens] = _decode_torch(query[tokens], k_cache, v_cache, tables, seq_lens, scale)
+    ext = _cpu_extension(query, k_cache)
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         if q_len <= 1:
+            continue
+        rows = slice(starts[i], starts[i] + q_len)
+        if ext is not None and q_len >= CPU_PREFILL_KERNEL_MIN_ROWS:
+            out[rows] = ext.prefill_causal_attention(
+                query[rows], k_cache, v_cache, meta.block_tables[i], seq_len, scale
+            )
             continue
         table = meta.block_tables[i : i + 1]
         k = _gather_blocks(k_cache, table, seq_len)[:, :seq_len].transpose(1, 2)
@@ -128,6 +135,12 @@ def _prefill_torch(query, k_cache, v_cache, meta, scale):
         o = _sdpa_causal(q, k, v, scale)
         out[starts[i] : starts[i] + q_len] = o[0].transpose(0, 1)
     return out
+
+
+# From this many query rows of one sequence, the CPU extension's causal kernel (GQA group
+# stacked per KV head, two GEMMs per query tile) beats torch's flash attention here; below
+# it torch's kernel is as fast (see scripts/bench_kernels.py).
+CPU_PREFILL_KERNEL_MIN_ROWS = 2
 
 
 def _sdpa_causal(q, k, v, scale):

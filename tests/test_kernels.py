@@ -21,12 +21,16 @@ CPU_CASES = make_cases(head_dim=32, max_len=120) + [
     KernelCase("mixed-fp16", (1, 20, 9), (30, 45, 9), 16, 8, 2, 32, dtype="float16", seed=202),
     KernelCase("decode-bf16", (1, 1, 1), (33, 64, 5), 16, 8, 2, 32, dtype="bfloat16", seed=203),
     KernelCase("single-token-prompt", (1,), (1,), 16, 4, 4, 16, seed=204),
+    # Several 64-row query tiles (the C++ prefill kernel's unit), whole and chunked.
+    KernelCase("long-prefill-gqa3", (300,), (300,), 16, 6, 2, 32, seed=205),
+    KernelCase("long-chunks-bs1-d64", (130, 1, 70), (450, 90, 70), 1, 9, 3, 64, seed=206),
 ]
 
 
-@pytest.fixture(params=["cpp-decode", "torch-only"])
+@pytest.fixture(params=["cpp-kernels", "torch-only"])
 def decode_path(request, monkeypatch):
-    """Run each case with the C++ decode kernel and with the pure-torch fallback."""
+    """Run each case with the C++ kernels (decode, causal prefill) and with the pure-torch
+    fallback."""
     if request.param == "torch-only":
         monkeypatch.setattr(ops.cpu_extension, "load", lambda: None)
     elif ops.cpu_extension.load() is None:

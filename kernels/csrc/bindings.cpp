@@ -40,6 +40,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (fp32, CPU)", release());
+  m.def("prefill_causal_attention", &prefill_causal_attention,
+        "causal prefill attention of one sequence over a paged KV cache (fp32, CPU)", release());
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init(&make_stack))
       .def("attention_input", &DecoderStack::attention_input, release())

@@ -17,6 +17,10 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale);
 
+torch::Tensor prefill_causal_attention(torch::Tensor query, torch::Tensor k_cache,
+                                       torch::Tensor v_cache, torch::Tensor block_table,
+                                       int64_t seq_len, double scale);
+
 struct StackLinear {
   at::Tensor weight, bias, packed;  // bias / packed undefined when absent
 };

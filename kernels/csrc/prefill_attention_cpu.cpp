@@ -1,0 +1,156 @@
+// Causal prefill attention of one sequence over a paged KV cache on CPU (fp32).
+//
+// torch's CPU flash attention runs each query head on its own and at head size 64 reaches
+// about half of the machine's GEMM rate here (its inner products are short). This kernel
+// works per KV head and query tile instead: the tile's rows of every query head in the GQA
+// group are stacked into one matrix, so one GEMM against the head's whole visible key prefix
+// makes the scores (the group shares each key read), one fused pass takes the causal softmax
+// (masked tail, vectorised exp), and one GEMM against the values makes the output. A tile sees
+// every key up to its last row, so there is no online rescaling; what the causal limit leaves
+// over is half a tile per row.
+#include "cpu_kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace {
+
+constexpr int64_t kTileRows = 64;  // query tokens per tile (times the group's heads as rows)
+
+// K or V of one sequence as [KVH, S, D], contiguous per head: the GEMMs read plain matrices.
+at::Tensor gather_heads(const at::Tensor& cache, const int32_t* table, int64_t seq_len) {
+  const int64_t BS = cache.size(1), KVH = cache.size(2), D = cache.size(3);
+  auto out = at::empty({KVH, seq_len, D}, cache.options());
+  const float* src = cache.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, seq_len, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = src + (table[t / BS] * BS + t % BS) * KVH * D;
+      for (int64_t h = 0; h < KVH; ++h)
+        std::copy(row + h * D, row + (h + 1) * D, dst + (h * seq_len + t) * D);
+    }
+  });
+  return out;
+}
+
+// Row r of `scores` keeps its first `len` entries: exp(s - max) there, zeros after; returns
+// the sum of the kept exponentials.
+float exp_row(float* s, int64_t len, int64_t width) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t t = 0;
+#if defined(PDSERVE_VECTOR_EXP)
+  __m512 vmax = _mm512_set1_ps(m);
+  for (; t + 16 <= len; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
+  m = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; t < len; ++t) m = s[t] > m ? s[t] : m;
+  float sum = 0.f;
+  t = 0;
+#if defined(PDSERVE_VECTOR_EXP)
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();
+  for (; t + 16 <= len; t += 16) {
+    const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm));
+    _mm512_storeu_ps(s + t, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+#endif
+  for (; t < len; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  std::fill(s + len, s + width, 0.f);
+  return sum;
+}
+
+struct Problem {
+  const float* q;  // [Q, H, D], the sequence's query rows
+  float* out;      // [Q, H, D]
+  int64_t Q, H, KVH, G, D, S;
+  float scale;
+};
+
+// One thread's scratch, reused across its tiles: fresh large buffers per tile would each be
+// page-faulted in (measured: that doubled the kernel's time).
+struct Scratch {
+  at::Tensor q, scores, o;
+  Scratch(const Problem& p, const at::TensorOptions& opts)
+      : q(at::empty({p.G * kTileRows, p.D}, opts)),
+        scores(at::empty({p.G * kTileRows * p.S}, opts)),
+        o(at::empty({p.G * kTileRows, p.D}, opts)) {}
+};
+
+// Query tokens [q0, q1) of KV head kh: every query head of its group, one GEMM each way.
+void attend_tile(const Problem& p, const at::Tensor& k, const at::Tensor& v, int64_t kh,
+                 int64_t q0, int64_t q1, Scratch& buf) {
+  const int64_t T = q1 - q0, R = p.G * T, D = p.D;
+  const int64_t visible = p.S - p.Q + q1;  // keys the tile's last row sees
+  auto qt = buf.q.narrow(0, 0, R);
+  float* qp = qt.data_ptr<float>();
+  for (int64_t g = 0; g < p.G; ++g)  // rows g * T + j: head kh * G + g, token q0 + j
+    for (int64_t j = 0; j < T; ++j) {
+      const float* src = p.q + ((q0 + j) * p.H + kh * p.G + g) * D;
+      float* dst = qp + (g * T + j) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * p.scale;
+    }
+  auto scores = buf.scores.narrow(0, 0, R * visible).view({R, visible});
+  at::mm_out(scores, qt, k[kh].narrow(0, 0, visible).t());
+  float* sp = scores.data_ptr<float>();
+  std::vector<float> inv(R);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t len = p.S - p.Q + q0 + r % T + 1;  // causal: keys up to the row's position
+    inv[r] = 1.f / exp_row(sp + r * visible, len, visible);
+  }
+  auto o = buf.o.narrow(0, 0, R);
+  at::mm_out(o, scores, v[kh].narrow(0, 0, visible));
+  const float* op = o.data_ptr<float>();
+  for (int64_t g = 0; g < p.G; ++g)
+    for (int64_t j = 0; j < T; ++j) {
+      const int64_t r = g * T + j;
+      float* dst = p.out + ((q0 + j) * p.H + kh * p.G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = op[r * D + d] * inv[r];
+    }
+}
+
+}  // namespace
+
+// query [Q, H, D] holds the last Q tokens of a sequence of seq_len tokens whose K/V are in the
+// cache blocks of `block_table`; returns the attention output [Q, H, D].
+torch::Tensor prefill_causal_attention(torch::Tensor query, torch::Tensor k_cache,
+                                       torch::Tensor v_cache, torch::Tensor block_table,
+                                       int64_t seq_len, double scale) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat, "fp32 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt, "int32 block table");
+  const auto q = query.contiguous();
+  const auto table = block_table.contiguous();
+  const int64_t Q = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
+  TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == D, "head shapes");
+  TORCH_CHECK(Q >= 1 && Q <= seq_len, "query rows must be the last of the sequence");
+  TORCH_CHECK(table.numel() * k_cache.size(1) >= seq_len, "block table shorter than the sequence");
+  c10::InferenceMode guard;
+  const int32_t* tp = table.data_ptr<int32_t>();
+  const auto k = gather_heads(k_cache, tp, seq_len);
+  const auto v = gather_heads(v_cache, tp, seq_len);
+  auto out = at::empty_like(q);
+  const Problem p{q.data_ptr<float>(), out.data_ptr<float>(), Q, H, KVH, H / KVH, D, seq_len,
+                  static_cast<float>(scale)};
+  const int64_t tiles = (Q + kTileRows - 1) / kTileRows;
+  // Later tiles see more keys. Threads take contiguous ranges of work items, so the items go
+  // in pairs of equal total cost (the last tile, the first, the last but one, the second...)
+  // and every range holds about the same work.
+  at::parallel_for(0, KVH * tiles, 1, [&](int64_t begin, int64_t end) {
+    Scratch buf(p, q.options());
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t kh = w % KVH, u = w / KVH;
+      const int64_t tile = u % 2 == 0 ? tiles - 1 - u / 2 : u / 2;
+      attend_tile(p, k, v, kh, tile * kTileRows, std::min(Q, (tile + 1) * kTileRows), buf);
+    }
+  });
+  return out;
+}
