@@ -69,6 +69,18 @@ def make_batch(query_lens, seq_lens, block_size, device, dtype):
     return query, k_cache, v_cache, meta
 
 
+DEFAULT_MIN_ROWS = ops.CPU_PREFILL_KERNEL_MIN_ROWS
+
+
+def _prefill_variants(device, dtype, backends):
+    """(label, backend, C++ kernel threshold): on CPU fp32 the torch path runs the C++ causal
+    kernel, shown beside torch's own flash attention (SDPA) on the same inputs."""
+    variants = [(b, b, DEFAULT_MIN_ROWS) for b in backends]
+    if device == "cpu" and dtype == torch.float32 and ops.cpu_extension.load() is not None:
+        variants = [("cpp", "torch", DEFAULT_MIN_ROWS), ("sdpa", "torch", 1 << 62)]
+    return variants
+
+
 def bench_prefill(device, dtype, block_size, backends, peak_flops, reps):
     prompt = 2048 if device == "cuda" else 512
     for name, q_lens, s_lens in [
@@ -81,7 +93,8 @@ def bench_prefill(device, dtype, block_size, backends, peak_flops, reps):
             q_len * (s - q_len) + q_len * (q_len + 1) / 2 for q_len, s in zip(q_lens, s_lens)
         )
         flops = 4 * pairs * NUM_HEADS * HEAD_DIM
-        for backend in backends:
+        for label, backend, min_rows in _prefill_variants(device, dtype, backends):
+            ops.CPU_PREFILL_KERNEL_MIN_ROWS = min_rows
             secs = timeit(
                 functools.partial(
                     ops.prefill_attention, q, kc, vc, meta, HEAD_DIM**-0.5, backend=backend
@@ -89,8 +102,9 @@ def bench_prefill(device, dtype, block_size, backends, peak_flops, reps):
                 device,
                 reps,
             )
+            ops.CPU_PREFILL_KERNEL_MIN_ROWS = DEFAULT_MIN_ROWS
             print(
-                f"prefill {name:7s} {backend:6s} {secs * 1e3:8.3f} ms "
+                f"prefill {name:7s} {label:6s} {secs * 1e3:8.3f} ms "
                 f"{flops / secs / 1e12:7.2f} TFLOP/s  MFU {flops / secs / peak_flops:6.1%}"
             )
 
