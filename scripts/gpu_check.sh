@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # GPU checks: the CUDA-only tests (kernels, and the engine on the GPU), then the kernel
 # micro-benchmark.
-# Budget: under 8 minutes on one GPU (tests ~1-3 min, benchmark < 1 min).
+# Budget: under 8 minutes on one GPU (tests ~1-3 min, benchmark < 1 min); 90 s on an H200.
+# The disaggregated GPU tests need the project's serving deps (grpcio/protobuf as pinned,
+# crc32c): `pip install -e .` first, or on an offline box install their wheels with
+# `pip install --target DIR` and put DIR on PYTHONPATH (the local cluster passes it on).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
