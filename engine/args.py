@@ -19,13 +19,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     g.add_argument(
         "--device",
-        type=_device_name,
+        type=device_name,
         default="auto",
         help="cpu, cuda[:N], or auto (cuda where a GPU is visible)",
     )
 
 
-def _device_name(value: str) -> str:
+def device_name(value: str) -> str:
     try:
         return check_device_name(value)
     except ValueError as e:

@@ -9,6 +9,7 @@ from engine import hugepages
 
 hugepages.request()  # before anything imports torch: its allocator reads it once
 
+from engine.args import device_name  # noqa: E402
 from engine.errors import PdserveError
 
 
@@ -22,6 +23,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument(
+        "--device", type=device_name, default="auto", help="cpu, cuda[:N], or auto"
+    )
     p.set_defaults(func=cmd_generate)
 
 
@@ -36,7 +40,7 @@ def cmd_generate(args) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
-    engine = LLMEngine.from_model_path(args.model)
+    engine = LLMEngine.from_model_path(args.model, device=args.device)
     prompt = args.prompt
     if not args.raw and engine.tokenizer is not None and engine.tokenizer.chat_template:
         prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])

@@ -159,3 +159,10 @@ def test_worker_cli_refuses_an_unknown_device_by_name():
     assert proc.returncode == 2
     assert "argument --device: device 'tpu'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_generate_cli_refuses_an_unknown_device_by_name(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["generate", "hi", "--device", "tpu"])
+    assert e.value.code == 2
+    assert "argument --device: device 'tpu'" in capsys.readouterr().err
