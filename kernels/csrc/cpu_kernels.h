@@ -13,6 +13,32 @@ extern "C" __m512 _ZGVeN16v_expf(__m512);
 #endif
 #endif
 
+#include <cmath>
+#include <cstdint>
+
+// s[t] = exp(s[t] - m) for t < n, in place; returns their sum (the softmax's denominator).
+inline float exp_shifted_sum(float* s, int64_t n, float m) {
+  float sum = 0.f;
+  int64_t t = 0;
+#if defined(PDSERVE_VECTOR_EXP)
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();
+  for (; t < n; t += 16) {
+    const __mmask16 k = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+    __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), vm));
+    e = _mm512_maskz_mov_ps(k, e);
+    _mm512_mask_storeu_ps(s + t, k, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+#endif
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
+}
+
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale);

@@ -49,26 +49,8 @@ void softmax_rows(float* scores, int64_t rows, int64_t L) {
     float* s = scores + r * L;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < L; ++t) m = s[t] > m ? s[t] : m;
-    float sum = 0.f;
-    int64_t t = 0;
-#if defined(PDSERVE_VECTOR_EXP)
-    const __m512 vm = _mm512_set1_ps(m);
-    __m512 vsum = _mm512_setzero_ps();
-    for (; t < L; t += 16) {
-      const __mmask16 k = L - t >= 16 ? 0xFFFF : (__mmask16)((1u << (L - t)) - 1);
-      __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), vm));
-      e = _mm512_maskz_mov_ps(k, e);
-      _mm512_mask_storeu_ps(s + t, k, e);
-      vsum = _mm512_add_ps(vsum, e);
-    }
-    sum = _mm512_reduce_add_ps(vsum);
-#endif
-    for (; t < L; ++t) {
-      s[t] = std::exp(s[t] - m);
-      sum += s[t];
-    }
-    const float inv = 1.f / sum;
-    for (t = 0; t < L; ++t) s[t] *= inv;
+    const float inv = 1.f / exp_shifted_sum(s, L, m);
+    for (int64_t t = 0; t < L; ++t) s[t] *= inv;
   }
 }
 

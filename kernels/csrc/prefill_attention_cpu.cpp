@@ -47,22 +47,7 @@ float exp_row(float* s, int64_t len, int64_t width) {
   m = _mm512_reduce_max_ps(vmax);
 #endif
   for (; t < len; ++t) m = s[t] > m ? s[t] : m;
-  float sum = 0.f;
-  t = 0;
-#if defined(PDSERVE_VECTOR_EXP)
-  const __m512 vm = _mm512_set1_ps(m);
-  __m512 vsum = _mm512_setzero_ps();
-  for (; t + 16 <= len; t += 16) {
-    const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm));
-    _mm512_storeu_ps(s + t, e);
-    vsum = _mm512_add_ps(vsum, e);
-  }
-  sum = _mm512_reduce_add_ps(vsum);
-#endif
-  for (; t < len; ++t) {
-    s[t] = std::exp(s[t] - m);
-    sum += s[t];
-  }
+  const float sum = exp_shifted_sum(s, len, m);
   std::fill(s + len, s + width, 0.f);
   return sum;
 }
