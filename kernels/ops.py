@@ -108,7 +108,8 @@ def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, length: int)
 
 
 def _prefill_torch(query, k_cache, v_cache, meta, scale):
-    """Per-sequence SDPA over gathered K/V; single-token rows of a mixed batch go batched."""
+    """Per-sequence causal attention (the C++ kernel on CPU fp32, else SDPA over gathered
+    K/V); single-token rows of a mixed batch go batched through the decode path."""
     out = torch.empty_like(query)
     starts = meta.query_start_loc.tolist()
     decode_rows = [i for i, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
@@ -137,9 +138,10 @@ def _prefill_torch(query, k_cache, v_cache, meta, scale):
     return out
 
 
-# From this many query rows of one sequence, the CPU extension's causal kernel (GQA group
-# stacked per KV head, two GEMMs per query tile) beats torch's flash attention here; below
-# it torch's kernel is as fast (see scripts/bench_kernels.py).
+# Sequences with at least this many query rows go to the CPU extension's causal kernel (GQA
+# group stacked per KV head, two GEMMs per query tile): it was as fast as torch's flash
+# attention or faster from 128 tokens on (not measured below). scripts/bench_kernels.py raises
+# it to time torch's kernel on the same inputs.
 CPU_PREFILL_KERNEL_MIN_ROWS = 2
 
 

@@ -63,10 +63,12 @@ struct Problem {
 // page-faulted in (measured: that doubled the kernel's time).
 struct Scratch {
   at::Tensor q, scores, o;
+  std::vector<float> inv_sum;  // 1 / softmax denominator per row
   Scratch(const Problem& p, const at::TensorOptions& opts)
       : q(at::empty({p.G * kTileRows, p.D}, opts)),
         scores(at::empty({p.G * kTileRows * p.S}, opts)),
-        o(at::empty({p.G * kTileRows, p.D}, opts)) {}
+        o(at::empty({p.G * kTileRows, p.D}, opts)),
+        inv_sum(p.G * kTileRows) {}
 };
 
 // Query tokens [q0, q1) of KV head kh: every query head of its group, one GEMM each way.
@@ -85,7 +87,7 @@ void attend_tile(const Problem& p, const at::Tensor& k, const at::Tensor& v, int
   auto scores = buf.scores.narrow(0, 0, R * visible).view({R, visible});
   at::mm_out(scores, qt, k[kh].narrow(0, 0, visible).t());
   float* sp = scores.data_ptr<float>();
-  std::vector<float> inv(R);
+  std::vector<float>& inv = buf.inv_sum;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t len = p.S - p.Q + q0 + r % T + 1;  // causal: keys up to the row's position
     inv[r] = 1.f / exp_row(sp + r * visible, len, visible);

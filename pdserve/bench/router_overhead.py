@@ -150,7 +150,7 @@ async def serve_relay(prefill_address: str) -> None:
     await server.stop(None)
 
 
-def _router(prefill: str, decode: str, headroom: float) -> tuple[subprocess.Popen, str]:
+def _router(prefill: str, decode: str, headroom: float) -> tuple[subprocess.Popen, list[str]]:
     cmd = ["-m", "router", "--model", _tokenizer_dir(), "--prefill", prefill, "--decode", decode]
     cmd += [
         "--port",
@@ -160,8 +160,7 @@ def _router(prefill: str, decode: str, headroom: float) -> tuple[subprocess.Pope
         "--concurrent-reserve-headroom",
         str(headroom),
     ]
-    proc, (address,) = _spawn(cmd)
-    return proc, address
+    return _spawn(cmd)
 
 
 PATTERNS = {"back to back": 0.0, "spaced 10 ms": 0.01}
@@ -195,14 +194,14 @@ async def _rounds(p_addr: str, routers: dict[str, str], n: int, prompt_tokens: i
 
 async def _measure(n: int, prompt_tokens: int) -> dict:
     fakes, (p_addr, d_addr) = _spawn(["-m", "pdserve.bench.router_overhead"])
-    routers = [_router(p_addr, d_addr, h) for h in (0.1, -1.0)]
-    relay, (relay_addr,) = _spawn(["-m", "pdserve.bench.router_overhead", "--relay", p_addr])
-    routers.append((relay, relay_addr))
+    routed, reserve_first = (_router(p_addr, d_addr, h) for h in (0.1, -1.0))
+    relay = _spawn(["-m", "pdserve.bench.router_overhead", "--relay", p_addr])
+    paths = {"routed": routed, "reserve_first": reserve_first, "relay": relay}
     try:
-        addresses = {"routed": routers[0][1], "reserve_first": routers[1][1], "relay": relay_addr}
+        addresses = {name: addrs[0] for name, (_, addrs) in paths.items()}
         times = await _rounds(p_addr, addresses, n, prompt_tokens)
     finally:
-        for proc in [fakes] + [r for r, _ in routers]:
+        for proc in [fakes, *(proc for proc, _ in paths.values())]:
             proc.stdin.close()
             proc.terminate()
             proc.wait(timeout=10)
