@@ -3,11 +3,13 @@
   Reserve blocks on a decode worker -> Prefill on a prefill worker toward that lease
   -> first token out as soon as it is sampled -> Decode streams the rest.
 
-When the decode worker had room to spare at the last poll, Reserve and Prefill go out together
-(the router names the lease, frames name blocks by position in it, and the decode side holds an
-early frame until the lease opens): the first token waits for the slower of the two, not their
-sum. The token leaves only once the reservation is confirmed; a refused one drops that prefill
-and the request goes the safe way, reserve first. So a prefill never feeds a full pool.
+When the decode worker had room to spare at the last poll, Prefill and Reserve go out together,
+Prefill first (the router names the lease, frames name blocks by position in it, and the decode
+side holds an early frame until the lease opens). The first token leaves as soon as it is
+sampled, without waiting for the reservation's answer: Decode starts once the lease is confirmed.
+A refused reservation drops that prefill's KV and the request goes around again the safe way,
+reserve first, with the token already sent appended to its prompt (as after a preemption). So a
+prefill never feeds a full pool, and the reservation's round trip stays off the first token.
 
 Or, colocated (no prefill worker up, or a prompt short enough to skip the transfer): Decode
 without a lease, and the decode worker prefills the request in its own batch.
@@ -20,6 +22,7 @@ transfer that failed after the first token.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -34,6 +37,7 @@ from router.pool import WorkerHandle, WorkerPool
 log = logging.getLogger("pdserve.router")
 
 PREEMPTED = "preempted"
+REFUSED = "lease refused"  # the concurrent reservation was refused after the first token
 
 
 class Overloaded(Exception):
@@ -75,7 +79,8 @@ class FlowConfig:
 class _Attempt:
     decode: WorkerHandle
     destination: pb.KvDestination
-    reservation: asyncio.Future  # -> pb.ReserveResponse; raises AioRpcError if refused
+    # -> pb.ReserveResponse; raises AioRpcError if refused. None until it is sent.
+    reservation: asyncio.Future | None
     calls: list = field(default_factory=list)
     transfer: asyncio.Future | None = None
     attached: bool = False
@@ -85,7 +90,10 @@ class _Attempt:
         return self.destination.lease_id
 
     async def lease(self) -> pb.ReserveResponse | None:
-        """The reservation's answer once it is in; None if it was refused or failed."""
+        """The reservation's answer once it is in; None if it was refused, failed or never
+        sent."""
+        if self.reservation is None:
+            return None
         try:
             return await asyncio.shield(self.reservation)
         except grpc.aio.AioRpcError:
@@ -104,19 +112,24 @@ class RequestFlow:
         """Yield (new tokens, finish reason or None) until the request finishes."""
         outputs: list[int] = []
         start = time.monotonic()
+        reason = None
         for i in range(self.cfg.max_attempts):
             n_tokens = len(prompt) + len(outputs)
-            path = self._local if self.prefill_locally(n_tokens) else self._disaggregated
+            path = self._local
+            if not self.prefill_locally(n_tokens):
+                # After a refused concurrent reservation, the safe way: reserve first.
+                path = functools.partial(self._disaggregated, concurrent=reason != REFUSED)
             # Workers abort by request id when a call ends, and that can land after the next
             # attempt arrived: each attempt goes under its own id.
             # '#' is the router's own: client ids may not hold it (Router.prepare).
             attempt_id = request_id if i == 0 else f"{request_id}#{i}"
             steps = path(attempt_id, prompt, outputs, sampling, timings)
+            reason = None
             try:
                 async for tokens, reason in steps:
                     if tokens and not timings.ttft_s:
                         timings.ttft_s = time.monotonic() - start
-                    if reason == PREEMPTED:
+                    if reason in (PREEMPTED, REFUSED):
                         if tokens:  # generated before the preemption: already in outputs
                             yield tokens, None
                         break
@@ -125,17 +138,18 @@ class RequestFlow:
                         return
             finally:
                 await steps.aclose()
-            timings.preemptions += 1
-            log.info("%s preempted after %d tokens; prefilling again", request_id, len(outputs))
+            if reason != REFUSED:
+                timings.preemptions += 1
+            log.info("%s %s after %d tokens; prefilling again", request_id, reason, len(outputs))
         raise WorkerFailure(f"{request_id}: gave up after {self.cfg.max_attempts} attempts")
 
     def prefill_locally(self, num_tokens: int) -> bool:
         """Colocated pool (no prefill worker up), or a prompt too short to be worth a transfer."""
         return not self.prefill.routable() or num_tokens <= self.cfg.local_prefill_max_tokens
 
-    async def _disaggregated(self, request_id, prompt, outputs, sampling, timings):
+    async def _disaggregated(self, request_id, prompt, outputs, sampling, timings, concurrent):
         args = (request_id, prompt, outputs, sampling, timings)
-        attempt, first = await self._reserve_and_prefill(*args)
+        attempt, first = await self._reserve_and_prefill(*args, concurrent=concurrent)
         try:
             outputs.append(first)
             yield [first], None
@@ -170,44 +184,41 @@ class RequestFlow:
         raise Overloaded("no decode worker accepted the request")
 
     # ---- steps -------------------------------------------------------------------------
-    async def _reserve_and_prefill(self, request_id, prompt, outputs, sampling, timings):
-        """Reserve decode blocks and prefill toward them; returns (attempt, first token)."""
+    async def _reserve_and_prefill(
+        self, request_id, prompt, outputs, sampling, timings, concurrent=True
+    ):
+        """Reserve decode blocks and prefill toward them; returns (attempt, first token).
+        On the concurrent path the reservation may still be unanswered: see _decode."""
         args = (request_id, prompt, outputs, sampling, timings)
-        attempt = self._reserve_concurrently(request_id, len(prompt) + len(outputs))
+        num_tokens = len(prompt) + len(outputs)
+        attempt = self._plan_concurrent(num_tokens) if concurrent else None
         if attempt is not None:
             try:
-                first = await self._prefill(attempt, *args)
-                confirmed = await attempt.lease() is not None
+                reserve = functools.partial(self._send_reservation, attempt, request_id, num_tokens)
+                return attempt, await self._prefill(attempt, *args, after_send=reserve)
             except grpc.aio.AioRpcError:
                 # A refused lease fails the prefill's transfer, which may end the prefill
                 # before its first token: that is the refusal, not a prefill failure.
-                if await attempt.lease() is not None:
+                if attempt.reservation is None or await attempt.lease() is not None:
                     await self._cleanup(attempt)
                     raise
-                confirmed = False
             except BaseException:
                 await self._cleanup(attempt)
                 raise
-            if confirmed:
-                return attempt, first
             await self._cleanup(attempt)  # drops that prefill and its frames
-            log.info(
-                "%s: %s refused the reservation; reserving first",
-                request_id,
-                attempt.decode.address,
-            )
+            log.info("%s: %s refused the reservation", request_id, attempt.decode.address)
             # A new id at the prefill worker: see run(), the dropped prefill's abort may lag.
             args = (f"{request_id}#r", *args[1:])
-        attempt = await self._reserve(args[0], len(prompt) + len(outputs))
+        attempt = await self._reserve(args[0], num_tokens)
         try:
             return attempt, await self._prefill(attempt, *args)
         except BaseException:
             await self._cleanup(attempt)
             raise
 
-    def _reserve_concurrently(self, request_id: str, num_tokens: int) -> _Attempt | None:
-        """Send the reservation without waiting for it, where a decode worker had room to
-        spare at the last poll; None otherwise."""
+    def _plan_concurrent(self, num_tokens: int) -> _Attempt | None:
+        """A decode worker that had room to spare at the last poll, and the lease the router
+        names there (not yet reserved); None where none has."""
         headroom = self.cfg.concurrent_reserve_headroom
         num_blocks = -(-num_tokens // self.cfg.block_size)
         if headroom < 0:
@@ -218,22 +229,27 @@ class RequestFlow:
                 continue  # a worker that does not say where its KV goes, or sizes differ
             if w.free_blocks - num_blocks < headroom * w.total_blocks:
                 continue
-            lease_id = uuid.uuid4().hex
-            reserve = w.stub.Reserve(
-                pb.ReserveRequest(request_id=request_id, num_tokens=num_tokens, lease_id=lease_id),
-                timeout=self.cfg.reserve_timeout_s,
-            )
-            w.free_blocks -= num_blocks
-            w.served_requests += 1
             dest = pb.KvDestination(
                 endpoint=st.kv_endpoint,
                 transport=st.kv_transport,
-                lease_id=lease_id,
+                lease_id=uuid.uuid4().hex,
                 block_size=st.block_size,
                 num_blocks=num_blocks,
             )
-            return _Attempt(w, dest, asyncio.ensure_future(reserve))
+            return _Attempt(w, dest, None)
         return None
+
+    def _send_reservation(self, attempt: _Attempt, request_id: str, num_tokens: int) -> None:
+        """Reserve the planned lease without waiting for the answer (sent just after the
+        Prefill, so the prefill worker starts first)."""
+        w = attempt.decode
+        req = pb.ReserveRequest(
+            request_id=request_id, num_tokens=num_tokens, lease_id=attempt.lease_id
+        )
+        reserve = w.stub.Reserve(req, timeout=self.cfg.reserve_timeout_s)
+        w.free_blocks -= attempt.destination.num_blocks
+        w.served_requests += 1
+        attempt.reservation = asyncio.ensure_future(reserve)
 
     async def _reserve(self, request_id: str, num_tokens: int) -> _Attempt:
         """Decode first: never prefill into a pool that has no room. Waits, then 429."""
@@ -267,7 +283,11 @@ class RequestFlow:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
 
-    async def _prefill(self, attempt, request_id, prompt, outputs, sampling, timings) -> int:
+    async def _prefill(
+        self, attempt, request_id, prompt, outputs, sampling, timings, after_send=None
+    ) -> int:
+        """Prefill toward the attempt's lease; returns the first token. ``after_send`` runs
+        once the Prefill call is on its way, before its first event is awaited."""
         candidates = self.cfg.prefill_policy(self.prefill.routable(), prompt)
         if not candidates:
             raise WorkerFailure("no prefill worker is available")
@@ -286,6 +306,8 @@ class RequestFlow:
         try:
             call = p.stub.Prefill(req)
             attempt.calls.append(call)
+            if after_send is not None:
+                after_send()
             event = await call.read()
         finally:
             p.inflight_tokens -= n_tokens
@@ -307,6 +329,9 @@ class RequestFlow:
             timings.kv_bytes += event.transfer_done.bytes
 
     async def _decode(self, attempt, request_id, prompt, outputs, sampling, timings):
+        if await attempt.lease() is None:  # a concurrent reservation, refused
+            yield [], REFUSED
+            return
         req = pb.DecodeRequest(
             request_id=request_id,
             lease_id=attempt.lease_id,
