@@ -4,13 +4,14 @@ expiry, bad KV frames against a live worker, clients that leave. Blocks always c
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import grpc
 import pytest
 
 from kv_transfer.frame import encode_kv_frame
-from pdserve.client import AsyncClient
+from pdserve.client import AsyncClient, Client
 from pdserve.local_cluster import ClusterSpec, LocalCluster
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
@@ -192,6 +193,34 @@ def _count_named_reservations(decode, refuse: bool) -> list[str]:
 
     decode.reserve = reserve
     return named
+
+
+def test_first_token_does_not_wait_for_the_concurrent_reservation(tiny_model):
+    """The router sends Reserve beside Prefill and lets the first token go once sampled: here
+    the decode worker answers Reserve only after the client holds that token."""
+    prompt = mixed_prompts(1, seed=9)[0]
+    ref = engine_reference(tiny_model, [prompt], new_tokens=12)[0]
+    first_token_seen = threading.Event()
+    with LocalCluster(
+        ClusterSpec(model=str(tiny_model), num_blocks=512, max_model_len=256)
+    ) as cluster:
+        decode = cluster.decode_workers[0]
+        real, answered_after_first_token = decode.reserve, []
+
+        def reserve(request_id, num_tokens, ttl_s=None, lease_id=None):
+            # A router that waited for this answer would never send the token: 30 s, then False.
+            answered_after_first_token.append(first_token_seen.wait(timeout=30))
+            return real(request_id, num_tokens, ttl_s, lease_id)
+
+        decode.reserve = reserve
+        tokens = []
+        with Client(cluster.address) as client:
+            for chunk in client.stream(token_ids=prompt, max_tokens=12, ignore_eos=True):
+                first_token_seen.set()
+                tokens += chunk.token_ids
+        assert_all_blocks_free(cluster)
+    assert answered_after_first_token == [True]
+    assert tokens == ref
 
 
 @pytest.mark.parametrize("refuse", [False, True], ids=["granted", "refused"])
