@@ -140,7 +140,8 @@ class RequestFlow:
                 await steps.aclose()
             if reason != REFUSED:
                 timings.preemptions += 1
-            log.info("%s %s after %d tokens; prefilling again", request_id, reason, len(outputs))
+            why = reason or "attempt ended early"
+            log.info("%s: %s after %d tokens; prefilling again", request_id, why, len(outputs))
         raise WorkerFailure(f"{request_id}: gave up after {self.cfg.max_attempts} attempts")
 
     def prefill_locally(self, num_tokens: int) -> bool:
