@@ -186,7 +186,7 @@ class RequestFlow:
 
     # ---- steps -------------------------------------------------------------------------
     async def _reserve_and_prefill(
-        self, request_id, prompt, outputs, sampling, timings, concurrent=True
+        self, request_id, prompt, outputs, sampling, timings, concurrent
     ):
         """Reserve decode blocks and prefill toward them; returns (attempt, first token).
         On the concurrent path the reservation may still be unanswered: see _decode."""
