@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.linear import ONEDNN_MIN_ROWS
+from engine.linear import ONEDNN_MIN_ROWS, SKINNY_MAX_ROWS
 from kernels import cpu_extension
 
 
@@ -36,25 +36,21 @@ def build(model) -> object | None:
         cfg.head_dim,
         cfg.rms_norm_eps,
         ONEDNN_MIN_ROWS,
+        SKINNY_MAX_ROWS,
     )
+
+
+def _linear_tuple(linear) -> tuple:
+    bias = None if linear.bias is None else linear.bias.detach()
+    return (linear.weight.detach(), bias, linear.packed, linear.skinny)
 
 
 def _layer_tuple(layer) -> tuple:
     attn, mlp = layer.self_attn, layer.mlp
-    qkv = attn.qkv_proj
-    bias = None if qkv.bias is None else qkv.bias.detach()
     return (
         layer.input_layernorm.weight.detach(),
         layer.post_attention_layernorm.weight.detach(),
-        qkv.weight.detach(),
-        bias,
-        qkv.packed,
-        attn.o_proj.weight.detach(),
-        attn.o_proj.packed,
-        mlp.gate_up_proj.weight.detach(),
-        mlp.gate_up_proj.packed,
-        mlp.down_proj.weight.detach(),
-        mlp.down_proj.packed,
+        *(_linear_tuple(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
     )
 
 

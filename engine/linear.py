@@ -1,9 +1,12 @@
-"""Linear layers whose CPU fp32 path runs oneDNN on pre-packed weights.
+"""Linear layers whose CPU fp32 path runs on weights packed once at load time.
 
-MKL's sgemm repacks the weight on every call and is slow for the small row counts of a decode
-step (measured here: 1.2-2x slower than oneDNN at 4-32 rows, and ~15% slower at prefill sizes).
-oneDNN with a weight reordered once at load time is what vLLM's CPU backend relies on too.
-Anywhere else (GPU, other dtypes, no oneDNN) the layer is a plain ``F.linear``.
+A decode step's matmuls have a few rows (one per sequence): there the weight is a stream read
+once, and the C++ extension's skinny kernel (kernels/csrc/skinny_gemm_cpu.cpp, weight in tiles
+of 16 outputs) runs them 20-35% faster than oneDNN from 8 to 32 rows and ~15% faster than MKL's
+GEMV at one row (SmolLM2's projections, 1 thread). Larger batches (prefill chunks) go to oneDNN
+on its own packed weight, as in vLLM's CPU backend: MKL's sgemm repacks the weight on every call
+(~15% slower at prefill sizes). Anywhere else (GPU, other dtypes, no oneDNN, no extension) the
+layer is a plain ``F.linear``.
 """
 
 from __future__ import annotations
@@ -12,33 +15,47 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kernels import cpu_extension
+
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-# A single row (decode at batch 1) is a pure weight stream where MKL's GEMV is as fast or
-# faster; from two rows on, oneDNN's packed kernels win.
+# Where oneDNN's packed kernels take over: without the skinny kernel, from two rows on (one
+# row is a GEMV where MKL is as fast); with it, past SKINNY_MAX_ROWS.
 ONEDNN_MIN_ROWS = 2
+# Up to this many rows the skinny kernel wins (measured, 1 and 2 threads: 64 rows about even,
+# 96 rows 5% slower than oneDNN).
+SKINNY_MAX_ROWS = 48
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same state dict) plus an optional packed weight."""
 
-    packed: torch.Tensor | None = None
+    packed: torch.Tensor | None = None  # oneDNN's layout
+    skinny: torch.Tensor | None = None  # the skinny kernel's tiles
 
     def pack_for_cpu(self) -> bool:
-        """Reorder the weight for oneDNN; returns whether the packed path is now used."""
-        w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or not onednn_available():
+        """Pack the weight for oneDNN and, where the C++ extension loads, for the skinny
+        kernel; returns whether a packed path is now used."""
+        w = self.weight.detach()
+        if w.device.type != "cpu" or w.dtype != torch.float32:
             return False
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
-        return True
+        if onednn_available():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        ext = cpu_extension.load()
+        if ext is not None:
+            self.skinny = ext.pack_skinny_weight(w)
+        return self.packed is not None or self.skinny is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.packed is not None and x.dtype == torch.float32 and x.dim() == 2
-        if packed and x.shape[0] >= ONEDNN_MIN_ROWS:
-            bias = None if self.bias is None else self.bias.detach()
+        if x.dtype != torch.float32 or x.dim() != 2:
+            return F.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.detach()
+        if self.skinny is not None and x.shape[0] <= SKINNY_MAX_ROWS:
+            return cpu_extension.load().skinny_linear(x, self.skinny, self.out_features, bias)
+        if self.packed is not None and x.shape[0] >= ONEDNN_MIN_ROWS:
             return torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.packed, bias, "none", [], ""
             )

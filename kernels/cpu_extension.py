@@ -21,6 +21,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
     "paged_decode_cpu.cpp",
     "prefill_attention_cpu.cpp",
+    "skinny_gemm_cpu.cpp",
     "decoder_stack_cpu.cpp",
     "bindings.cpp",
 ]

@@ -10,28 +10,30 @@ namespace {
 
 using MaybeTensor = std::optional<at::Tensor>;
 
-StackLinear make_linear(const at::Tensor& weight, const MaybeTensor& bias, const MaybeTensor& packed) {
-  return StackLinear{weight, bias.value_or(at::Tensor()), packed.value_or(at::Tensor())};
+// A projection from Python: (weight, bias, oneDNN-packed weight, skinny-packed weight); absent
+// ones are None.
+using LinearTuple = std::tuple<at::Tensor, MaybeTensor, MaybeTensor, MaybeTensor>;
+
+StackLinear make_linear(const LinearTuple& t) {
+  return StackLinear{std::get<0>(t), std::get<1>(t).value_or(at::Tensor()),
+                     std::get<2>(t).value_or(at::Tensor()), std::get<3>(t).value_or(at::Tensor())};
 }
 
-// One layer from Python: (input_norm, post_norm, qkv_w, qkv_bias, qkv_packed, o_w, o_packed,
-// gate_up_w, gate_up_packed, down_w, down_packed); absent bias / packed weights are None.
-using LayerTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, MaybeTensor, MaybeTensor,
-                              at::Tensor, MaybeTensor, at::Tensor, MaybeTensor, at::Tensor, MaybeTensor>;
+// One layer from Python: (input_norm, post_norm, qkv, o, gate_up, down), each projection a
+// LinearTuple.
+using LayerTuple = std::tuple<at::Tensor, at::Tensor, LinearTuple, LinearTuple, LinearTuple, LinearTuple>;
 
 std::unique_ptr<DecoderStack> make_stack(const std::vector<LayerTuple>& layers, int64_t num_heads,
                                          int64_t num_kv_heads, int64_t head_dim, double eps,
-                                         int64_t min_packed_rows) {
+                                         int64_t min_packed_rows, int64_t max_skinny_rows) {
   std::vector<StackLayer> out;
   for (const auto& t : layers) {
-    out.push_back(StackLayer{std::get<0>(t), std::get<1>(t),
-                             make_linear(std::get<2>(t), std::get<3>(t), std::get<4>(t)),
-                             make_linear(std::get<5>(t), std::nullopt, std::get<6>(t)),
-                             make_linear(std::get<7>(t), std::nullopt, std::get<8>(t)),
-                             make_linear(std::get<9>(t), std::nullopt, std::get<10>(t))});
+    out.push_back(StackLayer{std::get<0>(t), std::get<1>(t), make_linear(std::get<2>(t)),
+                             make_linear(std::get<3>(t)), make_linear(std::get<4>(t)),
+                             make_linear(std::get<5>(t))});
   }
   return std::make_unique<DecoderStack>(std::move(out), num_heads, num_kv_heads, head_dim, eps,
-                                        min_packed_rows);
+                                        min_packed_rows, max_skinny_rows);
 }
 
 }  // namespace
@@ -42,6 +44,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over a paged KV cache (fp32, CPU)", release());
   m.def("prefill_causal_attention", &prefill_causal_attention,
         "causal prefill attention of one sequence over a paged KV cache (fp32, CPU)", release());
+  m.def("pack_skinny_weight", &pack_skinny_weight, "pack [N, K] fp32 for skinny_linear", release());
+  m.def("skinny_linear", &skinny_linear, "x @ W^T (+ bias) (+ residual) for a few rows (fp32, CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("n_out"), py::arg("bias") = py::none(),
+        py::arg("residual") = py::none(), release());
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init(&make_stack))
       .def("attention_input", &DecoderStack::attention_input, release())

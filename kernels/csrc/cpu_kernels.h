@@ -13,8 +13,11 @@ extern "C" __m512 _ZGVeN16v_expf(__m512);
 #endif
 #endif
 
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <optional>
+#include <utility>
 
 // s[t] = exp(s[t] - m) for t < n, in place; returns their sum (the softmax's denominator).
 inline float exp_shifted_sum(float* s, int64_t n, float m) {
@@ -47,8 +50,16 @@ torch::Tensor prefill_causal_attention(torch::Tensor query, torch::Tensor k_cach
                                        torch::Tensor v_cache, torch::Tensor block_table,
                                        int64_t seq_len, double scale);
 
+// Weights packed for skinny_linear: [ceil(N / 16), K, 16], zero-padded past N.
+at::Tensor pack_skinny_weight(const at::Tensor& weight);
+// x [M, K] @ W^T (+ bias [N]) (+ residual [M, N]) for small M, on a pack_skinny_weight weight.
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_out,
+                         const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& residual);
+
 struct StackLinear {
-  at::Tensor weight, bias, packed;  // bias / packed undefined when absent
+  // bias / packed (oneDNN) / skinny (pack_skinny_weight) undefined when absent
+  at::Tensor weight, bias, packed, skinny;
 };
 
 struct StackLayer {
@@ -59,7 +70,7 @@ struct StackLayer {
 class DecoderStack {
  public:
   DecoderStack(std::vector<StackLayer> layers, int64_t num_heads, int64_t num_kv_heads,
-               int64_t head_dim, double eps, int64_t min_packed_rows);
+               int64_t head_dim, double eps, int64_t min_packed_rows, int64_t max_skinny_rows);
 
   // Norm, fused QKV, RoPE and the cache write of layer i; returns the query [T, H, D].
   at::Tensor attention_input(int64_t i, const at::Tensor& h, const at::Tensor& cos,
@@ -80,5 +91,5 @@ class DecoderStack {
   std::vector<StackLayer> layers_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_;
-  int64_t min_packed_rows_;
+  int64_t min_packed_rows_, max_skinny_rows_;
 };

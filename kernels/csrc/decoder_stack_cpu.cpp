@@ -17,18 +17,33 @@
 
 namespace {
 
-// oneDNN on the pre-packed weight from `min_rows` rows on (as engine/linear.py decides).
-at::Tensor linear(const at::Tensor& x, const StackLinear& w, int64_t min_rows) {
-  if (w.packed.defined() && x.size(0) >= min_rows) {
+// Which matmul a projection of `rows` rows runs: the skinny kernel up to `max_skinny_rows`,
+// oneDNN on the pre-packed weight from `min_packed_rows` on, else ATen (as engine/linear.py).
+struct Rows {
+  int64_t min_packed, max_skinny;
+};
+
+bool use_skinny(const at::Tensor& x, const StackLinear& w, const Rows& rows) {
+  return w.skinny.defined() && x.size(0) <= rows.max_skinny;
+}
+
+bool use_packed(const at::Tensor& x, const StackLinear& w, const Rows& rows) {
+  return w.packed.defined() && x.size(0) >= rows.min_packed;
+}
+
+at::Tensor linear(const at::Tensor& x, const StackLinear& w, const Rows& rows) {
+  const auto bias = w.bias.defined() ? std::optional<at::Tensor>(w.bias) : std::nullopt;
+  if (use_skinny(x, w, rows)) return skinny_linear(x, w.skinny, w.weight.size(0), bias, std::nullopt);
+  if (use_packed(x, w, rows)) {
     static const auto op =
         c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-    torch::jit::Stack stack{x.contiguous(), w.packed, w.bias.defined() ? c10::IValue(w.bias) : c10::IValue(),
+    torch::jit::Stack stack{x.contiguous(), w.packed, bias ? c10::IValue(*bias) : c10::IValue(),
                             c10::IValue(std::string("none")),
                             c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()};
     op.callBoxed(&stack);
     return stack[0].toTensor();
   }
-  return at::linear(x, w.weight, w.bias.defined() ? std::optional<at::Tensor>(w.bias) : std::nullopt);
+  return at::linear(x, w.weight, bias);
 }
 
 // x * rsqrt(mean(x^2) + eps) * weight per row (transformers' order of the products).
@@ -57,12 +72,13 @@ at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double ep
   return out;
 }
 
-// residual + x @ W^T: the add rides in the matmul's output stage (oneDNN's binary post-op, or
-// BLAS's beta = 1) instead of a second pass over the activations.
+// residual + x @ W^T: the add rides in the matmul's output stage (the skinny kernel's store,
+// oneDNN's binary post-op, or BLAS's beta = 1) instead of a second pass over the activations.
 at::Tensor linear_add(const at::Tensor& x, const StackLinear& w, const at::Tensor& residual,
-                      int64_t min_rows) {
+                      const Rows& rows) {
   TORCH_CHECK(!w.bias.defined(), "residual projections carry no bias");
-  if (w.packed.defined() && x.size(0) >= min_rows) {
+  if (use_skinny(x, w, rows)) return skinny_linear(x, w.skinny, w.weight.size(0), std::nullopt, residual);
+  if (use_packed(x, w, rows)) {
     static const auto op =
         c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "binary");
     torch::jit::Stack stack{x.contiguous(), residual.contiguous(), w.packed, c10::IValue(),
@@ -144,15 +160,17 @@ at::Tensor DecoderStack::rope_and_store(const at::Tensor& qkv, const at::Tensor&
 
 DecoderStack::DecoderStack(std::vector<StackLayer> layers, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, double eps,
-                           int64_t min_packed_rows)
+                           int64_t min_packed_rows, int64_t max_skinny_rows)
     : layers_(std::move(layers)), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
-      head_dim_(head_dim), eps_(eps), min_packed_rows_(min_packed_rows) {}
+      head_dim_(head_dim), eps_(eps), min_packed_rows_(min_packed_rows),
+      max_skinny_rows_(max_skinny_rows) {}
 
 at::Tensor DecoderStack::attention_input(int64_t i, const at::Tensor& h, const at::Tensor& cos,
                                          const at::Tensor& sin, at::Tensor k_cache,
                                          at::Tensor v_cache, const at::Tensor& slots) const {
   const StackLayer& L = layers_.at(i);
-  const auto qkv = linear(rms_norm(h, L.input_norm, eps_), L.qkv, min_packed_rows_);
+  const Rows rows{min_packed_rows_, max_skinny_rows_};
+  const auto qkv = linear(rms_norm(h, L.input_norm, eps_), L.qkv, rows);
   return rope_and_store(qkv, cos, sin, k_cache, v_cache, slots);
 }
 
@@ -160,9 +178,10 @@ at::Tensor DecoderStack::attention_output_and_mlp(int64_t i, const at::Tensor& a
                                                   const at::Tensor& h) const {
   const StackLayer& L = layers_.at(i);
   const int64_t inter = L.down.weight.size(1);
-  const auto out = linear_add(attn.reshape({-1, num_heads_ * head_dim_}), L.o, h, min_packed_rows_);
-  const auto gate_up = linear(rms_norm(out, L.post_norm, eps_), L.gate_up, min_packed_rows_);
-  return linear_add(silu_mul(gate_up, inter), L.down, out, min_packed_rows_);
+  const Rows rows{min_packed_rows_, max_skinny_rows_};
+  const auto out = linear_add(attn.reshape({-1, num_heads_ * head_dim_}), L.o, h, rows);
+  const auto gate_up = linear(rms_norm(out, L.post_norm, eps_), L.gate_up, rows);
+  return linear_add(silu_mul(gate_up, inter), L.down, out, rows);
 }
 
 at::Tensor DecoderStack::decode(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
