@@ -70,6 +70,17 @@ inline void kick_next_block(const Decode& a, const float* cache, const int32_t* 
   for (int f = 0; f < 64; f += 16) __builtin_prefetch(next + f, 0, 3);
 }
 
+// The AVX-512 path prefetches further ahead: keys a whole row (all KV heads of the task) 16
+// positions on, values the whole next block when a block starts. At this kernel's arithmetic
+// per byte the hardware prefetcher alone falls behind (measured, batch 16 x 512 positions,
+// 30 layers: 5-8% faster than kick_next_block alone).
+constexpr int64_t kKeyPrefetchRows = 16;
+
+inline void prefetch_bytes(const float* p, int64_t nbytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < nbytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
 // Generic path (any head size): scores of `rows` query heads over the context, then the
 // softmax-weighted values.
 void attend_generic(const Decode& a, const int32_t* table, const float* qb, float* ob,
@@ -99,7 +110,8 @@ void attend_avx512(const Decode& a, const int32_t* table, const float* qb, float
   constexpr int64_t D = 16 * DV;
   const int64_t G = a.G, rows = nh * G;
   for (int64_t pos = 0; pos < L; ++pos) {
-    kick_next_block(a, a.kc, table, pos, L, h0);
+    if (pos + kKeyPrefetchRows < L)
+      prefetch_bytes(cache_row(a, a.kc, table, pos + kKeyPrefetchRows, h0), nh * D * 4);
     const float* row = cache_row(a, a.kc, table, pos, h0);
     for (int64_t hh = 0; hh < nh; ++hh) {
       __m512 k[DV];
@@ -113,18 +125,27 @@ void attend_avx512(const Decode& a, const int32_t* table, const float* qb, float
     }
   }
   softmax_rows(scores, rows, L);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t hh = r / G;
-    const float* s = scores + r * L;
-    __m512 acc[DV];
-    for (int v = 0; v < DV; ++v) acc[v] = _mm512_setzero_ps();
-    for (int64_t pos = 0; pos < L; ++pos) {
-      if (r % G == 0) kick_next_block(a, a.vc, table, pos, L, h0 + hh);
-      const float* row = cache_row(a, a.vc, table, pos, h0 + hh);
-      const __m512 p = _mm512_set1_ps(s[pos]);
-      for (int v = 0; v < DV; ++v) acc[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(row + 16 * v), acc[v]);
+  // Values block by block: a block's rows of these KV heads (contiguous, 12 KiB for SmolLM2)
+  // come from memory once and serve every query head of the group from L1; each output row
+  // still sums its positions in order.
+  std::fill(ob, ob + rows * D, 0.f);
+  for (int64_t start = 0; start < L; start += a.BS) {
+    const int64_t n = std::min(a.BS, L - start);
+    if (start + a.BS < L)  // the next block's rows of these heads (whole rows: contiguous)
+      prefetch_bytes(cache_row(a, a.vc, table, start + a.BS, h0),
+                     std::min(a.BS, L - start - a.BS) * a.slot_stride() * 4);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* s = scores + r * L + start;
+      float* out = ob + r * D;
+      __m512 acc[DV];
+      for (int v = 0; v < DV; ++v) acc[v] = _mm512_loadu_ps(out + 16 * v);
+      for (int64_t t = 0; t < n; ++t) {
+        const float* row = cache_row(a, a.vc, table, start + t, h0 + r / G);
+        const __m512 p = _mm512_set1_ps(s[t]);
+        for (int v = 0; v < DV; ++v) acc[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(row + 16 * v), acc[v]);
+      }
+      for (int v = 0; v < DV; ++v) _mm512_storeu_ps(out + 16 * v, acc[v]);
     }
-    for (int v = 0; v < DV; ++v) _mm512_storeu_ps(ob + r * D + 16 * v, acc[v]);
   }
 }
 #endif
