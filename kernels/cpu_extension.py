@@ -1,10 +1,11 @@
 """The CPU extension (C++), built on first use with torch's extension loader.
 
-Two things live in it: the paged decode-attention kernel (decode on CPU is bound by memory
-traffic; reading K/V straight from the cache blocks avoids the gather copy and its second read),
-and the decoder layers as one call (engine/cpu_stack.py; no interpreter between the small ops of
-a decode step). If no compiler is available the build fails once, a warning is logged, and
-callers keep the torch / Python paths.
+What lives in it: the paged decode-attention kernel (decode on CPU is bound by memory traffic;
+reading K/V straight from the cache blocks avoids the gather copy and its second read), the
+causal prefill-attention kernel, the few-row matmul of a decode step's projections
+(engine/linear.py), and the decoder layers as one call (engine/cpu_stack.py; no interpreter
+between the small ops of a decode step). If no compiler is available the build fails once, a
+warning is logged, and callers keep the torch / Python paths.
 """
 
 from __future__ import annotations
