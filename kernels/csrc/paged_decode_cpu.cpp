@@ -102,13 +102,11 @@ void attend_generic(const Decode& a, const int32_t* table, const float* qb, floa
 }
 
 #if defined(__AVX512F__)
-// Head size 16 * DV: one key row of a KV head sits in DV registers while every query head of
-// its group takes its dot product; each output row accumulates in DV registers over the context.
 // out[g] += sum over the block's n positions of p[g][t] * V[start + t] of KV head h, for the
 // gc (<= GC) query rows of one group; p rows are L apart, out rows D = 16 * DV apart.
 template <int DV, int64_t GC>
-void values_of_block_fixed(const Decode& a, const int32_t* table, const float* p, int64_t L,
-                           float* out, int64_t gc, int64_t start, int64_t n, int64_t h) {
+void values_of_block(const Decode& a, const int32_t* table, const float* p, int64_t L, float* out,
+                     int64_t gc, int64_t start, int64_t n, int64_t h) {
   constexpr int64_t D = 16 * DV;
   __m512 acc[GC][DV];
   for (int64_t g = 0; g < GC; ++g)
@@ -129,6 +127,8 @@ void values_of_block_fixed(const Decode& a, const int32_t* table, const float* p
       for (int v = 0; v < DV; ++v) _mm512_storeu_ps(out + g * D + 16 * v, acc[g][v]);
 }
 
+// Head size 16 * DV: one key row of a KV head sits in DV registers while every query head of
+// its group takes its dot product; then the values, block by block (values_of_block).
 template <int DV>
 void attend_avx512(const Decode& a, const int32_t* table, const float* qb, float* ob,
                    int64_t h0, int64_t nh, int64_t L, float* scores) {
@@ -164,8 +164,8 @@ void attend_avx512(const Decode& a, const int32_t* table, const float* qb, float
                      std::min(a.BS, L - start - a.BS) * a.slot_stride() * 4);
     for (int64_t hh = 0; hh < nh; ++hh)
       for (int64_t g0 = 0; g0 < G; g0 += GC)
-        values_of_block_fixed<DV, GC>(a, table, scores + (hh * G + g0) * L + start, L, ob + (hh * G + g0) * D,
-                        std::min(GC, G - g0), start, n, h0 + hh);
+        values_of_block<DV, GC>(a, table, scores + (hh * G + g0) * L + start, L,
+                                ob + (hh * G + g0) * D, std::min(GC, G - g0), start, n, h0 + hh);
   }
 }
 #endif
