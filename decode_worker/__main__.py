@@ -21,7 +21,7 @@ def main() -> None:
     add_engine_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--kv-transport", default="grpc", choices=["grpc", "torch_dist"])
+    parser.add_argument("--kv-transport", default="grpc", choices=["grpc", "flight", "torch_dist"])
     parser.add_argument("--lease-ttl", type=float, default=30.0)
     parser.add_argument("--worker-id", default=None)
     args = parser.parse_args()

@@ -12,7 +12,7 @@ from decode_worker.worker import DecodeWorker, ReservationError
 from engine.errors import InvalidRequestError
 from kv_transfer.auth import resolve_cluster_token, worker_server
 from kv_transfer.frame import FrameError
-from kv_transfer.transports import add_kv_servicer, start_receiver_server
+from kv_transfer.transports import TOKEN_TRANSPORTS, add_kv_servicer, start_receiver_server
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 
@@ -121,7 +121,8 @@ def serve_decode_worker(
         add_kv_servicer(server, worker.receiver, token)
         kv_endpoint = address
     else:
-        kv_server = start_receiver_server(kv_transport, worker.receiver, host=host)
+        opts = {"token": token} if token and kv_transport in TOKEN_TRANSPORTS else {}
+        kv_server = start_receiver_server(kv_transport, worker.receiver, host=host, **opts)
         kv_endpoint = kv_server.endpoint
     pb_grpc.add_DecodeWorkerServicer_to_server(
         DecodeServicer(worker, kv_endpoint, kv_transport), server

@@ -99,10 +99,11 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def encode_kv_frame(
-    request_id: str, lease_id: str, layer: int, blocks, kv: torch.Tensor
+    request_id: str, lease_id: str, layer: int, blocks, kv: torch.Tensor, crc: int | None = None
 ) -> tuple[bytes, memoryview]:
     """Encode one layer's K/V for the lease's ``blocks`` (positions in the lease); the
-    payload is a view of ``kv`` (no copy)."""
+    payload is a view of ``kv`` (no copy). ``crc``: the payload's CRC-32C when the caller
+    already has it (computed while gathering the blocks), else it is computed here."""
     kv = kv.detach()
     if kv.device.type != "cpu":
         kv = kv.cpu()
@@ -120,7 +121,7 @@ def encode_kv_frame(
         "blocks": list(blocks),
         "dtype": dtype_name(kv.dtype),
         "shape": list(kv.shape),
-        "checksum": checksum(payload),
+        "checksum": checksum(payload) if crc is None else int(crc),
         "num_frames": 0,
     }
     return msgpack.packb(header), payload

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from kernels.kv_blocks import scatter_kv_blocks
 from kv_transfer.frame import FrameError, FrameHeader, decode_frame
 from kv_transfer.lease import Lease, LeaseTable
 
@@ -101,11 +102,7 @@ class KVReceiver:
             raise FrameError(f"shape {list(h.shape)} does not match cache {list(expected)}")
         if kv.dtype != k_cache.dtype:
             raise FrameError(f"dtype {h.dtype} does not match cache {k_cache.dtype}")
-        ids = [lease.block_ids[b] for b in h.blocks]
-        idx = torch.tensor(ids, dtype=torch.long, device=k_cache.device)
-        kv = kv.to(k_cache.device, non_blocking=False)
-        k_cache.index_copy_(0, idx, kv[0])
-        v_cache.index_copy_(0, idx, kv[1])
+        scatter_kv_blocks(kv, k_cache, v_cache, [lease.block_ids[b] for b in h.blocks])
         nbytes = kv.numel() * kv.element_size()
         lease.frames_received += 1
         lease.bytes_received += nbytes

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_blocks import gather_kv_blocks
 from kv_transfer.frame import MAX_FRAME_BYTES, dtype_name, encode_commit_frame, encode_kv_frame
 
 log = logging.getLogger("pdserve.kv")
@@ -30,8 +31,11 @@ log = logging.getLogger("pdserve.kv")
 TRANSPORTS = {
     "local": "kv_transfer.transport_local",
     "grpc": "kv_transfer.transport_grpc",
+    "flight": "kv_transfer.transport_flight",
     "torch_dist": "kv_transfer.transport_dist",
 }
+# Transports whose servers check the cluster token (their senders and servers take ``token``).
+TOKEN_TRANSPORTS = frozenset({"grpc", "flight"})
 
 
 class TransferError(Exception):
@@ -105,15 +109,6 @@ def _blocks_per_frame(k_cache: torch.Tensor) -> int:
     return MAX_FRAME_BYTES // block_bytes
 
 
-def gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, src: list[int]) -> torch.Tensor:
-    """[2, n, block_size, kv_heads, head_dim] on CPU, with one copy out of the cache."""
-    idx = torch.tensor(src, dtype=torch.long, device=k_cache.device)
-    out = torch.empty((2, len(src), *k_cache.shape[1:]), dtype=k_cache.dtype, device=k_cache.device)
-    torch.index_select(k_cache, 0, idx, out=out[0])
-    torch.index_select(v_cache, 0, idx, out=out[1])
-    return out.cpu()
-
-
 class KVStream:
     """One request's transfer to one lease. Methods may be called from any one thread."""
 
@@ -184,9 +179,11 @@ class KVStream:
         for start in range(0, len(job.src), step):
             if self._aborted or self._errors:
                 return
-            kv = gather_blocks(job.k_cache, job.v_cache, job.src[start : start + step])
+            kv, crc = gather_kv_blocks(job.k_cache, job.v_cache, job.src[start : start + step])
             dst = job.dst[start : start + step]
-            header, payload = encode_kv_frame(self.request_id, self.lease_id, job.layer, dst, kv)
+            header, payload = encode_kv_frame(
+                self.request_id, self.lease_id, job.layer, dst, kv, crc
+            )
             self._channel.push(header, payload)
             self._frames += 1
             self._bytes += payload.nbytes

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kv_transfer.sender import TRANSPORTS, make_sender, start_receiver_server
+from kv_transfer.sender import TOKEN_TRANSPORTS, TRANSPORTS, make_sender, start_receiver_server
 
 
 def add_kv_servicer(server, receiver, token: str | None = None) -> None:
@@ -12,4 +12,10 @@ def add_kv_servicer(server, receiver, token: str | None = None) -> None:
     add(server, receiver, token)
 
 
-__all__ = ["TRANSPORTS", "add_kv_servicer", "make_sender", "start_receiver_server"]
+__all__ = [
+    "TOKEN_TRANSPORTS",
+    "TRANSPORTS",
+    "add_kv_servicer",
+    "make_sender",
+    "start_receiver_server",
+]

@@ -93,7 +93,7 @@ class ClusterConfig(_Strict):
     model: str = "embedded"
     model_name: str = "smollm2"
     pools: Pools = Pools()
-    kv_transport: Literal["grpc", "torch_dist"] = "grpc"
+    kv_transport: Literal["grpc", "flight", "torch_dist"] = "grpc"
     block_size: int = Field(16, ge=1)
     num_blocks: int = Field(2048, ge=1)
     max_model_len: int = Field(2048, ge=2)

@@ -11,7 +11,7 @@ import grpc
 from engine.errors import InvalidRequestError
 from engine.request import sampling_from_message
 from kv_transfer.auth import resolve_cluster_token, worker_server
-from kv_transfer.sender import KVSender, TransferError, make_sender
+from kv_transfer.sender import TOKEN_TRANSPORTS, KVSender, TransferError, make_sender
 from prefill_worker.worker import PrefillWorker
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
@@ -31,8 +31,9 @@ class SenderPool:
         with self._lock:
             sender = self._senders.get((transport, endpoint))
             if sender is None:
-                # Only the gRPC transport authenticates frames with the cluster token.
-                opts = {"token": self._token} if transport == "grpc" and self._token else {}
+                # gRPC and Flight authenticate frames with the cluster token; torch_dist cannot.
+                use_token = self._token and transport in TOKEN_TRANSPORTS
+                opts = {"token": self._token} if use_token else {}
                 sender = make_sender(transport, endpoint, **opts)
                 self._senders[(transport, endpoint)] = sender
             return sender

@@ -57,7 +57,7 @@ def run_cluster(spec: ClusterSpec, prompts):
     return outs, statuses
 
 
-@pytest.mark.parametrize("transport", ["grpc", "torch_dist", "local"])
+@pytest.mark.parametrize("transport", ["grpc", "flight", "torch_dist", "local"])
 def test_1p1d_in_process_matches_engine(tiny_model, transport):
     prompts = mixed_prompts(16)
     ref = engine_reference(tiny_model, prompts)
@@ -70,7 +70,7 @@ def test_1p1d_in_process_matches_engine(tiny_model, transport):
     assert all(o.timings.kv_bytes > 0 for o in outs)
 
 
-@pytest.mark.parametrize("transport", ["grpc", "torch_dist"])
+@pytest.mark.parametrize("transport", ["grpc", "flight", "torch_dist"])
 def test_2p2d_separate_processes_match_engine(tiny_model, transport):
     prompts = mixed_prompts(16, seed=1)
     ref = engine_reference(tiny_model, prompts)

@@ -106,7 +106,7 @@ def run_concurrently(*fns):
 
 
 def test_unknown_transport_lists_known_ones():
-    with pytest.raises(ValueError, match="grpc, local, torch_dist"):
+    with pytest.raises(ValueError, match="flight, grpc, local, torch_dist"):
         make_sender("carrier-pigeon", "x")
 
 
@@ -310,7 +310,7 @@ def test_report_loopback_throughput(endpoints, transport, capsys):
         print(f"\n[kv throughput] {transport}: {best:.0f} MB/s ({stats.bytes >> 20} MiB/request)")
 
 
-@pytest.mark.parametrize("transport", ["grpc", "torch_dist"])
+@pytest.mark.parametrize("transport", ["grpc", "flight", "torch_dist"])
 def test_stream_to_a_stopped_server_raises_transfer_error(transport):
     src = make_cache()
     ep = Endpoint(transport, make_cache(zero=True))

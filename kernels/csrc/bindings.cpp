@@ -48,6 +48,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "x @ W^T (+ bias) (+ residual) for a few rows (fp32, CPU)",
         py::arg("x"), py::arg("packed"), py::arg("n_out"), py::arg("bias") = py::none(),
         py::arg("residual") = py::none(), release());
+  m.def("crc32c", &crc32c, "CRC-32C of a contiguous CPU tensor's bytes", release());
+  m.def("gather_kv_blocks", &gather_kv_blocks,
+        "copy K/V blocks into a transfer payload; returns its CRC-32C", release());
+  m.def("scatter_kv_blocks", &scatter_kv_blocks,
+        "copy a transfer payload's K/V blocks into the cache", release());
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init(&make_stack))
       .def("attention_input", &DecoderStack::attention_input, release())

@@ -93,3 +93,14 @@ class DecoderStack {
   double eps_;
   int64_t min_packed_rows_, max_skinny_rows_;
 };
+
+// CRC-32C (Castagnoli) of p[0, n) continuing `crc` (0 to start): crc32c_extend(crc32c_extend(0,
+// a), b) == CRC-32C of a then b, as the crc32c package computes it.
+uint32_t crc32c_extend(uint32_t crc, const uint8_t* p, size_t n);
+int64_t crc32c(const at::Tensor& data);
+// KV blocks to and from a transfer payload [2, n, block...] (K then V, in block_ids order);
+// the gather returns the payload's CRC-32C.
+int64_t gather_kv_blocks(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& block_ids, at::Tensor& out);
+void scatter_kv_blocks(const at::Tensor& payload, at::Tensor& k_cache, at::Tensor& v_cache,
+                       const at::Tensor& block_ids);

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 MiB = 1024 * 1024
-TRANSPORT_NAMES = ("grpc", "torch_dist", "local")
+TRANSPORT_NAMES = ("grpc", "flight", "torch_dist", "local")
 
 
 @dataclass(frozen=True)
