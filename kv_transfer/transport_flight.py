@@ -23,7 +23,7 @@ from concurrent.futures import Future
 
 import msgpack
 import pyarrow as pa
-import pyarrow.flight as flight
+from pyarrow import flight
 
 from kv_transfer.auth import TOKEN_KEY, token_matches
 from kv_transfer.frame import FrameError
@@ -58,7 +58,6 @@ class _TokenCheck(flight.ServerMiddlewareFactory):
         sent = headers.get(TOKEN_KEY) or [""]
         if not token_matches(sent[0], self._token):
             raise flight.FlightUnauthenticatedError("bad cluster token")
-        return None
 
 
 class _KvFlightServer(flight.FlightServerBase):
@@ -69,7 +68,9 @@ class _KvFlightServer(flight.FlightServerBase):
 
     def do_put(self, context, descriptor, reader, writer):
         if not reader.schema.equals(SCHEMA):
-            raise flight.FlightServerError(f"kv stream schema must be {SCHEMA}, got {reader.schema}")
+            raise flight.FlightServerError(
+                f"kv stream schema must be {SCHEMA}, got {reader.schema}"
+            )
         counts, errors = {"accepted": 0, "rejected": 0}, []
         while True:
             try:

@@ -73,7 +73,10 @@ def _error(data: dict) -> str:
             "pools.decode: min (3) must be <= max",
         ),
         ({"pools": {"decode": {"replica": 2}}}, "pools.decode.replica: unknown field"),
-        ({"kv_transport": "pigeon"}, "kv_transport: Input should be 'grpc', 'flight' or 'torch_dist'"),
+        (
+            {"kv_transport": "pigeon"},
+            "kv_transport: Input should be 'grpc', 'flight' or 'torch_dist'",
+        ),
         ({"grpc_port": 70000}, "grpc_port: must be <= 65535"),
         ({"autoscaler": {"tpot_target_s": 0}}, "autoscaler.tpot_target_s: must be > 0"),
         ({"block_size": "big"}, "block_size: Input should be a valid integer"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgpack
 import pyarrow as pa
-import pyarrow.flight as flight
+from pyarrow import flight
 import pytest
 import torch
 
