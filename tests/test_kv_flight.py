@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import msgpack
 import pyarrow as pa
-from pyarrow import flight
 import pytest
 import torch
+from pyarrow import flight
 
 from kv_transfer import KVReceiver, LeaseTable, TransferError, encode_kv_frame, make_sender
 from kv_transfer.transport_flight import SCHEMA, FlightReceiverServer
