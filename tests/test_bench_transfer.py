@@ -10,12 +10,15 @@ from pdserve.bench import main as bench_main
 from pdserve.bench.transfer import (
     TRANSPORT_NAMES,
     KVShape,
-    MiB,
     format_report,
-    grpc_stack_seconds,
-    loopback_seconds,
     measure_ttft_share,
     run_transfer_bench,
+)
+from pdserve.bench.transfer_limits import (
+    MiB,
+    flight_stack_seconds,
+    grpc_stack_seconds,
+    loopback_seconds,
 )
 from tests.conftest import tiny_llama_dir
 
@@ -38,13 +41,18 @@ def test_bare_grpc_stream_carries_every_byte():
     assert grpc_stack_seconds(8 * MiB, chunk=MiB, calls=1) > 0
 
 
+def test_bare_flight_stream_carries_every_byte():
+    # flight_stack_seconds asserts the server counted every byte before it returns a time.
+    assert flight_stack_seconds(8 * MiB, chunk=MiB, calls=1) > 0
+
+
 def test_transfer_report_covers_every_transport_and_bytes_match():
     logs: list[str] = []
     report = run_transfer_bench(
         SMALL, TRANSPORT_NAMES, repeats=2, loopback_bytes=4 * MiB, ttft_model=None, log=logs.append
     )
     assert report.loopback_best_mb_s >= report.loopback_median_mb_s > 0
-    assert report.grpc_stack_best_mb_s > 0
+    assert report.grpc_stack_best_mb_s > 0 and report.flight_stack_best_mb_s > 0
     assert [t.transport for t in report.transports] == list(TRANSPORT_NAMES)
     for t in report.transports:
         assert t.bytes_ok and t.bytes_per_push == SMALL.bytes_per_push
@@ -54,7 +62,8 @@ def test_transfer_report_covers_every_transport_and_bytes_match():
     text = format_report(report)
     assert all(name in text for name in TRANSPORT_NAMES) and "x loopback" in text
     assert "x grpcio" in text and "bare grpcio stream" in text
-    assert len(logs) == 2 + len(TRANSPORT_NAMES)
+    assert "bare Arrow Flight stream" in text
+    assert len(logs) == 3 + len(TRANSPORT_NAMES)
     d = report.to_dict()
     assert d["shape"]["bytes_per_push"] == SMALL.bytes_per_push and d["shape"]["dtype"] == "float32"
     json.dumps(d)

@@ -6,9 +6,10 @@ Each transport then pushes one prompt's KV (every layer: ``send_layer`` per laye
 ``commit``, which waits for the receiver's acknowledgement) from a source cache into a
 ``KVReceiver``'s cache several times; throughput = payload bytes / seconds, and the ratio to
 loopback says how close the transport gets to what the socket can carry. Both figures are the
-best of their repeats (a limit is a best case; other processes share these cores). A second,
-tighter limit for the gRPC transport: a bare grpcio client stream of 4 MiB ``bytes`` messages
-(no frames, no cache, nothing but the Python gRPC stack) over the same bytes.
+best of their repeats (a limit is a best case; other processes share these cores). Tighter
+limits for the gRPC transports (transfer_limits.py): a bare grpcio client stream of 4 MiB
+``bytes`` messages and a bare Arrow Flight stream of 4 MiB batches (no frames, no cache,
+nothing but each stack) over the same bytes.
 
 Then the transfer's share of TTFT with layer-wise streaming: a local cluster (one prefill and
 one decode worker) serves prompts of the same length with ``include_timings``; kv_transfer_s
@@ -19,10 +20,8 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import statistics
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +29,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-MiB = 1024 * 1024
+from pdserve.bench.transfer_limits import (
+    MiB,
+    flight_stack_seconds,
+    grpc_stack_seconds,
+    loopback_mb_s,
+)
+
 TRANSPORT_NAMES = ("grpc", "flight", "torch_dist", "local")
 
 
@@ -94,91 +99,12 @@ class TransferReport:
     loopback_best_mb_s: float
     loopback_median_mb_s: float
     grpc_stack_best_mb_s: float  # a bare grpcio stream of bytes messages, same process
+    flight_stack_best_mb_s: float = 0.0  # a bare Arrow Flight stream of the same messages
     transports: list[TransportResult] = field(default_factory=list)
     ttft: list[TTFTShare] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-# ---- loopback limit -------------------------------------------------------------------------
-
-
-def _drain(listener: socket.socket, total: int, chunk: int, done: list[float]) -> None:
-    conn, _ = listener.accept()
-    with conn:
-        buf = bytearray(chunk)
-        got = 0
-        while got < total:
-            n = conn.recv_into(buf)
-            if n == 0:
-                break
-            got += n
-    done.append(time.perf_counter())
-
-
-def loopback_seconds(total_bytes: int, chunk: int = 4 * MiB) -> float:
-    """Seconds to move ``total_bytes`` through a 127.0.0.1 TCP connection, thread to thread."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    done: list[float] = []
-    chunks = max(1, total_bytes // chunk)
-    reader = threading.Thread(target=_drain, args=(listener, chunks * chunk, chunk, done))
-    reader.start()
-    try:
-        with socket.create_connection(listener.getsockname()) as sock:
-            buf = np.random.default_rng(0).bytes(chunk)
-            start = time.perf_counter()
-            for _ in range(chunks):
-                sock.sendall(buf)
-            reader.join()
-    finally:
-        listener.close()
-    return done[0] - start
-
-
-def loopback_mb_s(total_bytes: int, repeats: int) -> list[float]:
-    return [total_bytes / loopback_seconds(total_bytes) / 1e6 for _ in range(repeats)]
-
-
-# ---- the Python gRPC stack's own ceiling -----------------------------------------------------
-
-
-def grpc_stack_seconds(total_bytes: int, chunk: int = 4 * MiB, calls: int = 3) -> float:
-    """Best seconds for a bare grpcio client stream of ``chunk``-byte messages (identity
-    serializers, a server that only counts them) to carry ``total_bytes``: what any transport
-    built on Python gRPC can reach at best on this machine."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import grpc
-
-    from kv_transfer.transport_grpc import message_options
-
-    def count(messages, context):
-        return str(sum(len(m) for m in messages)).encode()
-
-    handler = grpc.method_handlers_generic_handler(
-        "bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(count)}
-    )
-    server = grpc.server(ThreadPoolExecutor(max_workers=2), options=message_options())
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    payload = np.random.default_rng(0).bytes(chunk)
-    n = max(1, total_bytes // chunk)
-    best = float("inf")
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=message_options()) as channel:
-            push = channel.stream_unary("/bench.Sink/Push")
-            push(iter([payload]))  # connect
-            for _ in range(calls):
-                start = time.perf_counter()
-                received = int(push(iter([payload] * n)))
-                best = min(best, time.perf_counter() - start)
-                if received != n * chunk:
-                    raise RuntimeError(f"bare gRPC stream lost bytes: {received} of {n * chunk}")
-    finally:
-        server.stop(None)
-    return best * total_bytes / (n * chunk)
 
 
 # ---- KV transports ------------------------------------------------------------------------
@@ -304,9 +230,11 @@ def run_transfer_bench(
         max(loop),
         statistics.median(loop),
         loopback_bytes / grpc_stack_seconds(loopback_bytes, calls=repeats) / 1e6,
+        loopback_bytes / flight_stack_seconds(loopback_bytes, calls=repeats) / 1e6,
     )
     log(f"loopback TCP: {report.loopback_best_mb_s:,.0f} MB/s (best of {repeats})")
     log(f"bare gRPC stream: {report.grpc_stack_best_mb_s:,.0f} MB/s")
+    log(f"bare Flight stream: {report.flight_stack_best_mb_s:,.0f} MB/s")
     for name in transports:
         res = measure_transport(name, shape, repeats, report.loopback_best_mb_s)
         report.transports.append(res)
@@ -330,7 +258,10 @@ def format_report(r: TransferReport) -> str:
         f"loopback TCP (limit): best {r.loopback_best_mb_s:,.0f} MB/s, "
         f"median {r.loopback_median_mb_s:,.0f} MB/s\n"
         f"bare grpcio stream of 4 MiB messages (Python gRPC's own ceiling): "
-        f"{r.grpc_stack_best_mb_s:,.0f} MB/s = {r.grpc_stack_best_mb_s / r.loopback_best_mb_s:.2f} x loopback"
+        f"{r.grpc_stack_best_mb_s:,.0f} MB/s = {r.grpc_stack_best_mb_s / r.loopback_best_mb_s:.2f} x loopback\n"
+        f"bare Arrow Flight stream of 4 MiB batches (the flight transport's stack): "
+        f"{r.flight_stack_best_mb_s:,.0f} MB/s = "
+        f"{r.flight_stack_best_mb_s / r.loopback_best_mb_s:.2f} x loopback"
     )
     header = (
         f"{'transport':<12}{'best MB/s':>12}{'median MB/s':>13}{'x loopback':>12}"
