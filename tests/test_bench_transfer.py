@@ -61,7 +61,7 @@ def test_transfer_report_covers_every_transport_and_bytes_match():
         assert t.ratio_to_loopback == pytest.approx(t.best_mb_s / report.loopback_best_mb_s)
     text = format_report(report)
     assert all(name in text for name in TRANSPORT_NAMES) and "x loopback" in text
-    assert "x grpcio" in text and "bare grpcio stream" in text
+    assert "x stack" in text and "bare grpcio stream" in text
     assert "bare Arrow Flight stream" in text
     assert len(logs) == 3 + len(TRANSPORT_NAMES)
     d = report.to_dict()
