@@ -38,7 +38,7 @@ bench() { python -m pdserve.bench "$@"; }
 
 echo "== bench transfer"
 bench transfer --model "$MODEL" --repeats "$REPEATS" --ttft-runs "$TTFT_RUNS" \
-  --ttft-transports grpc,torch_dist,local --json "$OUT/transfer.json"
+  --ttft-transports grpc,flight,torch_dist,local --json "$OUT/transfer.json"
 
 echo "== bench engine"
 if bench engine --help >/dev/null 2>&1; then
