@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import msgpack
 import pyarrow as pa
 import pytest
@@ -126,3 +128,20 @@ def test_a_stream_with_the_cluster_token_lands(receiver):
     assert lease.committed.is_set()
     for (k_src, v_src), (k_dst, v_dst) in zip(src, receiver.kv_caches, strict=True):
         assert torch.equal(k_dst[3], k_src[6]) and torch.equal(v_dst[3], v_src[6])
+
+
+def test_stop_does_not_wait_for_a_stalled_stream(receiver):
+    server = serve(receiver)
+    lease = receiver.leases.open("r", [1])
+    sender = make_sender("flight", server.endpoint)
+    stream = sender.open_stream("r", lease.lease_id)
+    k, v = torch.randn(SHAPE), torch.randn(SHAPE)
+    stream.send_layer(0, [2], [0], k, v)  # no commit: the call stays open
+    deadline = time.monotonic() + 5
+    while receiver.frames_accepted == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    start = time.monotonic()
+    server.stop(grace_s=0.5)
+    assert time.monotonic() - start < 2.0
+    stream.abort()
+    sender.close()
