@@ -7,10 +7,12 @@
 #
 #   bash scripts/bench_compare.sh                    # RATES=0.1,0.2,0.3 N=20 by default
 #   PEER_URL=http://127.0.0.1:8011 bash scripts/bench_compare.sh
+#   ALSO_TRANSPORTS=flight bash scripts/bench_compare.sh   # + disaggregated_flight, and so on
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${BENCH_OUT:-/tmp/pdserve-bench}
 RATES=${RATES:-0.1,0.2,0.3}
+ALSO_TRANSPORTS=${ALSO_TRANSPORTS:-}
 N=${N:-20}
 SLO_TTFT=${SLO_TTFT:-3}
 SLO_TPOT=${SLO_TPOT:-0.1}
@@ -37,8 +39,17 @@ url_of() {  # name: wait for the cluster's URL line
 }
 
 start_cluster disaggregated --threads 1
+ALSO=()
+for transport in ${ALSO_TRANSPORTS//,/ }; do  # the same pair over other KV transports
+  start_cluster "disaggregated_$transport" --threads 1 --transport "$transport"
+  ALSO+=("disaggregated_$transport")
+done
 start_cluster colocated --num-prefill 0 --threads 2
-AGAINST=(--against "colocated=$(url_of colocated)")
+AGAINST=()
+for name in "${ALSO[@]}"; do
+  AGAINST+=(--against "$name=$(url_of "$name")")
+done
+AGAINST+=(--against "colocated=$(url_of colocated)")
 if [ -n "${PEER_URL:-}" ]; then
   AGAINST+=(--against "vllm=$PEER_URL")
 fi
