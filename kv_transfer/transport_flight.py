@@ -13,6 +13,8 @@ One ``DoPut`` call per KVStream (descriptor: the lease id). A kv frame is one ``
 answers once, after the client finished writing: msgpack ``{"accepted", "rejected", "errors"}``.
 It keeps consuming after a bad frame and reports every rejection there, as the grpc transport
 does. With a cluster token, a call without ``x-pdserve-token`` is refused (UNAUTHENTICATED).
+pyarrow's Flight server sets no message size limit and exposes none: senders keep frames under
+MAX_FRAME_BYTES, and only a caller with the token (where one is set) gets a stream at all.
 """
 
 from __future__ import annotations
