@@ -12,10 +12,11 @@ kv frames it should have accepted for the lease. The header is a msgpack map:
      "layer": int, "blocks": [int], "dtype": str, "shape": [int], "checksum": int,
      "num_frames": int}
 
-``checksum`` is the CRC-32C (Castagnoli) of the payload, computed by the ``crc32c`` package
-with the CPU's CRC instruction: ~20 GB/s on one core here, against ~5 GB/s for ``zlib.crc32``
-(format version 1), which cost more than the socket for a 45 MiB prompt (sender and receiver
-each hash every byte). No pickle: the receiver parses untrusted bytes and must never execute
+``checksum`` is the CRC-32C (Castagnoli) of the payload, with the CPU's CRC instruction: the
+``crc32c`` package here (~20 GB/s on one core), or on CPU caches the sender's block gather,
+which hashes while it copies (kernels/kv_blocks.py); ~5 GB/s for ``zlib.crc32`` (format
+version 1) cost more than the socket for a 45 MiB prompt (sender and receiver each hash every
+byte). No pickle: the receiver parses untrusted bytes and must never execute
 them.
 """
 

@@ -25,7 +25,7 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
     return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
-def _grpc_stack_sentence(d: dict) -> str:
+def _stack_sentence(d: dict) -> str:
     out = ""
     for key, what in (
         (
@@ -48,7 +48,7 @@ def transfer_section(d: dict) -> list[str]:
             f"{s['bytes_per_push'] / 2**20:.1f} MiB per push ({s['tokens']} tokens, "
             f"{s['num_layers']} layers, {s['dtype']}). Limit: loopback TCP, best "
             f"{d['loopback_best_mb_s']:,.0f} MB/s (median {d['loopback_median_mb_s']:,.0f})."
-            + _grpc_stack_sentence(d)
+            + _stack_sentence(d)
         ),
         "",
     ]
