@@ -21,10 +21,7 @@ import numpy as np
 from pdserve.bench.metrics import SLO, BenchResult, RequestRecord, compute_result, format_result
 from pdserve.bench.workloads import BenchRequest, Workload, get_workload, warmup_requests
 
-try:
-    import httpx
-except ImportError:  # some environments ship httpx under the name httpx2 (openai's dependency)
-    import httpx2 as httpx
+import httpx
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
