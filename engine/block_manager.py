@@ -160,6 +160,14 @@ class BlockManager:
             if count == 1:
                 self._free[block] = None
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash and the hit counters (after a worker's warm-up, whose
+        synthetic prompts must neither be matched nor counted)."""
+        self._hash_of_block.clear()
+        self._block_of_hash.clear()
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
 

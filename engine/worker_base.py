@@ -8,6 +8,7 @@ import uuid
 from engine.llm_engine import LLMEngine
 from engine.loop import EngineThread
 from engine.request import Request, SamplingParams
+from engine.warmup import warm_up
 
 
 class EngineWorker:
@@ -21,12 +22,17 @@ class EngineWorker:
         self.loop = EngineThread(self._step, self._fail_all, name=f"{self.worker_id}-engine")
         self._aborts: set[str] = set()
         self.draining = False  # no new work is accepted; what runs finishes
+        self.warmup_s: float | None = None  # seconds the warm-up took (None: not run yet)
 
     @property
     def block_size(self) -> int:
         return self.blocks.block_size
 
     def start(self) -> None:
+        """Warm every kernel path up, then start the engine thread: the worker's server starts
+        (and the worker reports ready) only after this returns, so no request meets a cold
+        process."""
+        self.warmup_s = warm_up(self.engine)
         self.loop.start()
 
     def stop(self) -> None:
