@@ -1,9 +1,11 @@
-"""Rewrite the results section of docs/BENCHMARKS.md from benchmark JSON files.
+"""Rewrite the "Current results" section of docs/BENCHMARKS.md from benchmark JSON files.
 
     python scripts/bench_report.py OUT_DIR [docs/BENCHMARKS.md]
 
-Reads whichever of OUT_DIR/{transfer,engine,serve,sweep}.json exist and replaces the text
-between the ``<!-- results:start -->`` and ``<!-- results:end -->`` markers.
+Reads whichever of OUT_DIR/{transfer,engine,router,serve,sweep}.json exist and replaces the
+text between the ``<!-- results:start -->`` and ``<!-- results:end -->`` markers with: the
+machine (CPU model), the limits measured in the same run, the targets that these files can
+decide, and one table per benchmark. Everything else in the page is left alone.
 """
 
 from __future__ import annotations
@@ -18,6 +20,29 @@ from pathlib import Path
 from pdserve.bench.transfer import own_stack_ratio
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+NAMES = ("transfer", "engine", "router", "serve", "sweep")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere) and the
+    vector extensions the kernels care about."""
+    name, flags = "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not name:
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine()
+    isa = [
+        label
+        for label, flag in (("AVX2", "avx2"), ("AVX-512", "avx512f"), ("AMX", "amx_tile"))
+        if flag in flags
+    ]
+    return name + (f" ({', '.join(isa)})" if isa else "")
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:
@@ -186,9 +211,146 @@ def engine_section(d: dict) -> list[str]:
     return out + _table(header + ["speedup"], rows)
 
 
+def router_section(d: dict) -> list[str]:
+    out = [
+        "### Router (`bench router`)",
+        "",
+        (
+            f"{d['prompt_tokens']}-token prompts; instant fake workers, the router and the "
+            "client in separate processes. Added = routed p50 - direct p50."
+        ),
+        "",
+    ]
+    rows = [
+        [
+            r["pattern"],
+            f"{r['direct_p50_ms']:.2f}",
+            f"{r['routed_p50_ms']:.2f}",
+            f"{r['router_added_p50_ms']:.2f}",
+            _ms(r.get("reserve_first_added_p50_ms")),
+            _ms(r.get("relay_added_p50_ms")),
+        ]
+        for r in d.get("rows", [])
+    ]
+    header = ["requests", "direct p50 ms", "routed p50 ms", "added ms", "reserve-first added ms"]
+    return out + _table(header + ["bare hop added ms"], rows)
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def limits_section(data: dict) -> list[str]:
+    """The limits measured in this run, which the figures below are divided by."""
+    rows = []
+    if t := data.get("transfer"):
+        loop = t["loopback_best_mb_s"]
+        rows.append(
+            [
+                "loopback TCP bandwidth (`bench transfer`)",
+                f"{loop:,.0f} MB/s best, {t['loopback_median_mb_s']:,.0f} median",
+                "KV transfer MB/s",
+            ]
+        )
+        for key, what in (
+            ("grpc_stack_best_mb_s", "bare grpcio stream, 4 MiB messages"),
+            ("flight_stack_best_mb_s", "bare Arrow Flight stream, 4 MiB batches"),
+        ):
+            if v := t.get(key):
+                rows.append([what, f"{v:,.0f} MB/s = {v / loop:.2f}x loopback", "its transport"])
+    if e := data.get("engine"):
+        pages = "" if "huge_pages" not in e else f", huge pages {'on' if e['huge_pages'] else 'off'}"
+        rows.append(
+            [
+                f"fp32 GEMM peak, 2,048-cube `torch.mm` ({e['threads']} thread(s){pages})",
+                f"{e['gemm_peak_gflops']:.0f} GFLOP/s",
+                "prefill FLOP/s (MFU)",
+            ]
+        )
+        rows.append(
+            [
+                f"streaming read bandwidth, sum over 2 GiB ({e['threads']} thread(s))",
+                f"{e['read_bandwidth_gbs']:.1f} GB/s",
+                "decode bytes/s (MBU)",
+            ]
+        )
+    if (r := data.get("router")) and r.get("relay_added_p50_ms") is not None:
+        rows.append(
+            [
+                "one bare `grpc.aio` hop (`bench router`)",
+                f"{r['relay_added_p50_ms']:.2f} ms at p50",
+                "router's added TTFT",
+            ]
+        )
+    if not rows:
+        return []
+    return ["### Limits measured in this run", ""] + _table(["limit", "value", "divides"], rows)
+
+
+def _engine_row(e: dict, kind: str, batch: int, tokens: int) -> dict | None:
+    rows = [r for r in e["rows"] if r["kind"] == kind and r["batch"] == batch]
+    exact = [r for r in rows if r["tokens"] == tokens]
+    return (exact or sorted(rows, key=lambda r: abs(r["tokens"] - tokens)) or [None])[0]
+
+
+def targets_section(data: dict) -> list[str]:
+    """The targets these files decide, each with its figure from this run."""
+    rows = []
+
+    def add(target: str, figure: str, met: bool) -> None:
+        rows.append([target, figure, "yes" if met else "no"])
+
+    if e := data.get("engine"):
+        if r := _engine_row(e, "decode", 1, 256):
+            add(
+                "decode, batch 1: MBU >= 0.8",
+                f"{r['ratio']:.2f} at context {r['tokens']} (transformers {r['hf_ratio']:.2f})",
+                r["ratio"] >= 0.8,
+            )
+        if r := _engine_row(e, "decode", 32, 256):
+            add(
+                "decode, batch 32: >= 1.5x transformers",
+                f"{r['speedup']:.2f}x at context {r['tokens']}",
+                r["speedup"] >= 1.5,
+            )
+        if r := _engine_row(e, "prefill", 1, 1024):
+            add(
+                "prefill of 1,024 tokens: MFU >= 0.7",
+                f"{r['ratio']:.2f} at {r['tokens']} tokens (transformers {r['hf_ratio']:.2f})",
+                r["ratio"] >= 0.7,
+            )
+    if t := data.get("transfer"):
+        grpc_like = [x for x in t["transports"] if x["transport"] in ("grpc", "flight")]
+        if grpc_like:
+            best = max(x["ratio_to_loopback"] for x in grpc_like)
+            add(
+                "gRPC KV transfer >= 0.5x loopback",
+                ", ".join(f"{x['transport']} {x['ratio_to_loopback']:.2f}x" for x in grpc_like),
+                best >= 0.5,
+            )
+        if t.get("ttft"):
+            worst = max(x["share_of_ttft"] for x in t["ttft"])
+            add(
+                f"exposed KV transfer < 5% of TTFT ({t['ttft'][0]['prompt_tokens']} tokens)",
+                ", ".join(f"{x['transport']} {x['share_of_ttft']:.1%}" for x in t["ttft"]),
+                worst < 0.05,
+            )
+    if r := data.get("router"):
+        added = r["router_added_p50_ms"]
+        add("router adds < 2 ms to TTFT at p50", f"{added:.2f} ms", added < r.get("target_ms", 2.0))
+    if not rows:
+        return []
+    return [
+        "### Targets decided by this run",
+        "",
+        "Serving goodput and p99 ITL against colocated and vLLM need `bench compare` "
+        "(`scripts/bench_compare.sh`); see the targets table above.",
+        "",
+    ] + _table(["target", "this run", "met?"], rows)
+
+
 def generic_section(name: str, d) -> list[str]:
-    """For benchmarks without a renderer here (e.g. ``bench engine``): rows of dicts, or
-    top-level scalars."""
+    """For benchmarks without a renderer here: rows of dicts, or top-level scalars."""
     out = [f"### {name} (`bench {name}`)", ""]
     rows = d.get("rows") if isinstance(d, dict) else d
     if isinstance(rows, list) and rows and isinstance(rows[0], dict):
@@ -198,34 +360,43 @@ def generic_section(name: str, d) -> list[str]:
     return out + _table(["field", "value"], scalars)
 
 
-def render(out_dir: Path) -> str:
-    import torch
+def machine_line() -> str:
+    try:
+        import torch
 
-    lines = [
-        (
-            f"_Generated by `scripts/benchmarks.sh` on {time.strftime('%Y-%m-%d')}: "
-            f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-            f"torch {torch.__version__}._"
-        ),
-        "",
-    ]
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = "not installed"
+    return (
+        f"_Generated by `scripts/benchmarks.sh` on {time.strftime('%Y-%m-%d')} on "
+        f"{cpu_model()}, {os.cpu_count()} logical CPUs, {platform.machine()}, Python "
+        f"{platform.python_version()}, torch {torch_version}._"
+    )
+
+
+def render(out_dir: Path) -> str:
+    lines = [machine_line(), ""]
     renderers = {
         "transfer": transfer_section,
         "engine": engine_section,
+        "router": router_section,
         "serve": serve_section,
         "sweep": sweep_section,
     }
-    found = False
-    for name in ("transfer", "engine", "serve", "sweep"):
+    data = {}
+    for name in NAMES:
         path = out_dir / f"{name}.json"
-        if not path.is_file():
-            continue
-        found = True
-        data = json.loads(path.read_text())
-        section = renderers.get(name)
-        lines += (section(data) if section else generic_section(name, data)) + [""]
-    if not found:
+        if path.is_file():
+            data[name] = json.loads(path.read_text())
+    if not data:
         lines.append("_No results yet: run `bash scripts/benchmarks.sh`._")
+        return "\n".join(lines) + "\n"
+    for head in (limits_section(data), targets_section(data)):
+        if head:
+            lines += head + [""]
+    for name, d in data.items():
+        section = renderers.get(name)
+        lines += (section(d) if section else generic_section(name, d)) + [""]
     return "\n".join(lines).rstrip() + "\n"
 
 

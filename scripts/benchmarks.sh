@@ -9,7 +9,8 @@
 #   BENCH_MODEL   model for the cluster and the TTFT share (default embedded)
 #   BENCH_URL     bench this OpenAI-compatible server instead of starting a local cluster
 #   SERVE_RATE SERVE_N SLO_TTFT SLO_TPOT SWEEP_RATES SWEEP_N   load and SLOs (seconds)
-#   ENGINE_ARGS   extra arguments for `bench engine` (skipped while it does not exist)
+#   ENGINE_ARGS   extra arguments for `bench engine`, e.g. "--threads 1" (the targets are quoted
+#                 at 1 thread; without it, torch's default thread count)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,10 +18,10 @@ OUT=${BENCH_OUT:-/tmp/pdserve-bench}
 MODEL=${BENCH_MODEL:-embedded}
 URL=${BENCH_URL:-}
 if [ "${QUICK:-0}" = 1 ]; then
-  REPEATS=2; TTFT_RUNS=1; SERVE_N=${SERVE_N:-8}; SWEEP_N=${SWEEP_N:-6}
+  REPEATS=2; TTFT_RUNS=1; ROUTER_N=60; SERVE_N=${SERVE_N:-8}; SWEEP_N=${SWEEP_N:-6}
   SWEEP_RATES=${SWEEP_RATES:-0.1,0.2}
 else
-  REPEATS=5; TTFT_RUNS=3
+  REPEATS=5; TTFT_RUNS=3; ROUTER_N=300
 fi
 # Defaults for the 135M model on 2 shared CPU cores (~0.1-0.2 req/s of mixed load); on a GPU
 # raise the rates and tighten the SLOs.
@@ -33,7 +34,7 @@ SWEEP_N=${SWEEP_N:-12}
 
 export GRPC_VERBOSITY=${GRPC_VERBOSITY:-ERROR}  # grpc core logs every GOAWAY at shutdown
 mkdir -p "$OUT"
-rm -f "$OUT"/{transfer,engine,serve,sweep}.json
+rm -f "$OUT"/{transfer,engine,router,serve,sweep}.json
 bench() { python -m pdserve.bench "$@"; }
 
 echo "== bench transfer"
@@ -47,6 +48,9 @@ if bench engine --help >/dev/null 2>&1; then
 else
   echo "skipped: no 'bench engine' in this checkout"
 fi
+
+echo "== bench router"
+bench router --requests "$ROUTER_N" --json "$OUT/router.json"
 
 CLUSTER_PID=""
 stop_cluster() {
