@@ -212,15 +212,17 @@ def engine_section(d: dict) -> list[str]:
 
 
 def router_section(d: dict) -> list[str]:
+    where = "in separate processes" if d.get("separate_processes") else "in one process"
     out = [
         "### Router (`bench router`)",
         "",
         (
             f"{d['prompt_tokens']}-token prompts; instant fake workers, the router and the "
-            "client in separate processes. Added = routed p50 - direct p50."
+            f"client {where}. Added = routed p50 - direct p50."
         ),
         "",
     ]
+    rows = d.get("rows") or [{"pattern": "all", **d}]  # older files: no patterns
     rows = [
         [
             r["pattern"],
@@ -230,7 +232,7 @@ def router_section(d: dict) -> list[str]:
             _ms(r.get("reserve_first_added_p50_ms")),
             _ms(r.get("relay_added_p50_ms")),
         ]
-        for r in d.get("rows", [])
+        for r in rows
     ]
     header = ["requests", "direct p50 ms", "routed p50 ms", "added ms", "reserve-first added ms"]
     return out + _table(header + ["bare hop added ms"], rows)
@@ -259,7 +261,9 @@ def limits_section(data: dict) -> list[str]:
             if v := t.get(key):
                 rows.append([what, f"{v:,.0f} MB/s = {v / loop:.2f}x loopback", "its transport"])
     if e := data.get("engine"):
-        pages = "" if "huge_pages" not in e else f", huge pages {'on' if e['huge_pages'] else 'off'}"
+        pages = (
+            "" if "huge_pages" not in e else f", huge pages {'on' if e['huge_pages'] else 'off'}"
+        )
         rows.append(
             [
                 f"fp32 GEMM peak, 2,048-cube `torch.mm` ({e['threads']} thread(s){pages})",
@@ -309,7 +313,7 @@ def targets_section(data: dict) -> list[str]:
             )
         if r := _engine_row(e, "decode", 32, 256):
             add(
-                "decode, batch 32: >= 1.5x transformers",
+                "decode, batch 32, context 256: >= 1.5x transformers",
                 f"{r['speedup']:.2f}x at context {r['tokens']}",
                 r["speedup"] >= 1.5,
             )
@@ -343,8 +347,10 @@ def targets_section(data: dict) -> list[str]:
     return [
         "### Targets decided by this run",
         "",
-        "Serving goodput and p99 ITL against colocated and vLLM need `bench compare` "
-        "(`scripts/bench_compare.sh`); see the targets table above.",
+        (
+            "Serving goodput and p99 ITL against colocated and vLLM need `bench compare` "
+            "(`scripts/bench_compare.sh`); see the targets table above."
+        ),
         "",
     ] + _table(["target", "this run", "met?"], rows)
 

@@ -1,0 +1,112 @@
+"""`scripts/bench_report.py`: the regenerated section of docs/BENCHMARKS.md (layout, never speed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def report():
+    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "scripts/bench_report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+TRANSFER = {
+    "shape": {"tokens": 1024, "num_layers": 30, "dtype": "float32", "bytes_per_push": 47185920},
+    "loopback_best_mb_s": 3000.0,
+    "loopback_median_mb_s": 2900.0,
+    "grpc_stack_best_mb_s": 1200.0,
+    "flight_stack_best_mb_s": 1800.0,
+    "transports": [
+        {"transport": "grpc", "best_mb_s": 600.0, "median_mb_s": 550.0,
+         "ratio_to_loopback": 0.2, "bytes_ok": True},
+        {"transport": "flight", "best_mb_s": 900.0, "median_mb_s": 850.0,
+         "ratio_to_loopback": 0.3, "bytes_ok": True},
+    ],
+    "ttft": [
+        {"transport": "grpc", "prompt_tokens": 1024, "prefill_s": 1.7, "kv_transfer_s": 0.012,
+         "ttft_s": 1.71, "share_of_ttft": 0.007},
+    ],
+}  # fmt: skip
+ENGINE = {
+    "threads": 1,
+    "huge_pages": True,
+    "gemm_peak_gflops": 190.0,
+    "read_bandwidth_gbs": 14.0,
+    "rows": [
+        {"kind": "prefill", "batch": 1, "tokens": 1024, "seconds": 1.8, "hf_seconds": 2.9,
+         "ratio": 0.75, "hf_ratio": 0.46, "speedup": 1.61},
+        {"kind": "decode", "batch": 1, "tokens": 256, "seconds": 0.046, "hf_seconds": 0.077,
+         "ratio": 0.81, "hf_ratio": 0.49, "speedup": 1.65},
+        {"kind": "decode", "batch": 32, "tokens": 256, "seconds": 0.138, "hf_seconds": 0.28,
+         "ratio": 0.46, "hf_ratio": 0.23, "speedup": 2.02},
+    ],
+}  # fmt: skip
+ROUTER = {
+    "prompt_tokens": 512,
+    "separate_processes": True,
+    "rows": [
+        {"pattern": "back to back", "direct_p50_ms": 0.7, "routed_p50_ms": 2.6,
+         "router_added_p50_ms": 1.9, "reserve_first_added_p50_ms": 2.4,
+         "relay_added_p50_ms": 0.9},
+    ],
+    "router_added_p50_ms": 1.9,
+    "relay_added_p50_ms": 0.9,
+    "target_ms": 2.0,
+}  # fmt: skip
+
+
+def _doc(tmp_path: Path) -> Path:
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text(
+        "# head\n\n## Current results\n\n<!-- results:start -->\nold\n<!-- results:end -->\n\ntail\n"
+    )
+    return doc
+
+
+def test_section_names_the_cpu_the_limits_and_the_targets(report, tmp_path):
+    for name, data in (("transfer", TRANSFER), ("engine", ENGINE), ("router", ROUTER)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    doc = _doc(tmp_path)
+    assert report.main([str(tmp_path), str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith("# head\n") and text.endswith("<!-- results:end -->\n\ntail\n")
+    assert "old" not in text
+    assert report.cpu_model() in text
+    limits = text.split("### Limits measured in this run")[1].split("###")[0]
+    for figure in ("3,000 MB/s", "1,200 MB/s = 0.40x", "1,800 MB/s = 0.60x", "190 GFLOP/s",
+                   "14.0 GB/s", "0.90 ms"):  # fmt: skip
+        assert figure in limits
+    targets = text.split("### Targets decided by this run")[1].split("###")[0]
+    assert (
+        "| decode, batch 1: MBU >= 0.8 | 0.81 at context 256 (transformers 0.49) | yes |" in targets
+    )
+    assert "| gRPC KV transfer >= 0.5x loopback | grpc 0.20x, flight 0.30x | no |" in targets
+    assert "| router adds < 2 ms to TTFT at p50 | 1.90 ms | yes |" in targets
+    for section in ("### KV transfer", "### Engine", "### Router"):
+        assert section in text
+    # Regenerating from the same files gives the same page.
+    report.main([str(tmp_path), str(doc)])
+    assert doc.read_text() == text
+
+
+def test_no_files_leaves_a_note_and_missing_markers_fail(report, tmp_path):
+    doc = _doc(tmp_path)
+    assert report.main([str(tmp_path), str(doc)]) == 0
+    assert "_No results yet" in doc.read_text()
+    doc.write_text("no markers\n")
+    assert report.main([str(tmp_path), str(doc)]) == 1
+
+
+def test_the_project_page_has_the_markers():
+    text = (ROOT / "docs/BENCHMARKS.md").read_text()
+    assert text.count("<!-- results:start -->") == 1 and text.count("<!-- results:end -->") == 1
+    assert text.index("## Current results") < text.index("<!-- results:start -->")
