@@ -49,6 +49,14 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    # vLLM's semantics: presence/frequency over output tokens, repetition over prompt + output
+    # (divides positive logits, multiplies negative ones); logit_bias added to the raw logits.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    logprobs: int | None = None  # top-k logprobs per generated token; None = none at all
+    prompt_logprobs: int | None = None  # the same for every prompt position (echo)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -65,6 +73,16 @@ class SamplingParams:
             ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
             ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, ">= 0"),
             ("seed", self.seed is None or isinstance(self.seed, int), "an int"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 2.0, "in (0, 2]"),
+            ("logit_bias", all(-100 <= b <= 100 for _, b in self.logit_bias), "in [-100, 100]"),
+            ("logprobs", _optional_count(self.logprobs), f"an int in [0, {MAX_LOGPROBS}]"),
+            (
+                "prompt_logprobs",
+                _optional_count(self.prompt_logprobs),
+                f"an int in [0, {MAX_LOGPROBS}]",
+            ),
         ]
         for name, ok, want in checks:
             if not ok:
@@ -75,6 +93,28 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
+
+
+MAX_LOGPROBS = 20  # top-k logprobs per position, as vLLM's default max_logprobs
+
+
+def _optional_count(k: int | None) -> bool:
+    return k is None or (isinstance(k, int) and 0 <= k <= MAX_LOGPROBS)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probability of its token, and the ``top`` alternatives as
+    (token id, logprob), most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -90,6 +130,11 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of computed full blocks
     output_text: str = ""
+    # Filled by the sampler when ``sampling.logprobs`` is set: one per output token it sampled.
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Filled by the model runner when ``sampling.prompt_logprobs`` is set: positions 1.. of the
+    # prompt (position 0 has nothing before it).
+    prompt_logprobs: list[TokenLogprob] | None = None
     # Lifecycle timestamps (time.monotonic()), DistServe-style, feeding metrics.
     events: dict[str, float] = field(default_factory=dict)
 
@@ -124,11 +169,13 @@ class Request:
 
 def sampling_from_message(msg, default_max_tokens: int = 16) -> SamplingParams:
     """Build ``SamplingParams`` from a wire message with the same field names (a protobuf
-    ``SamplingParams``), where 0 means "not set" for max_tokens and top_p.
+    ``SamplingParams``), where 0 means "not set" for max_tokens, top_p and repetition_penalty.
 
     Raises ``InvalidRequestError`` naming the bad field.
     """
     seed = msg.seed if msg.HasField("seed") else None
+    logprobs = msg.logprobs if msg.HasField("logprobs") else None
+    prompt_logprobs = msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None
     return SamplingParams(
         max_tokens=msg.max_tokens or default_max_tokens,
         temperature=msg.temperature,
@@ -139,4 +186,10 @@ def sampling_from_message(msg, default_max_tokens: int = 16) -> SamplingParams:
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
         min_tokens=msg.min_tokens,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )

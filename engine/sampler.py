@@ -1,7 +1,12 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, per-request seeds, min_tokens.
+"""Batched sampling: logit bias, penalties, min_tokens, greedy, temperature, top-k, top-p,
+per-request seeds, and the logprobs of what was sampled.
 
 Random draws use the exponential-race trick (argmax of p / Exp(1) is a sample from p), so
 each row can draw from its own seeded generator while the filtering stays batched.
+
+Logprobs are the log-softmax of the logits the sampler used: after logit bias, penalties and
+min_tokens, divided by the temperature (1 for greedy), before top-k/top-p filtering; this is
+what vLLM's V0 sampler reports (its "processed" logprobs, less the top-k/top-p mask).
 """
 
 from __future__ import annotations
@@ -10,32 +15,55 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.request import Request
+from engine.penalties import Penalties
+from engine.request import Request, TokenLogprob
+
+# What a logprob of -inf is reported as (JSON has no infinity); vLLM uses the same value.
+MIN_LOGPROB = -9999.0
 
 
 class Sampler:
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self.penalties = Penalties()
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-        """One token per row of ``logits`` [B, vocab] (fp32) for the matching request."""
+        """One token per row of ``logits`` [B, vocab] (fp32) for the matching request. Requests
+        that asked for logprobs get the sampled token's appended to ``output_logprobs``."""
+        logits = self.penalties.apply(logits, requests)
         logits = self._apply_min_tokens(logits, requests)
-        greedy = logits.argmax(dim=-1)
+        out = logits.argmax(dim=-1).tolist()
         random_rows = [i for i, r in enumerate(requests) if not r.sampling.is_greedy]
-        if not random_rows:
-            return greedy.tolist()
-        out = greedy.tolist()
-        rows = torch.tensor(random_rows)
-        # Random rows are drawn on the CPU (from GPU logits too): a seed gives the same tokens
-        # on every device, and the rows are few next to the forward.
-        probs = self._filtered_probs(logits[rows].cpu(), [requests[i] for i in random_rows])
-        for j, i in enumerate(random_rows):
-            noise = torch.empty_like(probs[j]).exponential_(generator=self._generator(requests[i]))
-            out[i] = int((probs[j] / noise).argmax())
+        if random_rows:
+            rows = torch.tensor(random_rows)
+            # Random rows are drawn on the CPU (from GPU logits too): a seed gives the same
+            # tokens on every device, and the rows are few next to the forward.
+            probs = self._filtered_probs(logits[rows].cpu(), [requests[i] for i in random_rows])
+            for j, i in enumerate(random_rows):
+                gen = self._generator(requests[i])
+                noise = torch.empty_like(probs[j]).exponential_(generator=gen)
+                out[i] = int((probs[j] / noise).argmax())
+        self._record_logprobs(logits, requests, out)
         return out
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self.penalties.release(request_id)
+
+    @staticmethod
+    def _record_logprobs(logits, requests: Sequence[Request], tokens: list[int]) -> None:
+        rows = [i for i, r in enumerate(requests) if r.sampling.logprobs is not None]
+        if not rows:
+            return
+        reqs = [requests[i] for i in rows]
+        entries = logprob_entries(
+            logits[torch.tensor(rows, device=logits.device)],
+            [r.sampling.temperature for r in reqs],
+            [tokens[i] for i in rows],
+            [r.sampling.logprobs for r in reqs],
+        )
+        for req, entry in zip(reqs, entries):
+            req.output_logprobs.append(entry)
 
     def _generator(self, req: Request) -> torch.Generator | None:
         if req.sampling.seed is None:
@@ -76,3 +104,23 @@ class Sampler:
         sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
         filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
         return filtered.softmax(dim=-1)
+
+
+def logprob_entries(
+    logits: torch.Tensor,  # [n, vocab]
+    temperatures: Sequence[float],  # per row; 0 (greedy) counts as 1
+    token_ids: Sequence[int],  # per row: the token whose logprob is reported
+    top_ks: Sequence[int],  # per row: how many alternatives to report
+) -> list[TokenLogprob]:
+    """Each row's log-softmax at its token, and its top-k, in one batched pass."""
+    temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=logits.device)
+    logprobs = (logits.float() / temps.unsqueeze(1)).log_softmax(dim=-1).clamp_(min=MIN_LOGPROB)
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
+    chosen = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+    k = max(top_ks, default=0)
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
+    top_vals, top_ids = top_vals.tolist(), top_ids.long().tolist()
+    return [
+        TokenLogprob(lp, tuple(zip(top_ids[j][: top_ks[j]], top_vals[j][: top_ks[j]])))
+        for j, lp in enumerate(chosen)
+    ]

@@ -174,6 +174,8 @@ class Router:
         vocab = self.tokenizer.vocab_size
         if any(t >= vocab for t in prompt_ids):
             raise InvalidRequestError("prompt", f"token ids must be < {vocab}")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise InvalidRequestError("logit_bias", f"token ids must be < {vocab}")
         if len(prompt_ids) + params.max_tokens > self.cfg.max_model_len:
             param = "prompt" if len(prompt_ids) >= self.cfg.max_model_len else "max_tokens"
             raise InvalidRequestError(

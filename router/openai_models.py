@@ -28,9 +28,6 @@ NEUTRAL_VALUES = {
     "echo": False,
     "logprobs": False,
     "top_logprobs": 0,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logit_bias": {},
     "suffix": "",
     "tools": [],
 }
@@ -62,14 +59,16 @@ class _GenerateRequest(BaseModel):
     min_tokens: int = Field(0, ge=0, le=UINT32)
     stop_token_ids: list[TokenId] | None = None
     return_timings: bool = False  # attach the TTFT breakdown ("timings") to the response
+    # Ranges are the engine's (SamplingParams); logit_bias keys are token ids as strings.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension, as vLLM
+    logit_bias: dict[str, float] | None = None
     # See NEUTRAL_VALUES.
     best_of: Any = None
     echo: Any = None
     logprobs: Any = None
     top_logprobs: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
     suffix: Any = None
     tools: Any = None
 
@@ -94,6 +93,10 @@ class _GenerateRequest(BaseModel):
         if max_tokens is None:
             max_tokens = max(0, min(default_max, max_model_len - prompt_len))  # 0: prepare says why
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if (
+            self.repetition_penalty is not None and self.repetition_penalty <= 0
+        ):  # 0 is unset on the wire
+            raise InvalidRequestError("repetition_penalty", "must be in (0, 2]")
         msg = pb.SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -103,10 +106,28 @@ class _GenerateRequest(BaseModel):
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 0.0,
+            logit_bias=self.token_logit_bias(),
         )
         if self.seed is not None:
             msg.seed = self.seed
         return msg
+
+    def token_logit_bias(self) -> dict[int, float]:
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise InvalidRequestError(
+                    "logit_bias", f"keys are token ids, got {key!r}"
+                ) from None
+            if not 0 <= token <= UINT32:
+                raise InvalidRequestError("logit_bias", f"token id {token} is out of range")
+            out[token] = bias
+        return out
 
     @property
     def include_usage(self) -> bool:

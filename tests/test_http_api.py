@@ -226,7 +226,7 @@ BAD = [
     ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
     ({"return_timings": 1}, "return_timings"),
     ({"logprobs": 3}, "logprobs"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": 5}, "prompt"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": [5, 100000]}, "prompt"),

@@ -1,0 +1,100 @@
+"""Logit bias and vLLM's penalties (presence, frequency, repetition), applied on the batch.
+
+Each penalized request keeps two vocab-sized vectors here: a mask of its prompt tokens and the
+count of each output token. The counts grow by the tokens sampled since the last step, so a
+step costs O(batch x vocab) tensor work whatever the sequence length, and no Python loop runs
+per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.request import Request
+
+
+class _History:
+    """A request's token statistics on the logits' device."""
+
+    def __init__(self, req: Request, vocab: int, device: torch.device):
+        self.prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+        ids = torch.tensor(req.prompt_token_ids, dtype=torch.int64, device=device)
+        self.prompt_mask[ids[ids < vocab]] = True
+        self.output_counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.num_counted = 0
+
+    def catch_up(self, req: Request) -> None:
+        new = req.output_token_ids[self.num_counted :]
+        if new:
+            ids = torch.tensor(new, dtype=torch.int64, device=self.output_counts.device)
+            ones = torch.ones(len(new), dtype=torch.float32, device=ids.device)
+            self.output_counts.index_put_((ids,), ones, accumulate=True)
+            self.num_counted = len(req.output_token_ids)
+
+
+class Penalties:
+    def __init__(self) -> None:
+        self._histories: dict[str, _History] = {}
+
+    def release(self, request_id: str) -> None:
+        self._histories.pop(request_id, None)
+
+    def apply(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """``logits`` [B, vocab] with each row's bias and penalties applied (a new tensor when
+        any applies; the input is returned untouched otherwise)."""
+        logits = apply_logit_bias(logits, requests)
+        rows = [i for i, r in enumerate(requests) if r.sampling.has_penalties]
+        if not rows:
+            return logits
+        logits = logits.clone()  # the caller's logits stay as the model made them
+        reqs = [requests[i] for i in rows]
+        vocab, device = logits.shape[-1], logits.device
+        for req in reqs:
+            hist = self._histories.get(req.request_id)
+            if hist is None:
+                hist = self._histories[req.request_id] = _History(req, vocab, device)
+            hist.catch_up(req)
+        hists = [self._histories[r.request_id] for r in reqs]
+        counts = torch.stack([h.output_counts for h in hists])
+        prompt_mask = torch.stack([h.prompt_mask for h in hists])
+        idx = torch.tensor(rows, device=device)
+        logits[idx] = penalize(logits[idx], reqs, counts, prompt_mask)
+        return logits
+
+
+def penalize(
+    logits: torch.Tensor,  # [b, vocab]
+    requests: Sequence[Request],
+    counts: torch.Tensor,  # [b, vocab] float: times each token was generated
+    prompt_mask: torch.Tensor,  # [b, vocab] bool: token occurs in the prompt
+) -> torch.Tensor:
+    """vLLM's ``apply_penalties``: repetition first (on tokens seen in prompt or output), then
+    frequency x count and presence on output tokens."""
+
+    def column(name: str) -> torch.Tensor:
+        vals = [getattr(r.sampling, name) for r in requests]
+        return torch.tensor(vals, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+
+    generated = counts > 0
+    rep = torch.where(prompt_mask | generated, column("repetition_penalty"), 1.0)
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - column("frequency_penalty") * counts
+    return logits - column("presence_penalty") * generated.to(logits.dtype)
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Add each request's ``logit_bias`` to its row, in one scatter for the batch."""
+    entries = [(i, t, b) for i, r in enumerate(requests) for t, b in r.sampling.logit_bias]
+    if not entries:
+        return logits
+    rows, cols, vals = zip(*entries)
+    device = logits.device
+    cols_t = torch.tensor(cols, dtype=torch.int64, device=device)
+    keep = cols_t < logits.shape[-1]  # the router checks ids; a direct caller cannot crash a batch
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)[keep]
+    vals_t = torch.tensor(vals, dtype=logits.dtype, device=device)[keep]
+    out = logits.clone()
+    out.index_put_((rows_t, cols_t[keep]), vals_t, accumulate=True)
+    return out

@@ -1,0 +1,126 @@
+"""The OpenAI parameters real clients use, through the official ``openai`` client against a
+disaggregated cluster: penalties and logit_bias, logprobs, echo, n, /tokenize."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.request import SamplingParams
+from engine.tokenizer import Tokenizer
+from pdserve.local_cluster import ClusterSpec, LocalCluster
+from tests.cluster_utils import assert_all_blocks_free
+from tests.conftest import tiny_llama_dir
+from tests.http_utils import post
+
+NEW = 8
+GREEDY = {"max_tokens": NEW, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_llama_dir(tmp_path_factory.mktemp("params"), num_heads=4, num_kv_heads=2, seed=5)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny):
+    spec = ClusterSpec(model=str(tiny[0]), num_blocks=256, max_model_len=128, http_port=0)
+    with LocalCluster(spec) as c:
+        yield c
+        assert_all_blocks_free(c)
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with openai.OpenAI(
+        base_url=f"http://{cluster.http_address}/v1", api_key="unused", max_retries=0
+    ) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(cluster):
+    return cluster.router.cfg.model_name
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    return LLMEngine.from_model_path(
+        tiny[0], cache=CacheConfig(16, 256), scheduler=SchedulerConfig(), progress=False
+    )
+
+
+@pytest.fixture(scope="module")
+def tok(tiny):
+    return Tokenizer(tiny[0])
+
+
+def engine_text(engine, tok, prompt_ids, **sampling) -> str:
+    [req] = engine.generate(
+        [prompt_ids], SamplingParams(max_tokens=NEW, ignore_eos=True, **sampling)
+    )
+    return tok.decode(req.output_token_ids)
+
+
+# ---- penalties and logit_bias -----------------------------------------------------------
+
+
+def test_logit_bias_forces_a_token(client, model):
+    out = client.completions.create(model=model, prompt="w5 w6", logit_bias={"50": 100}, **GREEDY)
+    assert out.choices[0].text.split() == ["w50"] * NEW
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"presence_penalty": 1.5},
+        {"frequency_penalty": 1.2},
+        {"extra_body": {"ignore_eos": True, "repetition_penalty": 1.8}},
+    ],
+    ids=["presence", "frequency", "repetition"],
+)
+def test_penalties_match_the_engine(client, model, engine, tok, kw):
+    """A bias makes w50 repeat; each penalty breaks the repeats as the engine's sampler does."""
+    body = {**GREEDY, **kw}
+    out = client.completions.create(model=model, prompt="w5 w6 w5", logit_bias={"50": 8}, **body)
+    sampling = {k: v for k, v in {**kw, **kw.get("extra_body", {})}.items() if "penalty" in k}
+    ids, bias = tok.encode("w5 w6 w5"), ((50, 8.0),)
+    want = engine_text(engine, tok, ids, logit_bias=bias, **sampling)
+    assert out.choices[0].text == want
+    assert want != engine_text(engine, tok, ids, logit_bias=bias), "the penalty changed nothing"
+
+
+def test_chat_takes_penalties_streaming(client, model):
+    chunks = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "w5 w6"}],
+        frequency_penalty=2.0,
+        presence_penalty=2.0,
+        stream=True,
+        **GREEDY,
+    )
+    words = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).split()
+    assert len(set(words)) > 1  # special tokens decode to nothing
+
+
+BAD = [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"frequency_penalty": "x"}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 3}, "repetition_penalty"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 200}}, "logit_bias"),
+    ({"logit_bias": {"100000": 1}}, "logit_bias"),
+    ({"logit_bias": [1]}, "logit_bias"),
+]
+
+
+@pytest.mark.parametrize("override,param", BAD, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD)])
+def test_bad_parameter_is_400_naming_it(cluster, model, override, param):
+    body = {"model": model, "prompt": "w5 w6", "max_tokens": 4, **override}
+    status, out = post(cluster.http_address, "/v1/completions", body)
+    assert status == 400, out
+    assert out["error"]["param"] == param and param in out["error"]["message"]
