@@ -1,0 +1,173 @@
+"""A worker's latency profile: what one forward, one KV transfer and the router cost here.
+
+Measured by ``pdserve profile`` (measure.py) or written by hand from published figures (see
+``profiles/``). Tables are piecewise linear between measured points and extrapolate linearly
+past the last one (a batch larger than any measured costs what the last slope says); below the
+first point they hold the first value (a forward's fixed cost dominates there).
+
+A step's cost, from the scheduler's plan (``step_seconds``):
+  decode only   decode[batch][mean context]
+  prefill only  prefill[new tokens][token-weighted mean offset]
+  mixed         prefill[new tokens + decode rows][offset] + the decode rows' attention, i.e.
+                decode[b][context] - decode[b][smallest context]: decode rows are more GEMM
+                rows, and their attention is what grows with context.
+"""
+
+from __future__ import annotations
+
+import json
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+PROFILE_VERSION = 1
+
+
+def interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear ``ys(x)``; flat below ``xs[0]``, linear past ``xs[-1]``."""
+    if x <= xs[0] or len(xs) == 1:
+        return ys[0]
+    i = min(bisect_right(xs, x), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass(frozen=True)
+class Table2D:
+    """``seconds[i][j]`` measured at ``rows[i]``, ``cols[j]``."""
+
+    rows: tuple[float, ...]
+    cols: tuple[float, ...]
+    seconds: tuple[tuple[float, ...], ...]
+    # Steps repeat the same (batch, context) shapes: memoized on rounded coordinates.
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.seconds) != len(self.rows) or any(
+            len(r) != len(self.cols) for r in self.seconds
+        ):
+            raise ValueError("table shape does not match its axes")
+        if list(self.rows) != sorted(set(self.rows)) or list(self.cols) != sorted(set(self.cols)):
+            raise ValueError("table axes must be strictly increasing")
+
+    def lookup(self, row: int, col16: int) -> float:
+        key = (row, col16)
+        t = self._memo.get(key)
+        if t is None:
+            t = self._memo[key] = self.at(row, col16 * 16)
+        return t
+
+    def at(self, row: float, col: float) -> float:
+        by_row = [interp(self.cols, line, col) for line in self.seconds]
+        return interp(self.rows, by_row, row)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Table2D:
+        return cls(tuple(d["rows"]), tuple(d["cols"]), tuple(tuple(r) for r in d["seconds"]))
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The worker settings the profile was measured with; the simulator's defaults."""
+
+    block_size: int = 16
+    num_blocks: int = 2048
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    prefill_chunk_size: int = 0
+
+
+@dataclass(frozen=True)
+class Profile:
+    prefill: Table2D  # rows: new tokens in the step, cols: offset (tokens already computed)
+    decode: Table2D  # rows: sequences in the batch, cols: mean context per sequence
+    transfer_bytes: tuple[float, ...]  # a whole request's KV pushed, bytes
+    transfer_seconds: tuple[float, ...]
+    router_overhead_s: float  # what the router adds to the first token
+    kv_bytes_per_token: int
+    num_layers: int
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    meta: dict = field(default_factory=dict)  # hardware, model, dtype, versions, date
+
+    # ---- latencies -----------------------------------------------------------------------
+    def prefill_seconds(self, tokens: float, offset: float = 0.0) -> float:
+        return self.prefill.lookup(round(tokens), round(offset / 16))
+
+    def decode_seconds(self, batch: float, context: float) -> float:
+        return self.decode.lookup(round(batch), round(context / 16))
+
+    def transfer_seconds_for(self, num_tokens: int) -> float:
+        """Time to push ``num_tokens`` tokens of KV, start to commit."""
+        nbytes = num_tokens * self.kv_bytes_per_token
+        if len(self.transfer_bytes) == 1:
+            return self.transfer_seconds[0] * nbytes / self.transfer_bytes[0]
+        return interp(self.transfer_bytes, self.transfer_seconds, nbytes)
+
+    def exposed_transfer_s(self, num_tokens: int, prefill_s: float) -> float:
+        """The transfer's part after the first token: streamed layer by layer during prefill,
+        only the last layer's frames are left once compute ends, unless the link is slower."""
+        total = self.transfer_seconds_for(num_tokens)
+        return max(total - prefill_s, total / max(self.num_layers, 1))
+
+    def step_seconds(self, scheduled) -> float:
+        """One forward over a scheduler plan's ``scheduled`` sequences."""
+        dec_n = dec_ctx = pre_n = pre_work = 0
+        for s in scheduled:
+            done = s.request.num_computed_tokens
+            if s.num_new_tokens == 1 and done >= s.request.num_prompt_tokens:
+                dec_n += 1
+                dec_ctx += done + 1
+            else:
+                pre_n += s.num_new_tokens
+                pre_work += s.num_new_tokens * done
+        if not pre_n:
+            return self.decode_seconds(dec_n, dec_ctx / dec_n) if dec_n else 0.0
+        t = self.prefill_seconds(pre_n + dec_n, pre_work / pre_n)
+        if dec_n:
+            ctx = dec_ctx / dec_n
+            t += self.decode_seconds(dec_n, ctx) - self.decode_seconds(dec_n, self.decode.cols[0])
+        return t
+
+    # ---- files ---------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for table in ("prefill", "decode"):
+            d[table].pop("_memo")
+        d["version"] = PROFILE_VERSION
+        return d
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Profile:
+        try:
+            return cls(
+                prefill=Table2D.from_dict(d["prefill"]),
+                decode=Table2D.from_dict(d["decode"]),
+                transfer_bytes=tuple(d["transfer_bytes"]),
+                transfer_seconds=tuple(d["transfer_seconds"]),
+                router_overhead_s=float(d["router_overhead_s"]),
+                kv_bytes_per_token=int(d["kv_bytes_per_token"]),
+                num_layers=int(d["num_layers"]),
+                engine=EngineSettings(**d.get("engine", {})),
+                meta=dict(d.get("meta", {})),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a valid profile: {type(e).__name__}: {e}") from None
+
+
+def load_profile(path: str | Path) -> Profile:
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read profile {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"profile {path} is not JSON: {e}") from None
+    try:
+        return Profile.from_dict(data)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None

@@ -1,0 +1,206 @@
+"""Simulated workers: the project's own Scheduler and BlockManager on a simulated clock.
+
+A step here is what a worker's engine thread does (prefill_worker/worker.py,
+decode_worker/worker.py): ``schedule()``, the forward, ``update(plan, tokens)``. Only the
+forward is replaced: it takes the profile's latency for that plan, and every sampled token is
+a fixed non-EOS id (outputs end at ``max_tokens``, as ``ignore_eos`` runs do). So batching,
+chunked prefill, admission, KV capacity and preemption are the scheduler's own decisions.
+
+Prefix caching is off: simulated prompts carry no content (benchmarks make every prompt unique
+with a nonce for the same reason).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.request import Request, RequestStatus, SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.planner.profile import EngineSettings, Profile
+
+TOKEN = 3  # what every simulated sample returns; never an EOS id (none are set)
+
+
+class _SimRequest(Request):
+    """A Request compared by identity. The dataclass ``__eq__`` compares every field, and the
+    scheduler's ``req in self.running`` makes that O(batch^2) field comparisons per step: the
+    simulated clock does not pay for it (the profile's measured steps do)."""
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+
+class Clock:
+    """The event queue: callbacks at simulated times, in time order (ties in arrival order)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._events: list = []
+        self._seq = itertools.count()
+
+    def at(self, t: float, fn: Callable, *args) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn, args))
+
+    def run(self) -> None:
+        events = self._events
+        while events:
+            t, _, fn, args = heapq.heappop(events)
+            self.now = t
+            fn(*args)
+
+
+class SimWorker:
+    """One worker's engine loop. Also carries the load counters the router's policies read
+    (the fields of router.pool.WorkerHandle they use), so the real policies run unchanged."""
+
+    requeue_preempted = True
+    check_stop = True
+
+    def __init__(
+        self, clock: Clock, profile: Profile, engine: EngineSettings, num_blocks: int, name: str
+    ):
+        self.clock = clock
+        self.profile = profile
+        self.address = name
+        self.blocks = BlockManager(num_blocks, engine.block_size, enable_prefix_caching=False)
+        sched = SchedulerConfig(
+            engine.max_num_batched_tokens, engine.max_num_seqs, engine.prefill_chunk_size
+        )
+        self.scheduler = Scheduler(sched, self.blocks, engine.max_model_len, self.requeue_preempted)
+        self.busy = False
+        self.busy_s = 0.0
+        self.steps = 0
+        self.inflight_tokens = 0
+        self.inflight_requests = 0
+        self.served_requests = 0
+        self.owner: dict[str, object] = {}  # request id -> the router's request
+
+    @property
+    def free_blocks(self) -> int:
+        return self.blocks.num_free
+
+    @property
+    def total_blocks(self) -> int:
+        return self.blocks.num_total
+
+    def wake(self) -> None:
+        if not self.busy and self.scheduler.has_unfinished:
+            self._start_step()
+
+    def _start_step(self) -> None:
+        plan = self.scheduler.schedule()
+        self.on_planned(plan)
+        if plan.is_empty:
+            return  # idle until woken: a submit, an attach or blocks coming back
+        self.busy = True
+        dt = self.profile.step_seconds(plan.scheduled)
+        self.busy_s += dt
+        self.steps += 1
+        self.clock.at(self.clock.now + dt, self._end_step, plan)
+
+    def _end_step(self, plan: SchedulerOutput) -> None:
+        n = sum(1 for s in plan.scheduled if s.samples)
+        updated = self.scheduler.update(plan, [TOKEN] * n, check_stop=self.check_stop)
+        self.on_updated(updated)
+        self.busy = False
+        self.wake()
+
+    def new_request(self, rid: str, prompt_tokens: int, outputs: int, max_tokens: int) -> Request:
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return _SimRequest(
+            rid, [TOKEN] * prompt_tokens, sampling, output_token_ids=[TOKEN] * outputs
+        )
+
+    def on_planned(self, plan: SchedulerOutput) -> None:
+        pass
+
+    def on_updated(self, updated: list[Request]) -> None:
+        raise NotImplementedError
+
+
+class SimPrefillWorker(SimWorker):
+    """Chunked prefill; a request leaves the batch at its first token and its blocks stay held
+    until the KV transfer commits (PrefillWorker._step, finish_transfer)."""
+
+    check_stop = False
+
+    def __init__(self, *args, on_first_token: Callable, **kw):
+        super().__init__(*args, **kw)
+        self.on_first_token = on_first_token
+        self._started: dict[str, float] = {}
+
+    def submit(self, owner, rid: str, prompt: int, outputs: int, max_tokens: int) -> None:
+        self.scheduler.add(self.new_request(rid, prompt, outputs, max_tokens))
+        self.owner[rid] = owner
+        self.wake()
+
+    def on_planned(self, plan: SchedulerOutput) -> None:
+        for s in plan.scheduled:
+            self._started.setdefault(s.request.request_id, self.clock.now)
+
+    def on_updated(self, updated: list[Request]) -> None:
+        now = self.clock.now
+        for req in updated:
+            table = self.scheduler.detach(req)
+            req.status = RequestStatus.FINISHED_LENGTH
+            compute_s = now - self._started.pop(req.request_id)
+            exposed = self.profile.exposed_transfer_s(req.num_tokens - 1, compute_s)
+            self.clock.at(now + exposed, self._transfer_done, table)
+            self.on_first_token(self.owner.pop(req.request_id), self, now, now + exposed)
+
+    def _transfer_done(self, table: list[int]) -> None:
+        self.blocks.free(table)
+        self.wake()
+
+
+class SimDecodeWorker(SimWorker):
+    """Leases, continuous batching, local prefill for colocated requests; a preempted request
+    leaves with its tokens and goes back to the router (DecodeWorker: requeue_preempted=False)."""
+
+    requeue_preempted = False
+
+    def __init__(self, *args, on_token: Callable, on_preempted: Callable, **kw):
+        super().__init__(*args, **kw)
+        self.on_token = on_token
+        self.on_preempted = on_preempted
+        self.num_preemptions = 0
+
+    def reserve(self, num_tokens: int) -> list[int] | None:
+        n = self.blocks.blocks_needed(num_tokens)
+        return self.blocks.allocate(n) if self.blocks.can_allocate(n) else None
+
+    def attach(self, owner, rid: str, prompt: int, outputs: int, max_tokens: int, lease) -> None:
+        """The lease's KV is in: join the waiting queue (DecodeWorker.attach)."""
+        req = self.new_request(rid, prompt, outputs, max_tokens)
+        req.num_computed_tokens = req.num_tokens - 1
+        req.block_table = list(lease)
+        self.owner[rid] = owner
+        status = self.scheduler.check_stop(req)
+        if status is not None:  # the prefill's token already ended it
+            self.scheduler.finish(req, status)
+            self.owner.pop(rid)
+            self.on_token(owner, req, self.clock.now, finished=True, new_token=False)
+            return
+        self.scheduler.attach_prefilled(req)
+        self.wake()
+
+    def submit_local(self, owner, rid: str, prompt: int, outputs: int, max_tokens: int) -> None:
+        self.scheduler.add(self.new_request(rid, prompt, outputs, max_tokens))
+        self.owner[rid] = owner
+        self.wake()
+
+    def on_planned(self, plan: SchedulerOutput) -> None:
+        for req in plan.preempted:
+            self.num_preemptions += 1
+            self.on_preempted(self.owner.pop(req.request_id), self)
+
+    def on_updated(self, updated: list[Request]) -> None:
+        for req in updated:
+            owner = self.owner[req.request_id]
+            if req.is_finished:
+                del self.owner[req.request_id]
+            self.on_token(owner, req, self.clock.now, finished=req.is_finished, new_token=True)

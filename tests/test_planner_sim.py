@@ -1,0 +1,117 @@
+"""The planner's simulator against closed forms, and its use of the real scheduler."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.bench.metrics import SLO
+from pdserve.planner.analytic import Hardware, ModelShape, analytic_profile
+from pdserve.planner.profile import EngineSettings, Profile, Table2D, interp
+from pdserve.planner.sim import SimCluster, SimConfig, Split, simulate
+from pdserve.planner.workload import TraceRequest, arrival_times, synthetic
+
+
+def toy_profile(engine: EngineSettings = EngineSettings(), router_s: float = 1e-3) -> Profile:
+    """SmolLM2-sized model on a slow CPU-like machine: prefill 512 tokens ~ 1 s."""
+    hw = Hardware("toy", 100e9, 10e9, 1e9, mfu=1.0, mbu=1.0, step_overhead_s=2e-3)
+    model = ModelShape("toy", 1.0e8, 5.4e8, 30, 576, 2 * 30 * 192 * 4)
+    prof = analytic_profile(hw, model, engine)
+    return Profile(**{**prof.__dict__, "router_overhead_s": router_s})
+
+
+def test_interp_is_flat_below_and_linear_past_the_table():
+    assert interp([1, 2], [10, 20], 0) == 10
+    assert interp([1, 2], [10, 20], 1.5) == 15
+    assert interp([1, 2], [10, 20], 4) == 40
+    t = Table2D((1, 2), (0, 10), ((1, 2), (3, 4)))
+    assert t.at(1.5, 5) == pytest.approx(2.5)
+
+
+def test_profile_round_trips_through_json(tmp_path):
+    from pdserve.planner.profile import load_profile
+
+    prof = toy_profile()
+    prof.save(tmp_path / "p.json")
+    again = load_profile(tmp_path / "p.json")
+    assert again.prefill_seconds(300, 100) == prof.prefill_seconds(300, 100)
+    assert again.engine == prof.engine
+
+
+def test_bad_profile_is_named(tmp_path):
+    from pdserve.planner.profile import load_profile
+
+    (tmp_path / "p.json").write_text('{"prefill": {}}')
+    with pytest.raises(ValueError, match="p.json"):
+        load_profile(tmp_path / "p.json")
+
+
+def test_zero_load_ttft_is_router_plus_prefill_and_decode_waits_for_the_transfer():
+    prof = toy_profile(router_s=0.004)
+    n = 300
+    run = simulate(prof, [TraceRequest(0.0, n, 3)], Split(1, 1))
+    [ttft] = run.result.ttfts
+    prefill = prof.prefill_seconds(n, 0)
+    assert ttft == pytest.approx(prof.router_overhead_s + prefill)
+    exposed = prof.exposed_transfer_s(n, prefill)
+    # Token 2 comes from the decode worker's first step, once the KV is committed.
+    second = run.result.itls[0]
+    assert second == pytest.approx(exposed + prof.decode_seconds(1, n + 1))
+
+
+def test_zero_load_ttft_when_the_first_token_waits_for_the_kv():
+    prof = toy_profile(router_s=0.004)
+    n = 300
+    cfg = SimConfig(Split(1, 1), first_token_waits_for_kv=True)
+    [ttft] = simulate(prof, [TraceRequest(0.0, n, 1)], cfg).result.ttfts
+    prefill = prof.prefill_seconds(n, 0)
+    transfer = prof.exposed_transfer_s(n, prefill)
+    assert ttft == pytest.approx(prefill + transfer + prof.router_overhead_s)
+
+
+@pytest.mark.parametrize("split", [Split(0, 1), Split(1, 1)], ids=["colocated", "prefill-pool"])
+def test_one_deterministic_server_matches_md1_mean_wait(split):
+    """Same-length prompts, one token out, one at a time: an M/D/1 queue in front of prefill.
+    Mean wait = rho * S / (2 (1 - rho))."""
+    n = 256
+    engine = EngineSettings(max_num_batched_tokens=n, max_num_seqs=1)
+    prof = toy_profile(engine)
+    service = prof.prefill_seconds(n, 0)
+    rho = 0.7
+    times = arrival_times(20000, rho / service, seed=3)
+    trace = [TraceRequest(float(t), n, 1) for t in times]
+    run = simulate(prof, trace, split)
+    waits = [t - service - prof.router_overhead_s for t in run.result.ttfts]
+    expected = rho * service / (2 * (1 - rho))
+    assert sum(waits) / len(waits) == pytest.approx(expected, rel=0.08)
+
+
+def test_every_block_comes_back_and_preemption_recomputes():
+    """A decode pool too small for the load: the real scheduler preempts, the router sends
+    the request around again, and every request still gets all its tokens."""
+    prof = toy_profile(EngineSettings(num_blocks=2048, max_num_seqs=64))
+    trace = synthetic("200-400/100-200", 60, 4.0, seed=2)
+    cfg = SimConfig(Split(1, 1), decode_num_blocks=120, reserve_timeout_s=1e9)  # no 429s
+    sim = SimCluster(prof, cfg)
+    run = sim.run(trace)
+    assert run.preemptions > 0
+    assert run.result.completed == len(trace)
+    in_order = sorted(trace, key=lambda r: r.arrival_s)
+    assert run.result.output_lens == [r.output_tokens for r in in_order]
+    for w in sim.prefill + sim.decode:
+        assert w.blocks.num_free == w.blocks.num_total
+        assert not w.scheduler.has_unfinished
+
+
+def test_chunked_prefill_takes_several_steps():
+    prof = toy_profile(EngineSettings(max_num_batched_tokens=512, prefill_chunk_size=128))
+    sim = SimCluster(prof, SimConfig(Split(1, 1)))
+    sim.run([TraceRequest(0.0, 1000, 2)])
+    assert sim.prefill[0].steps == 8
+
+
+def test_an_hour_of_1p1d_traffic_simulates_in_under_a_minute():
+    prof = toy_profile()
+    trace = synthetic("mixed", 3600, 1.0, seed=0)  # one hour at 1 req/s
+    run = simulate(prof, trace, Split(1, 1), SLO(5.0, 0.2))
+    assert run.result.completed == len(trace)
+    assert run.wall_s < 60
