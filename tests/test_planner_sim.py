@@ -10,8 +10,10 @@ from pdserve.planner.profile import EngineSettings, Profile, Table2D, interp
 from pdserve.planner.sim import SimCluster, SimConfig, Split, simulate
 from pdserve.planner.workload import TraceRequest, arrival_times, synthetic
 
+DEFAULT_ENGINE = EngineSettings()
 
-def toy_profile(engine: EngineSettings = EngineSettings(), router_s: float = 1e-3) -> Profile:
+
+def toy_profile(engine: EngineSettings = DEFAULT_ENGINE, router_s: float = 1e-3) -> Profile:
     """SmolLM2-sized model on a slow CPU-like machine: prefill 512 tokens ~ 1 s."""
     hw = Hardware("toy", 100e9, 10e9, 1e9, mfu=1.0, mbu=1.0, step_overhead_s=2e-3)
     model = ModelShape("toy", 1.0e8, 5.4e8, 30, 576, 2 * 30 * 192 * 4)

@@ -24,6 +24,8 @@ from pdserve.planner.sim_workers import Clock, SimDecodeWorker, SimPrefillWorker
 from pdserve.planner.workload import TraceRequest
 from router.policies import get_policy
 
+NO_SLO = SLO()
+
 
 @dataclass(frozen=True)
 class Split:
@@ -215,7 +217,7 @@ class SimCluster:
         req.record.error = why
 
     # ---- a run ----------------------------------------------------------------------------
-    def run(self, trace: list[TraceRequest], slo: SLO = SLO()) -> SimRun:
+    def run(self, trace: list[TraceRequest], slo: SLO = NO_SLO) -> SimRun:
         started = time.perf_counter()
         t0 = min(r.arrival_s for r in trace)
         reqs = []
@@ -238,7 +240,7 @@ class SimCluster:
 
 
 def simulate(
-    profile: Profile, trace: list[TraceRequest], cfg: SimConfig | Split, slo: SLO = SLO()
+    profile: Profile, trace: list[TraceRequest], cfg: SimConfig | Split, slo: SLO = NO_SLO
 ) -> SimRun:
     """Serve ``trace`` on a simulated cluster; ``cfg`` may be just a Split."""
     if isinstance(cfg, Split):

@@ -179,5 +179,4 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
 def write_trace(path: str | Path, trace: list[TraceRequest]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        for r in trace:
-            f.write(json.dumps(asdict(r)) + "\n")
+        f.writelines(json.dumps(asdict(r)) + "\n" for r in trace)
