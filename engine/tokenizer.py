@@ -49,6 +49,9 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def id_to_token(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id) or ""
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise InvalidRequestError("messages", "this model has no chat template")

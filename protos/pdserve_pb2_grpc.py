@@ -51,6 +51,16 @@ class GenerationStub:
                 request_serializer=protos_dot_pdserve__pb2.HealthRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/pdserve.v1.Generation/Tokenize',
+                request_serializer=protos_dot_pdserve__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/pdserve.v1.Generation/Detokenize',
+                request_serializer=protos_dot_pdserve__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -77,6 +87,19 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The served model's tokenizer (and chat template), as vLLM's /tokenize and /detokenize.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +117,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=protos_dot_pdserve__pb2.HealthRequest.FromString,
                     response_serializer=protos_dot_pdserve__pb2.HealthResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=protos_dot_pdserve__pb2.TokenizeRequest.FromString,
+                    response_serializer=protos_dot_pdserve__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=protos_dot_pdserve__pb2.DetokenizeRequest.FromString,
+                    response_serializer=protos_dot_pdserve__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +212,60 @@ class Generation:
             '/pdserve.v1.Generation/Health',
             protos_dot_pdserve__pb2.HealthRequest.SerializeToString,
             protos_dot_pdserve__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Generation/Tokenize',
+            protos_dot_pdserve__pb2.TokenizeRequest.SerializeToString,
+            protos_dot_pdserve__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Generation/Detokenize',
+            protos_dot_pdserve__pb2.DetokenizeRequest.SerializeToString,
+            protos_dot_pdserve__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,6 +14,7 @@ from protos import pdserve_pb2_grpc as pb_grpc
 from router.auth import ApiKeyInterceptor
 from router.core import Router
 from router.flow import Overloaded, WorkerFailure
+from router.tokenize import detokenize, tokenize
 
 log = logging.getLogger("pdserve.router")
 
@@ -82,6 +83,35 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.ListModelsResponse(
             models=[pb.ModelInfo(id=cfg.model_name, max_model_len=cfg.max_model_len)]
         )
+
+    async def _check_model(self, model: str, context) -> None:
+        if model and model != self.router.cfg.model_name:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served")
+
+    async def Tokenize(self, request, context):
+        await self._check_model(request.model, context)
+        chat = request.WhichOneof("input") == "chat"
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        try:
+            ids = tokenize(
+                self.router.tokenizer,
+                None if chat else request.prompt,
+                messages if chat else None,
+                request.add_special_tokens if request.HasField("add_special_tokens") else None,
+                not request.HasField("add_generation_prompt") or request.add_generation_prompt,
+            )
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.TokenizeResponse(
+            tokens=ids, count=len(ids), max_model_len=self.router.cfg.max_model_len
+        )
+
+    async def Detokenize(self, request, context):
+        await self._check_model(request.model, context)
+        try:
+            return pb.DetokenizeResponse(prompt=detokenize(self.router.tokenizer, request.tokens))
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def Health(self, request, context):
         return pb.HealthResponse(

@@ -2,7 +2,7 @@
 same request path as gRPC (``Router.prepare`` then ``Router.generate``).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
-``"stream": true``), GET /v1/models, GET /health (503 until every pool has a ready worker),
+``"stream": true``), GET /v1/models, POST /tokenize and /detokenize (vLLM's), GET /health (503 until every pool has a ready worker),
 GET /metrics (Prometheus). Errors use OpenAI's shape ``{"error": {message, type, param,
 code}}``: 400 bad parameter (named in ``param``), 401 bad API key, 404 unknown model or route,
 429 overloaded, 503 workers failed.
@@ -29,6 +29,7 @@ from engine.errors import InvalidRequestError
 from router.auth import bearer_ok
 from router.core import Router
 from router.flow import Overloaded, WorkerFailure
+from router.http_tokenize import add_tokenize_routes
 from router.openai_models import (
     ChatCompletionRequest,
     ChatResponseShape,
@@ -266,6 +267,9 @@ def build_app(router: Router, api_key: str | None = None) -> FastAPI:
         return {"object": "list", "data": [card]}
 
     app.include_router(v1)
+    tokens = APIRouter(dependencies=[Depends(require_key)])  # vLLM's paths: no /v1
+    add_tokenize_routes(tokens, router, handlers._parse, _bad_request)
+    app.include_router(tokens)
     _add_operational_routes(app, router)
     _add_error_handlers(app)
     return app

@@ -124,3 +124,57 @@ def test_bad_parameter_is_400_naming_it(cluster, model, override, param):
     status, out = post(cluster.http_address, "/v1/completions", body)
     assert status == 400, out
     assert out["error"]["param"] == param and param in out["error"]["message"]
+
+
+# ---- /tokenize and /detokenize ----------------------------------------------------------
+
+
+def test_tokenize_prompt_and_chat_as_vllm(cluster, model, tok):
+    status, out = post(cluster.http_address, "/tokenize", {"model": model, "prompt": "w5 w6"})
+    assert status == 200
+    assert out == {"count": 2, "max_model_len": 128, "tokens": [5, 6], "token_strs": None}
+    messages = [{"role": "user", "content": "w5 w6"}]
+    status, out = post(cluster.http_address, "/tokenize", {"messages": messages})
+    assert status == 200 and out["tokens"] == tok.encode_chat(messages)
+    body = {"messages": messages, "add_generation_prompt": False, "return_token_strs": True}
+    status, out = post(cluster.http_address, "/tokenize", body)
+    assert out["count"] < len(tok.encode_chat(messages)) and out["token_strs"][-1] == "w6"
+
+
+def test_detokenize_round_trips(cluster):
+    status, out = post(cluster.http_address, "/detokenize", {"tokens": [5, 6, 2]})
+    assert status == 200 and out == {"prompt": "w5 w6 </s>"}
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "w5", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/detokenize", {"tokens": [100000]}, "tokens"),
+        ("/detokenize", {"tokens": "w5"}, "tokens"),
+    ],
+)
+def test_tokenize_bad_input_is_400(cluster, path, body, param):
+    status, out = post(cluster.http_address, path, body)
+    assert status == 400 and out["error"]["param"] == param, out
+
+
+def test_tokenize_over_grpc(cluster, tok):
+    import grpc
+
+    from protos import pdserve_pb2 as pb
+    from protos import pdserve_pb2_grpc as pb_grpc
+
+    messages = [pb.ChatMessage(role="user", content="w7")]
+    with grpc.insecure_channel(cluster.address) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        out = stub.Tokenize(pb.TokenizeRequest(prompt="w5 w6 w7"))
+        assert list(out.tokens) == [5, 6, 7] and out.count == 3 and out.max_model_len == 128
+        chat = stub.Tokenize(pb.TokenizeRequest(chat=pb.ChatMessages(messages=messages)))
+        assert list(chat.tokens) == tok.encode_chat([{"role": "user", "content": "w7"}])
+        assert stub.Detokenize(pb.DetokenizeRequest(tokens=[5, 6])).prompt == "w5 w6"
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Detokenize(pb.DetokenizeRequest(tokens=[10**6]))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
