@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.bench import register as add_bench
 
     add_bench(sub)
+    from pdserve.planner.cli import register as add_planner
+
+    add_planner(sub)  # profile, plan
     return parser
 
 

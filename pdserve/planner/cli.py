@@ -1,0 +1,189 @@
+"""``pdserve profile`` and ``pdserve plan``: argument parsing and checks (a bad argument is
+named by argparse: ``argument --rate: must be > 0``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def workload_spec(text: str) -> str:
+    from pdserve.planner.workload import parse_lengths
+
+    try:
+        parse_lengths(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def add_profile(sub) -> None:
+    from engine.args import device_name
+
+    p = sub.add_parser("profile", help="measure one worker's latencies here (for `plan`)")
+    p.add_argument("--config", default=None, help="cluster YAML (default: the embedded local one)")
+    p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda[:N], or auto")
+    p.add_argument("--model", default=None, help="override the config's model")
+    p.add_argument("--out", required=True, help="profile JSON to write")
+    p.add_argument("--quick", action="store_true", help="a tiny grid (tests, tiny models)")
+    p.add_argument("--skip-router", action="store_true", help="assume 2 ms for the router")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_profile)
+
+
+def cmd_profile(args) -> int:
+    from pdserve.config import load_config
+    from pdserve.planner.measure import run_profile
+
+    cfg = load_config(args.config)
+    if args.model:
+        cfg = cfg.with_overrides(model=args.model)
+    started = time.time()
+    prof = run_profile(cfg, args.device, args.quick, args.skip_router, not args.no_progress)
+    prof.save(args.out)
+    e = prof.engine
+    print(
+        f"wrote {args.out} ({time.time() - started:.0f} s): prefill {e.max_num_batched_tokens} "
+        f"tokens {prof.prefill_seconds(e.max_num_batched_tokens) * 1e3:.1f} ms, decode step "
+        f"(batch 1) {prof.decode_seconds(1, 256) * 1e3:.1f} ms, router "
+        f"{prof.router_overhead_s * 1e3:.2f} ms"
+    )
+    return 0
+
+
+def add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="which prefill:decode split a workload needs (simulated)")
+    p.add_argument("--profile", required=True, help="from `pdserve profile`, or hand-written")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--workload",
+        type=workload_spec,
+        help="chat | longdoc | mixed | longprompt | longoutput | P_LO-P_HI/O_LO-O_HI (tokens)",
+    )
+    src.add_argument("--trace", help="JSONL of {arrival_s, prompt_tokens, output_tokens}")
+    p.add_argument(
+        "--rate",
+        type=positive_float,
+        default=None,
+        help="target req/s (a trace's own rate by default)",
+    )
+    p.add_argument("--slo-ttft", type=positive_float, default=None, help="seconds")
+    p.add_argument("--slo-tpot", type=positive_float, default=None, help="seconds")
+    p.add_argument("--max-workers", type=positive_int, required=True)
+    p.add_argument("--out", default=None, help="folder for plan.txt/json and the PNG plots")
+    p.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
+    p.add_argument("--cv", type=positive_float, default=1.0, help="gamma arrivals' burstiness")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--duration",
+        type=positive_float,
+        default=300.0,
+        help="simulated seconds per probe (more requests at higher rates)",
+    )
+    p.add_argument("--max-requests", type=positive_int, default=4000)
+    p.add_argument("--prefill-policy", default="least_queued")
+    p.add_argument("--decode-policy", default="most_free_blocks")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=0)
+    p.add_argument("--decode-num-blocks", type=positive_int, default=None)
+    p.set_defaults(func=cmd_plan)
+
+
+def _plan_inputs(args, parser_error):
+    from pdserve.planner.profile import load_profile
+    from pdserve.planner.search import synthetic_workload, trace_workload
+    from pdserve.planner.workload import read_trace
+    from router.policies import get_policy
+
+    if args.slo_ttft is None and args.slo_tpot is None:
+        parser_error("give --slo-ttft and/or --slo-tpot")
+    for kind, name in (("prefill", args.prefill_policy), ("decode", args.decode_policy)):
+        try:
+            get_policy(kind, name)
+        except ValueError as e:
+            parser_error(f"argument --{kind}-policy: {e}")
+    try:
+        prof = load_profile(args.profile)
+    except ValueError as e:
+        parser_error(f"argument --profile: {e}")
+    sizes = {"duration_s": args.duration, "max_requests": args.max_requests}
+    if args.trace:
+        try:
+            trace = read_trace(args.trace)
+        except ValueError as e:
+            parser_error(f"argument --trace: {e}")
+        rate = args.rate
+        if rate is None:
+            span = max(r.arrival_s for r in trace) - min(r.arrival_s for r in trace)
+            if span <= 0:
+                parser_error("argument --rate: the trace has no rate of its own; give one")
+            rate = (len(trace) - 1) / span
+        return prof, trace_workload(trace, **sizes), rate
+    if args.rate is None:
+        parser_error("argument --rate: required with --workload")
+    return (
+        prof,
+        synthetic_workload(args.workload, args.seed, args.arrival, args.cv, **sizes),
+        args.rate,
+    )
+
+
+def cmd_plan(args) -> int:
+    from pdserve.bench.metrics import SLO
+    from pdserve.planner.report import format_plan, write_report
+    from pdserve.planner.search import plan
+    from pdserve.planner.sim import SimConfig, Split
+
+    def error(msg: str):
+        print(f"pdserve plan: error: {msg}", file=sys.stderr)
+        raise SystemExit(2)
+
+    prof, workload, rate = _plan_inputs(args, error)
+    base = SimConfig(
+        Split(1, 1),
+        decode_num_blocks=args.decode_num_blocks,
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+    )
+    started = time.time()
+    result = plan(
+        prof,
+        workload,
+        rate,
+        SLO(args.slo_ttft, args.slo_tpot),
+        args.max_workers,
+        base,
+        progress=lambda label: print(f"  simulated {label}", file=sys.stderr),
+    )
+    print(format_plan(result))
+    if args.out:
+        for path in write_report(result, args.out):
+            print(f"wrote {path}")
+    print(f"({time.time() - started:.0f} s)", file=sys.stderr)
+    return 0
+
+
+def register(sub) -> None:
+    add_profile(sub)
+    add_plan(sub)

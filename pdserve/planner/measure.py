@@ -1,0 +1,266 @@
+"""``pdserve profile``: measure one worker on this hardware and write a latency profile.
+
+- prefill: one forward over a chunk of N new tokens at offset C (tokens already in the cache),
+  with the sampler, over N up to the batch token budget and C up to the context;
+- decode: whole steps of the real Scheduler (schedule, forward, sample, update) over batch size
+  and context per sequence, so the scheduler's own cost per step is in the figure;
+- KV transfer: one request's KV pushed and committed over the configured transport, over sizes;
+- router: the time to first token through the router with instant fake workers
+  (pdserve.bench.router_overhead), which is what the router adds to a request's TTFT.
+
+Each figure is the fastest of a few repeats (a shared machine disturbs upward only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import subprocess
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.bench.limits import best_time
+from pdserve.planner.profile import EngineSettings, Profile, Table2D
+
+QUICK_ROUTER_OVERHEAD_S = 2e-3  # --quick does not spawn the router; BENCHMARKS.md run 5
+
+
+@dataclass(frozen=True)
+class Grid:
+    prefill_tokens: tuple[int, ...]
+    offsets: tuple[int, ...]
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    transfer_tokens: tuple[int, ...]
+    reps: int = 2
+    decode_steps: int = 4
+
+
+FULL = Grid(
+    (16, 64, 128, 256, 512),
+    (0, 512, 1024, 1536),
+    (1, 4, 16, 32),
+    (64, 256, 512, 960),
+    (128, 512, 1024, 2048),
+)
+QUICK = Grid((8, 32), (0, 32), (1, 4), (16, 64), (32, 128), reps=1, decode_steps=2)
+
+
+def _fit(grid: Grid, engine: EngineSettings) -> Grid:
+    """Drop points the engine cannot run: chunks over the budget, contexts over the model."""
+    budget, ctx = engine.max_num_batched_tokens, engine.max_model_len - 2
+    return Grid(
+        tuple(n for n in grid.prefill_tokens if n <= budget) or (budget,),
+        tuple(c for c in grid.offsets if c + min(grid.prefill_tokens) <= ctx),
+        tuple(b for b in grid.batches if b <= engine.max_num_seqs),
+        tuple(c for c in grid.contexts if c <= ctx),
+        tuple(t for t in grid.transfer_tokens if t <= ctx) or (ctx,),
+        grid.reps,
+        grid.decode_steps,
+    )
+
+
+class WorkerTimer:
+    """Times the engine as a worker drives it, on a private cache big enough for the grid."""
+
+    def __init__(self, engine, grid: Grid):
+        from engine.block_manager import BlockManager
+        from engine.scheduler import Scheduler
+
+        self.engine = engine
+        self.grid = grid
+        self.bs = engine.config.cache.block_size
+        self.blocks = BlockManager(engine.config.cache.num_blocks, self.bs, False)
+        cfg = engine.config.scheduler
+        self.scheduler = Scheduler(cfg, self.blocks, engine.config.max_model_len, False)
+
+    def prefill(self, n: int, offset: int) -> float:
+        from engine.request import Request
+        from engine.scheduler import ScheduledSequence
+
+        req = Request("p", [5] * (offset + n))
+        req.block_table = self.blocks.allocate(self.blocks.blocks_needed(offset + n))
+        req.num_computed_tokens = offset
+        batch = [ScheduledSequence(req, n, True)]
+        runner, sampler = self.engine.runner, self.engine.sampler
+
+        def once():
+            sampler.sample(runner.execute(batch), [req])
+
+        try:
+            return best_time(once, reps=self.grid.reps, warmup=1)
+        finally:
+            self.blocks.free(req.block_table)
+
+    def decode(self, batch: int, context: int) -> float:
+        """Mean of ``decode_steps`` whole scheduler steps, best of ``reps`` runs."""
+        from engine.request import Request, RequestStatus, SamplingParams
+
+        sampling = SamplingParams(max_tokens=10_000, ignore_eos=True)
+        reqs = []
+        for i in range(batch):
+            req = Request(f"d{i}", [5] * context, sampling, output_token_ids=[6])
+            req.block_table = self.blocks.allocate(self.blocks.blocks_needed(context + 1))
+            req.num_computed_tokens = context
+            self.scheduler.attach_prefilled(req)
+            reqs.append(req)
+        try:
+            self._step()  # admits them all
+            return best_time(self._steps, reps=self.grid.reps, warmup=1) / self.grid.decode_steps
+        finally:
+            for req in reqs:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def _step(self) -> None:
+        plan = self.scheduler.schedule()
+        logits = self.engine.runner.execute(plan.scheduled)
+        tokens = self.engine.sampler.sample(logits, [s.request for s in plan.scheduled])
+        self.scheduler.update(plan, tokens)
+
+    def _steps(self) -> None:
+        for _ in range(self.grid.decode_steps):
+            self._step()
+
+
+def measure_transfer(model_cfg, engine: EngineSettings, transport: str, tokens) -> list[float]:
+    from pdserve.bench.transfer import KVShape, measure_transport
+
+    out = []
+    for n in tokens:
+        shape = KVShape(
+            model_cfg.num_layers, engine.block_size, model_cfg.num_kv_heads, model_cfg.head_dim, n
+        )
+        result = measure_transport(transport, shape, repeats=2, loopback_best=1.0)
+        out.append(min(result.seconds))
+    return out
+
+
+def measure_router_overhead(prompt_tokens: int = 256) -> float:
+    from pdserve.bench.router_overhead import _measure
+
+    summary = asyncio.run(_measure(40, prompt_tokens))
+    return max(r["routed_p50_ms"] for r in summary["rows"]) / 1e3
+
+
+def machine_meta(engine, device: str, threads: int) -> dict:
+    import sys
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    gpu = torch.cuda.get_device_name() if device.startswith("cuda") else None
+    weight = next(engine.runner.model.parameters())
+    return {
+        "cpu": cpu,
+        "cpu_count": __import__("os").cpu_count(),
+        "gpu": gpu,
+        "device": device,
+        "threads": threads,
+        "dtype": str(weight.dtype).removeprefix("torch."),
+        "versions": {
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "pdserve_commit": commit,
+        },
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def run_profile(
+    cfg,
+    device: str = "cpu",
+    quick: bool = False,
+    skip_router: bool = False,
+    progress: bool = True,
+) -> Profile:
+    """Measure the worker ``cfg`` (a pdserve.config.ClusterConfig) describes, on ``device``."""
+    from tqdm.auto import tqdm
+
+    from engine.config import CacheConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+
+    settings = EngineSettings(
+        cfg.block_size,
+        cfg.num_blocks,
+        cfg.max_model_len,
+        cfg.max_num_batched_tokens,
+        cfg.max_num_seqs,
+        cfg.prefill_chunk_size,
+    )
+    threads = cfg.pools.decode.threads
+    if threads:
+        torch.set_num_threads(threads)
+    grid = _fit(QUICK if quick else FULL, settings)
+    blocks = max(grid.batches) * (max(grid.contexts) // cfg.block_size + 2) + 64
+    sched = SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.prefill_chunk_size)
+    engine = LLMEngine.from_model_path(
+        cfg.model, CacheConfig(cfg.block_size, blocks), sched, cfg.max_model_len, progress, device
+    )
+    settings = EngineSettings(**{**settings.__dict__, "max_model_len": engine.config.max_model_len})
+    timer = WorkerTimer(engine, grid)
+    total = len(grid.prefill_tokens) * len(grid.offsets) + len(grid.batches) * len(grid.contexts)
+    bar = tqdm(total=total + 2, desc="profile", unit="pt", disable=not progress)
+    prefill = []
+    for n in grid.prefill_tokens:
+        prefill.append(tuple(timer.prefill(n, c) for c in grid.offsets))
+        bar.update(len(grid.offsets))
+    decode = []
+    for b in grid.batches:
+        decode.append(tuple(timer.decode(b, c) for c in grid.contexts))
+        bar.update(len(grid.contexts))
+    model_cfg = engine.config.model
+    bar.set_postfix_str(f"kv transfer ({cfg.kv_transport})")
+    transfer = measure_transfer(model_cfg, settings, cfg.kv_transport, grid.transfer_tokens)
+    bar.update(1)
+    bar.set_postfix_str("router")
+    router_s = QUICK_ROUTER_OVERHEAD_S if quick or skip_router else measure_router_overhead()
+    bar.update(1)
+    bar.close()
+    kv_per_token = (
+        2 * model_cfg.num_layers * model_cfg.kv_size * engine.runner.kv_caches[0][0].element_size()
+    )
+    meta = machine_meta(engine, device, torch.get_num_threads())
+    meta.update(
+        model=str(cfg.model),
+        model_shape={
+            k: getattr(model_cfg, k)
+            for k in (
+                "hidden_size",
+                "num_layers",
+                "num_heads",
+                "num_kv_heads",
+                "head_dim",
+                "vocab_size",
+            )
+        },
+        kv_transport=cfg.kv_transport,
+        router_overhead="assumed (not measured)" if quick or skip_router else "measured",
+        quick=quick,
+    )
+    return Profile(
+        prefill=Table2D(grid.prefill_tokens, grid.offsets, tuple(prefill)),
+        decode=Table2D(grid.batches, grid.contexts, tuple(decode)),
+        transfer_bytes=tuple(float(t * kv_per_token) for t in grid.transfer_tokens),
+        transfer_seconds=tuple(transfer),
+        router_overhead_s=router_s,
+        kv_bytes_per_token=kv_per_token,
+        num_layers=model_cfg.num_layers,
+        engine=settings,
+        meta=meta,
+    )
