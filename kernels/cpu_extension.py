@@ -1,11 +1,19 @@
-"""The CPU extension (C++), built on first use with torch's extension loader.
+"""The CPU extension (C++), built per instruction set with torch's extension loader.
 
 What lives in it: the paged decode-attention kernel (decode on CPU is bound by memory traffic;
 reading K/V straight from the cache blocks avoids the gather copy and its second read), the
 causal prefill-attention kernel, the few-row matmul of a decode step's projections
-(engine/linear.py), and the decoder layers as one call (engine/cpu_stack.py; no interpreter
-between the small ops of a decode step). If no compiler is available the build fails once, a
-warning is logged, and callers keep the torch / Python paths.
+(engine/linear.py), the decoder layers as one call (engine/cpu_stack.py; no interpreter
+between the small ops of a decode step) and the KV transfer's block copies.
+
+The same sources are compiled once per instruction set, each build a module of its own
+(``pdserve_cpu_kernels_avx512``, ``pdserve_cpu_kernels_avx2``), with explicit flags and never
+``-march=native``: a build runs on any CPU that has its flags, so the AVX2 build is tested and
+timed on AVX-512 machines too. At run time the best build this CPU can run is chosen (AVX-512,
+then AVX2 + FMA); without either, callers keep the torch paths, which are faster than any
+generic loop. ``PDSERVE_CPU_ISA`` (avx512 | avx2 | torch) forces a choice and
+``PDSERVE_NO_CPU_EXT=1`` means torch. An ARM build is one more ``Variant`` (NEON flags) and a
+branch in csrc/simd.h. If the compiler fails, a warning is logged and the next choice is tried.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import logging
 import os
 import platform
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger("pdserve.kernels")
@@ -27,21 +36,149 @@ _SOURCES = [
     "kv_blocks_cpu.cpp",
     "bindings.cpp",
 ]
-_lock = threading.Lock()
-_module = None
-_failed = False
 
 
-def load():
-    """The compiled module, or None when it cannot be built here (or PDSERVE_NO_CPU_EXT=1)."""
-    global _module, _failed
-    if _module is not None or _failed:
-        return _module
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    cpu_flags: frozenset[str]  # /proc/cpuinfo flags the build's instructions need
+    cflags: tuple[str, ...]
+
+
+VARIANTS = (  # fastest first
+    Variant(
+        "avx512",
+        frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
+    ),
+    Variant("avx2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
+)
+TORCH = "torch"  # no extension: the torch paths
+CHOICES = (*(v.name for v in VARIANTS), TORCH)
+_BY_NAME = {v.name: v for v in VARIANTS}
+
+_lock = threading.RLock()
+_modules: dict[str, object | None] = {TORCH: None}  # built (or failed) builds by name
+_selected: str | None = None
+
+
+def load(variant: str | None = None):
+    """The compiled module of ``variant`` (default: the one chosen for this process), or None
+    for the torch path: ``torch`` chosen, a CPU without the build's instructions, or a failed
+    build. Cheap after the first call: the layers call it on every forward."""
+    name = variant or _selected or selected_variant()
+    try:
+        return _modules[name]
+    except KeyError:
+        return _load_new(name)
+
+
+def _load_new(name: str):
+    if name not in _BY_NAME:
+        raise ValueError(f"unknown CPU kernel variant {name!r}; expected one of {CHOICES}")
     with _lock:
-        if _module is None and not _failed:
-            _module = _build()
-            _failed = _module is None
-    return _module
+        if name not in _modules:
+            runnable = name in runnable_variants()
+            _modules[name] = _build(_BY_NAME[name]) if runnable else None
+    return _modules[name]
+
+
+def selected_variant() -> str:
+    """The variant ``load()`` returns: forced by ``use`` or the environment, else the best
+    this CPU runs whose build succeeds, else ``torch``. Logged once."""
+    global _selected
+    with _lock:
+        if _selected is None:
+            _selected = _choose()
+            info = describe()
+            log.info(
+                "CPU kernels: %s (CPU %s; instruction sets %s)",
+                _selected, info["cpu_model"], info["cpu_isa"],
+            )  # fmt: skip
+    return _selected
+
+
+def use(variant: str) -> None:
+    """Force the variant for the rest of the process (benchmarks, tests); ``load()`` then
+    returns its module, or None where this CPU cannot run it."""
+    global _selected
+    if variant not in CHOICES:
+        raise ValueError(f"unknown CPU kernel variant {variant!r}; expected one of {CHOICES}")
+    _selected = variant
+
+
+def _choose() -> str:
+    forced = os.environ.get("PDSERVE_CPU_ISA", "").strip().lower()
+    if os.environ.get("PDSERVE_NO_CPU_EXT") == "1":
+        forced = TORCH
+    if forced and forced not in CHOICES:
+        raise ValueError(f"PDSERVE_CPU_ISA={forced!r}: expected one of {CHOICES}")
+    if forced == TORCH:
+        return TORCH
+    if forced and forced not in runnable_variants():
+        log.warning("PDSERVE_CPU_ISA=%s: this CPU lacks its instructions; torch path", forced)
+        return TORCH
+    for name in [forced] if forced else runnable_variants():
+        if _load_new(name) is not None:
+            return name
+    return TORCH
+
+
+def build_all() -> list[str]:
+    """Build every variant this CPU runs (install time, CI); returns those that built."""
+    return [name for name in runnable_variants() if _load_new(name) is not None]
+
+
+def runnable_variants() -> list[str]:
+    """The builds whose instructions this CPU has, fastest first."""
+    flags = cpu_flags()
+    return [v.name for v in VARIANTS if v.cpu_flags <= flags]
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    fields: dict[str, str] = {}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return fields
+    for line in text.split("\n\n")[0].splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's instruction-set flags, as /proc/cpuinfo names them (torch's detected
+    capability where there is no /proc/cpuinfo)."""
+    info = _cpuinfo()
+    if "flags" in info or "Features" in info:  # x86 / ARM spelling
+        return frozenset(info.get("flags", info.get("Features", "")).split())
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    return frozenset().union(*(v.cpu_flags for v in VARIANTS if v.name in capability.lower()))
+
+
+def cpu_model() -> str:
+    info = _cpuinfo()
+    return info.get("model name") or platform.processor() or platform.machine()
+
+
+def cpu_isa() -> str:
+    """The vector instruction sets this CPU has that the extension has builds for, e.g.
+    ``avx512+avx2`` (``none`` without either)."""
+    return "+".join(runnable_variants()) or "none"
+
+
+def describe() -> dict:
+    """What benchmarks record beside their figures: the CPU, its instruction sets, and the
+    kernel variant this process uses."""
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_isa": cpu_isa(),
+        "cpu_kernels": _selected or "(not chosen yet)",
+    }
 
 
 def _vector_math_flags() -> list[str]:
@@ -51,19 +188,21 @@ def _vector_math_flags() -> list[str]:
     return ["-lmvec"] if is_glibc and platform.machine() in ("x86_64", "AMD64") else []
 
 
-def _build():
-    if os.environ.get("PDSERVE_NO_CPU_EXT") == "1":
-        return None
+def _build(variant: Variant):
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        return load_extension(
-            name="pdserve_cpu_kernels",
+        module = load_extension(
+            name=f"pdserve_cpu_kernels_{variant.name}",
             sources=[str(_CSRC / name) for name in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            # Tuned for no CPU in particular: the build must run, and run well, on every CPU
+            # with the variant's flags.
+            extra_cflags=["-O3", "-mtune=generic", *variant.cflags, "-fopenmp"],
             extra_ldflags=["-fopenmp", *_vector_math_flags()],
             verbose=False,
         )
     except Exception as e:  # no compiler, no headers: the torch path still works
-        log.warning("CPU paged-attention extension unavailable (%s); using the torch path", e)
+        log.warning("CPU extension (%s) unavailable (%s); using the torch path", variant.name, e)
         return None
+    assert module.instruction_set == variant.name, "build flags and simd.h disagree"
+    return module

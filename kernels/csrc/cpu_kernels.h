@@ -4,14 +4,7 @@
 
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#if defined(__GLIBC__)
-// glibc's vector math library (libmvec): 16 expf at once, within 4 ulp like the scalar expf.
-extern "C" __m512 _ZGVeN16v_expf(__m512);
-#define PDSERVE_VECTOR_EXP 1
-#endif
-#endif
+#include "simd.h"
 
 #include <array>
 #include <cmath>
@@ -21,20 +14,15 @@ extern "C" __m512 _ZGVeN16v_expf(__m512);
 
 // s[t] = exp(s[t] - m) for t < n, in place; returns their sum (the softmax's denominator).
 inline float exp_shifted_sum(float* s, int64_t n, float m) {
-  float sum = 0.f;
+  const simd::vec vm = simd::set1(m);
+  simd::vec vsum = simd::zero();
   int64_t t = 0;
-#if defined(PDSERVE_VECTOR_EXP)
-  const __m512 vm = _mm512_set1_ps(m);
-  __m512 vsum = _mm512_setzero_ps();
-  for (; t < n; t += 16) {
-    const __mmask16 k = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
-    __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), vm));
-    e = _mm512_maskz_mov_ps(k, e);
-    _mm512_mask_storeu_ps(s + t, k, e);
-    vsum = _mm512_add_ps(vsum, e);
+  for (; t + simd::kWidth <= n; t += simd::kWidth) {
+    const simd::vec e = simd::exp(simd::sub(simd::load(s + t), vm));
+    simd::store(s + t, e);
+    vsum = simd::add(vsum, e);
   }
-  sum = _mm512_reduce_add_ps(vsum);
-#endif
+  float sum = simd::reduce_add(vsum);
   for (; t < n; ++t) {
     s[t] = std::exp(s[t] - m);
     sum += s[t];

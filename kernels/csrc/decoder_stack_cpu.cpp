@@ -101,15 +101,12 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t inter) {
       const float *g = src + t * 2 * inter, *u = g + inter;
       float* o = dst + t * inter;
       int64_t i = 0;
-#if defined(PDSERVE_VECTOR_EXP)
-      const __m512 one = _mm512_set1_ps(1.f);
-      for (; i + 16 <= inter; i += 16) {
-        const __m512 x = _mm512_loadu_ps(g + i);
-        const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        const __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, e));
-        _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+      const simd::vec one = simd::set1(1.f);
+      for (; i + simd::kWidth <= inter; i += simd::kWidth) {
+        const simd::vec x = simd::load(g + i);
+        const simd::vec s = simd::div(x, simd::add(one, simd::exp(simd::sub(simd::zero(), x))));
+        simd::store(o + i, simd::mul(s, simd::load(u + i)));
       }
-#endif
       for (; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
   });

@@ -3,9 +3,10 @@
 //
 // A decode step streams every weight between two layers' attention, so the K/V it reads come
 // from memory, not cache: a task reads whole cache rows (all its KV heads of a slot, contiguous)
-// block after block, and every query head of a GQA group shares each K/V read. With AVX-512 the
-// head's key row stays in registers across the group and the exponentials are vectorised; the
-// arithmetic is cheap enough that the kernel runs near memory speed.
+// block after block, and every query head of a GQA group shares each K/V read. The head's key
+// row stays in registers across the group (AVX-512 or AVX2, one build each: simd.h) and the
+// exponentials are vectorised; the arithmetic is cheap enough that the kernel runs near memory
+// speed.
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -70,7 +71,7 @@ inline void kick_next_block(const Decode& a, const float* cache, const int32_t* 
   for (int f = 0; f < 64; f += 16) __builtin_prefetch(next + f, 0, 3);
 }
 
-// The AVX-512 path prefetches further ahead: keys a whole row (all KV heads of the task) 16
+// The register-blocked path prefetches further ahead: keys a whole row (all KV heads of the task) 16
 // positions on, values the whole next block when a block starts. At this kernel's arithmetic
 // per byte the hardware prefetcher alone falls behind (measured, batch 16 x 512 positions,
 // 30 layers: 5-8% faster than kick_next_block alone).
@@ -101,61 +102,63 @@ void attend_generic(const Decode& a, const int32_t* table, const float* qb, floa
   }
 }
 
-#if defined(__AVX512F__)
 // out[g] += sum over the block's n positions of p[g][t] * V[start + t] of KV head h, for the
-// gc (<= GC) query rows of one group; p rows are L apart, out rows D = 16 * DV apart.
+// gc (<= GC) query rows of one group; p rows are L apart, out rows D = W * DV apart.
 template <int DV, int64_t GC>
 void values_of_block(const Decode& a, const int32_t* table, const float* p, int64_t L, float* out,
                      int64_t gc, int64_t start, int64_t n, int64_t h) {
-  constexpr int64_t D = 16 * DV;
-  __m512 acc[GC][DV];
+  constexpr int64_t W = simd::kWidth, D = W * DV;
+  simd::vec acc[GC][DV];
   for (int64_t g = 0; g < GC; ++g)
     if (g < gc)
-      for (int v = 0; v < DV; ++v) acc[g][v] = _mm512_loadu_ps(out + g * D + 16 * v);
+      for (int v = 0; v < DV; ++v) acc[g][v] = simd::load(out + g * D + W * v);
   for (int64_t t = 0; t < n; ++t) {
     const float* row = cache_row(a, a.vc, table, start + t, h);
-    __m512 vr[DV];
-    for (int v = 0; v < DV; ++v) vr[v] = _mm512_loadu_ps(row + 16 * v);
+    simd::vec vr[DV];
+    for (int v = 0; v < DV; ++v) vr[v] = simd::load(row + W * v);
     for (int64_t g = 0; g < GC; ++g) {
       if (g >= gc) break;
-      const __m512 pg = _mm512_set1_ps(p[g * L + t]);
-      for (int v = 0; v < DV; ++v) acc[g][v] = _mm512_fmadd_ps(pg, vr[v], acc[g][v]);
+      const simd::vec pg = simd::set1(p[g * L + t]);
+      for (int v = 0; v < DV; ++v) acc[g][v] = simd::fmadd(pg, vr[v], acc[g][v]);
     }
   }
   for (int64_t g = 0; g < GC; ++g)
     if (g < gc)
-      for (int v = 0; v < DV; ++v) _mm512_storeu_ps(out + g * D + 16 * v, acc[g][v]);
+      for (int v = 0; v < DV; ++v) simd::store(out + g * D + W * v, acc[g][v]);
 }
 
-// Head size 16 * DV: one key row of a KV head sits in DV registers while every query head of
-// its group takes its dot product; then the values, block by block (values_of_block).
-template <int DV>
-void attend_avx512(const Decode& a, const int32_t* table, const float* qb, float* ob,
-                   int64_t h0, int64_t nh, int64_t L, float* scores) {
-  constexpr int64_t D = 16 * DV;
+// Head size D = W * DV (W floats a register): one key row of a KV head sits in DV registers
+// while every query head of its group takes its dot product; then the values, block by block
+// (values_of_block).
+template <int D>
+void attend_simd(const Decode& a, const int32_t* table, const float* qb, float* ob,
+                 int64_t h0, int64_t nh, int64_t L, float* scores) {
+  constexpr int W = simd::kWidth, DV = D / W;
+  static_assert(D % W == 0, "head size a multiple of the register width");
   const int64_t G = a.G, rows = nh * G;
   for (int64_t pos = 0; pos < L; ++pos) {
     if (pos + kKeyPrefetchRows < L)
       prefetch_bytes(cache_row(a, a.kc, table, pos + kKeyPrefetchRows, h0), nh * D * 4);
     const float* row = cache_row(a, a.kc, table, pos, h0);
     for (int64_t hh = 0; hh < nh; ++hh) {
-      __m512 k[DV];
-      for (int v = 0; v < DV; ++v) k[v] = _mm512_loadu_ps(row + hh * D + 16 * v);
+      simd::vec k[DV];
+      for (int v = 0; v < DV; ++v) k[v] = simd::load(row + hh * D + W * v);
       for (int64_t g = 0; g < G; ++g) {
         const float* qr = qb + (hh * G + g) * D;
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qr), k[0]);
-        for (int v = 1; v < DV; ++v) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * v), k[v], acc);
-        scores[(hh * G + g) * L + pos] = _mm512_reduce_add_ps(acc) * a.scale;
+        simd::vec acc = simd::mul(simd::load(qr), k[0]);
+        for (int v = 1; v < DV; ++v) acc = simd::fmadd(simd::load(qr + W * v), k[v], acc);
+        scores[(hh * G + g) * L + pos] = simd::reduce_add(acc) * a.scale;
       }
     }
   }
   softmax_rows(scores, rows, L);
   // Values block by block and KV head by KV head: a value row is loaded once per position and
   // feeds every query head of its group, whose output rows stay in registers across the block
-  // (groups in chunks of GC); each output row still sums its positions in order. The block's
+  // (groups in chunks of GC, sized to the register file: 24 / DV with AVX-512's 32 registers,
+  // 8 / DV with AVX2's 16); each output row still sums its positions in order. The block's
   // rows (contiguous, 12 KiB for SmolLM2) come from memory once. Measured against one output
-  // row at a time: ~8% faster at batch 16 x 512 positions, identical results.
-  constexpr int64_t GC = 24 / DV > 0 ? 24 / DV : 1;
+  // row at a time: ~8% faster at batch 16 x 512 positions (AVX-512), identical results.
+  constexpr int64_t GC = (simd::kRegisters - 8) / DV > 0 ? (simd::kRegisters - 8) / DV : 1;
   std::fill(ob, ob + rows * D, 0.f);
   for (int64_t start = 0; start < L; start += a.BS) {
     const int64_t n = std::min(a.BS, L - start);
@@ -168,20 +171,18 @@ void attend_avx512(const Decode& a, const int32_t* table, const float* qb, float
                                 ob + (hh * G + g0) * D, std::min(GC, G - g0), start, n, h0 + hh);
   }
 }
-#endif
 
 using AttendFn = void (*)(const Decode&, const int32_t*, const float*, float*, int64_t, int64_t,
                           int64_t, float*);
 
+// Head sizes 16-128 (multiples of both register widths) take the register-blocked kernel.
 AttendFn pick_attend(int64_t D) {
-#if defined(__AVX512F__)
   switch (D) {
-    case 16: return attend_avx512<1>;
-    case 32: return attend_avx512<2>;
-    case 64: return attend_avx512<4>;
-    case 128: return attend_avx512<8>;
+    case 16: return attend_simd<16>;
+    case 32: return attend_simd<32>;
+    case 64: return attend_simd<64>;
+    case 128: return attend_simd<128>;
   }
-#endif
   return attend_generic;
 }
 

@@ -41,11 +41,9 @@ at::Tensor gather_heads(const at::Tensor& cache, const int32_t* table, int64_t s
 float exp_row(float* s, int64_t len, int64_t width) {
   float m = -std::numeric_limits<float>::infinity();
   int64_t t = 0;
-#if defined(PDSERVE_VECTOR_EXP)
-  __m512 vmax = _mm512_set1_ps(m);
-  for (; t + 16 <= len; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
-  m = _mm512_reduce_max_ps(vmax);
-#endif
+  simd::vec vmax = simd::set1(m);
+  for (; t + simd::kWidth <= len; t += simd::kWidth) vmax = simd::max(vmax, simd::load(s + t));
+  m = simd::reduce_max(vmax);
   for (; t < len; ++t) m = s[t] > m ? s[t] : m;
   const float sum = exp_shifted_sum(s, len, m);
   std::fill(s + len, s + width, 0.f);

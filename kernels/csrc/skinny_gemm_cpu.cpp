@@ -1,4 +1,5 @@
-// y = x @ W^T (+ bias) (+ residual) for the few rows of a decode step (CPU, fp32).
+// y = x @ W^T (+ bias) (+ residual) for the few rows of a decode step (CPU, fp32; AVX-512 or
+// AVX2, one build each, simd.h).
 //
 // At 1-32 rows a matmul is a weight stream: every weight is read once from memory and used
 // `rows` times. oneDNN's packed kernels run these shapes at 8-11 GB/s and 40-100 GFLOP/s on
@@ -15,12 +16,17 @@
 
 namespace {
 
-constexpr int64_t kTile = 16;    // outputs per tile: one AVX-512 register
-constexpr int64_t kGroup = 2;    // tiles per pass: two weight loads feed each broadcast of x
-constexpr int64_t kMaxPass = 12; // rows per pass: 2 x 12 accumulators + 2 weight registers
+constexpr int64_t kTile = 16;  // outputs per tile: one AVX-512 register, two AVX2 registers
+constexpr int kRegsPerTile = kTile / simd::kWidth;
+// Tiles per pass and rows per pass, within the register file: AVX-512 (32 registers) takes two
+// tiles of 12 rows (24 accumulators + 2 weight registers: two weight loads feed each broadcast
+// of x); AVX2 (16) one tile of 6 rows (12 accumulators + 2 weights + the broadcast), BLIS's
+// 6 x 16 Haswell shape.
+constexpr int64_t kGroup = simd::kRegisters >= 32 ? 2 : 1;
+constexpr int64_t kMaxPass = simd::kRegisters >= 32 ? 12 : 6;
 // Software prefetch this many steps of K ahead in each tile's stream (1 KiB): the hardware
 // prefetcher alone left a 16-row pass at ~6 GB/s; with it and two tiles a pass, 13-30% faster
-// than oneDNN at 8-32 rows, even with MKL's GEMV at one row (measured, 1 thread).
+// than oneDNN at 8-32 rows, even with MKL's GEMV at one row (measured, AVX-512, 1 thread).
 constexpr int64_t kPrefetchSteps = 16;
 
 struct Epilogue {
@@ -30,40 +36,53 @@ struct Epilogue {
   int64_t N;
 };
 
-#if defined(__AVX512F__)
+// Row m's 16 sums of the tile at output n (+ bias, + residual) into out; a partial last tile
+// (N not a multiple of 16) goes through a buffer, lane by lane.
+inline void store_tile(const simd::vec* acc, int64_t m, int64_t n, const Epilogue& e) {
+  const int64_t at = m * e.N + n, width = std::min(kTile, e.N - n);
+  if (width == kTile) {
+    for (int r = 0; r < kRegsPerTile; ++r) {
+      simd::vec y = acc[r];
+      if (e.bias) y = simd::add(y, simd::load(e.bias + n + r * simd::kWidth));
+      if (e.residual) y = simd::add(y, simd::load(e.residual + at + r * simd::kWidth));
+      simd::store(e.out + at + r * simd::kWidth, y);
+    }
+    return;
+  }
+  float lanes[kTile];
+  for (int r = 0; r < kRegsPerTile; ++r) simd::store(lanes + r * simd::kWidth, acc[r]);
+  for (int64_t j = 0; j < width; ++j) {
+    const float y = lanes[j] + (e.bias ? e.bias[n + j] : 0.f);
+    e.out[at + j] = e.residual ? y + e.residual[at + j] : y;
+  }
+}
+
 // Rows [m0, m0 + MR) of x against NT consecutive tiles starting at output n0; xt is x
 // transposed, [K, M]; w is the first tile, the next one K * 16 floats on.
 template <int NT, int MR>
 void tile_pass(const float* xt, int64_t M, int64_t m0, const float* w, int64_t K, int64_t n0,
                const Epilogue& e) {
-  __m512 acc[NT][MR];
-  for (int t = 0; t < NT; ++t)
-    for (int m = 0; m < MR; ++m) acc[t][m] = _mm512_setzero_ps();
+  constexpr int R = NT * kRegsPerTile;  // weight registers per step of K
+  simd::vec acc[MR][R];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < R; ++j) acc[m][j] = simd::zero();
   const float* x = xt + m0;
   const int64_t stride = K * kTile;
   for (int64_t k = 0; k < K; ++k) {
-    __m512 wk[NT];
+    simd::vec wk[R];
     for (int t = 0; t < NT; ++t) {
-      wk[t] = _mm512_loadu_ps(w + t * stride + k * kTile);
-      _mm_prefetch(reinterpret_cast<const char*>(w + t * stride + (k + kPrefetchSteps) * kTile),
-                   _MM_HINT_T0);
+      const float* tile = w + t * stride + k * kTile;
+      for (int r = 0; r < kRegsPerTile; ++r)
+        wk[t * kRegsPerTile + r] = simd::load(tile + r * simd::kWidth);
+      simd::prefetch(tile + kPrefetchSteps * kTile);  // a tile's step is one 64-byte line
     }
     for (int m = 0; m < MR; ++m) {
-      const __m512 xb = _mm512_set1_ps(x[k * M + m]);
-      for (int t = 0; t < NT; ++t) acc[t][m] = _mm512_fmadd_ps(xb, wk[t], acc[t][m]);
+      const simd::vec xb = simd::set1(x[k * M + m]);
+      for (int j = 0; j < R; ++j) acc[m][j] = simd::fmadd(xb, wk[j], acc[m][j]);
     }
   }
-  for (int t = 0; t < NT; ++t) {
-    const int64_t n = n0 + t * kTile, width = std::min(kTile, e.N - n);
-    const __mmask16 mask = width == kTile ? 0xFFFF : (__mmask16)((1u << width) - 1);
-    const __m512 bias = e.bias ? _mm512_maskz_loadu_ps(mask, e.bias + n) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) {
-      __m512 y = _mm512_add_ps(acc[t][m], bias);
-      const int64_t at = (m0 + m) * e.N + n;
-      if (e.residual) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, e.residual + at));
-      _mm512_mask_storeu_ps(e.out + at, mask, y);
-    }
-  }
+  for (int t = 0; t < NT; ++t)
+    for (int m = 0; m < MR; ++m) store_tile(acc[m] + t * kRegsPerTile, m0 + m, n0 + t * kTile, e);
 }
 
 using PassFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t,
@@ -74,36 +93,16 @@ constexpr std::array<PassFn, sizeof...(MR)> make_passes(std::integer_sequence<in
   return {tile_pass<NT, MR + 1>...};
 }
 
-const auto kPairPasses = make_passes<2>(std::make_integer_sequence<int, kMaxPass>{});
+const auto kGroupPasses = make_passes<kGroup>(std::make_integer_sequence<int, kMaxPass>{});
 const auto kSinglePasses = make_passes<1>(std::make_integer_sequence<int, kMaxPass>{});
 
-// Every row of x against tiles [first, first + count), count 1 or 2.
+// Every row of x against tiles [first, first + count), count 1 or kGroup.
 void run_tiles(const float* xt, int64_t M, const float* w, int64_t K, int64_t first,
                int64_t count, const Epilogue& e) {
-  const auto& passes = count == 2 ? kPairPasses : kSinglePasses;
+  const auto& passes = count == kGroup ? kGroupPasses : kSinglePasses;
   for (int64_t m0 = 0; m0 < M; m0 += kMaxPass)
     passes[std::min(kMaxPass, M - m0) - 1](xt, M, m0, w + first * K * kTile, K, first * kTile, e);
 }
-#else
-// Portable path: the same tile order, scalar accumulators (the compiler vectorises the j loop).
-void run_tiles(const float* xt, int64_t M, const float* w, int64_t K, int64_t first,
-               int64_t count, const Epilogue& e) {
-  for (int64_t tile = first; tile < first + count; ++tile) {
-    const float* wt = w + tile * K * kTile;
-    const int64_t n0 = tile * kTile, width = std::min(kTile, e.N - n0);
-    for (int64_t m = 0; m < M; ++m) {
-      float acc[kTile] = {0};
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t j = 0; j < kTile; ++j) acc[j] += xt[k * M + m] * wt[k * kTile + j];
-      for (int64_t j = 0; j < width; ++j) {
-        const int64_t at = m * e.N + n0 + j;
-        const float y = acc[j] + (e.bias ? e.bias[n0 + j] : 0.f);
-        e.out[at] = e.residual ? y + e.residual[at] : y;
-      }
-    }
-  }
-}
-#endif
 
 }  // namespace
 
