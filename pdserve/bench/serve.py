@@ -16,12 +16,18 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import httpx
 import numpy as np
 
+from pdserve.bench.cold_start import (
+    DEFAULT_FOLLOWERS,
+    PROBE_MAX_TOKENS,
+    ColdStart,
+    measure_cold_start,
+    probe_prompt,
+)
 from pdserve.bench.metrics import SLO, BenchResult, RequestRecord, compute_result, format_result
 from pdserve.bench.workloads import BenchRequest, Workload, get_workload, warmup_requests
-
-import httpx
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -38,6 +44,8 @@ class ServeConfig:
     model: str | None = None  # None: the first model of GET /v1/models
     slo: SLO = field(default_factory=SLO)
     warmup: int = 2  # requests sent (one at a time) before the timed run
+    # Requests after the first in the cold-start probe (first TTFT / median of these); 0: none.
+    cold_start: int = DEFAULT_FOLLOWERS
     max_concurrency: int | None = None
     timeout_s: float = 600.0
     api_key: str | None = None
@@ -162,6 +170,25 @@ async def _warm_up(client, cfg: ServeConfig, model: str, nonce: str) -> None:
             raise BenchError(f"warm-up request failed: {record.error}")
 
 
+async def _cold_start(client, cfg: ServeConfig, model: str, nonce: str) -> ColdStart:
+    """The cold-start probe over /v1/completions (raw prompts: no shared chat-template prefix)."""
+
+    async def first_token_after(i: int) -> float:
+        payload = {
+            "model": model,
+            "prompt": probe_prompt(i, nonce),
+            "max_tokens": PROBE_MAX_TOKENS,
+            "temperature": 0,
+            "stream": True,
+        }
+        record = await send_request(client, ENDPOINTS["completions"], payload, "cold-start")
+        if not record.success:
+            raise BenchError(f"cold-start request {i} failed: {record.error}")
+        return record.token_times[0] - record.send_time
+
+    return await measure_cold_start(first_token_after, cfg.cold_start)
+
+
 async def _timed_run(client, cfg: ServeConfig, model: str, workload: Workload):
     from tqdm.auto import tqdm
 
@@ -217,6 +244,9 @@ async def run_benchmark(cfg: ServeConfig, workload: Workload | None = None) -> B
         workload = get_workload(cfg.workload, cfg.num_requests, cfg.seed, cfg.nonce)
     async with _client(cfg) as client:
         model = cfg.model or await fetch_model(client)
+        cold = None
+        if cfg.cold_start:
+            cold = await _cold_start(client, cfg, model, workload.nonce)
         await _warm_up(client, cfg, model, workload.nonce)
         records, duration = await _timed_run(client, cfg, model, workload)
     meta = {
@@ -230,6 +260,9 @@ async def run_benchmark(cfg: ServeConfig, workload: Workload | None = None) -> B
         "max_concurrency": cfg.max_concurrency,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+    if cold is not None:
+        meta["cold_start"] = cold.to_dict()
+        meta["cold_start_line"] = cold.line()
     return compute_result(records, duration, cfg.slo, meta)
 
 
@@ -280,6 +313,14 @@ def add_load_args(p) -> None:
     p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds")
     p.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests before timing")
+    p.add_argument(
+        "--cold-start",
+        type=int,
+        default=DEFAULT_FOLLOWERS,
+        metavar="N",
+        help="first request's TTFT against the median of the N after it, before anything "
+        "else (run right after the server is ready; 0: skip)",
+    )
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--api-key", default=None)
@@ -301,6 +342,7 @@ def config_from_args(args, rate: float) -> ServeConfig:
         model=args.model,
         slo=SLO(args.slo_ttft, args.slo_tpot),
         warmup=args.warmup,
+        cold_start=args.cold_start,
         max_concurrency=args.max_concurrency,
         timeout_s=args.timeout,
         api_key=args.api_key,
@@ -331,6 +373,8 @@ def cmd_serve(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_result(result))
+    if "cold_start_line" in result.meta:
+        print(result.meta["cold_start_line"])
     if args.json_out:
         write_json(args.json_out, result.to_dict())
     if args.plot:

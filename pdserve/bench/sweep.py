@@ -68,10 +68,17 @@ async def run_rate(
     cfg: ServeConfig, rate: float, index: int, tag: str = ""
 ) -> tuple[SweepPoint, dict]:
     """The ``index``-th rate of a sweep: a fresh nonce (or ``--nonce`` plus tag and index),
-    warm-up only before the first rate."""
+    warm-up and the cold-start probe only before the first rate."""
     nonce = new_nonce() if cfg.nonce is None else f"{cfg.nonce}{tag}-{index}"
+    first = index == 0
     res = await run_benchmark(
-        with_rate(cfg, rate, nonce=nonce, warmup=cfg.warmup if index == 0 else 0)
+        with_rate(
+            cfg,
+            rate,
+            nonce=nonce,
+            warmup=cfg.warmup if first else 0,
+            cold_start=cfg.cold_start if first else 0,
+        )
     )
     return point_of(rate, res), res.to_dict()
 
