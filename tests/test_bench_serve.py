@@ -123,9 +123,11 @@ def test_sse_lines_time_only_chunks_with_text():
 
 
 class FakeOpenAI(BaseHTTPRequestHandler):
-    """Streams min(max_tokens, CHUNKS) one-token chunks 5 ms apart; prompts with FAIL -> 500."""
+    """Streams min(max_tokens, CHUNKS) one-token chunks 5 ms apart; prompts with FAIL -> 500.
+    The first request waits ``first_delay_s`` before its first chunk (a cold server)."""
 
     requests: list[dict]  # set per server class
+    first_delay_s: float = 0.0
 
     def log_message(self, *args) -> None:
         pass
@@ -156,6 +158,8 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         self.end_headers()  # HTTP/1.0: the body ends when the connection closes
         if chat:
             self._event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        if len(self.requests) == 1:
+            time.sleep(self.first_delay_s)
         n = min(body["max_tokens"], CHUNKS)
         for i in range(n):
             time.sleep(0.005)
@@ -166,8 +170,9 @@ class FakeOpenAI(BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def fake_server():
-    handler = type("Handler", (FakeOpenAI,), {"requests": []})
+def fake_server(request):
+    delay = getattr(request, "param", 0.0)
+    handler = type("Handler", (FakeOpenAI,), {"requests": [], "first_delay_s": delay})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
@@ -213,6 +218,13 @@ def test_bench_serve_end_to_end_writes_json_and_plot(fake_server, tmp_path):
     assert len(res["itls"]) == 10 * (CHUNKS - 1)
     assert 0 < res["mean_ttft_ms"] <= res["mean_e2el_ms"]
     assert png.stat().st_size > 0
+    # The cold-start probe first (11 raw completions, one at a time), then two warm-ups.
+    probes, seen = seen[:11], seen[11:]
+    assert all(r["path"] == "/v1/completions" and r["max_tokens"] == 2 for r in probes)
+    assert len({r["prompt"] for r in probes}) == 11  # no shared prefix cache between them
+    assert len({len(r["prompt"]) for r in probes}) == 1  # the same size
+    cold = res["cold_start"]
+    assert len(cold["next_ttfts_s"]) == 10 and cold["ratio"] < 1.5  # the fake is never cold
     assert len(seen) == 2 + 10  # two warm-up requests first
     timed = seen[2:]
     assert all(r["path"] == "/v1/chat/completions" and r["stream"] for r in timed)
@@ -220,6 +232,19 @@ def test_bench_serve_end_to_end_writes_json_and_plot(fake_server, tmp_path):
     assert not any("ignore_eos" in r or "min_tokens" in r for r in timed)
     prompts = [r["messages"][0]["content"] for r in seen]
     assert len(set(prompts)) == len(prompts)
+
+
+@pytest.mark.parametrize("fake_server", [0.4], indirect=True)
+def test_cold_start_probe_flags_a_slow_first_request(fake_server, tmp_path, capsys):
+    url, seen = fake_server
+    out = tmp_path / "serve.json"
+    args = ["serve", "--url", url, "--num-requests", "1", "--warmup", "0", "--cold-start", "3"]
+    assert bench_main([*args, "--no-progress", "--json", str(out)]) == 0
+    cold = json.loads(out.read_text())["cold_start"]
+    assert cold["first_ttft_s"] >= 0.4 > max(cold["next_ttfts_s"])
+    assert cold["ratio"] > 1.5
+    assert "ratio" in capsys.readouterr().out.split("first request after ready")[1]
+    assert "NOT met" in json.loads(out.read_text())["cold_start_line"]
 
 
 def test_failed_requests_are_counted_from_a_jsonl_file(fake_server, tmp_path):
@@ -240,6 +265,8 @@ def test_failed_requests_are_counted_from_a_jsonl_file(fake_server, tmp_path):
             "--endpoint",
             "completions",
             "--warmup",
+            "0",
+            "--cold-start",
             "0",
             "--no-progress",
             "--model",
@@ -283,6 +310,8 @@ def test_bench_sweep_reports_attainment_per_rate(fake_server, tmp_path, capsys):
             "5",
             "--warmup",
             "1",
+            "--cold-start",
+            "2",
             "--no-progress",
             "--json",
             str(out),
@@ -291,6 +320,8 @@ def test_bench_sweep_reports_attainment_per_rate(fake_server, tmp_path, capsys):
     assert rc == 0
     res = json.loads(out.read_text())
     assert [p["rate"] for p in res["points"]] == [20.0, 50.0]
+    assert "cold_start" in res["runs"][0] and "cold_start" not in res["runs"][1]
+    seen = seen[3:]  # a cold-start probe of 3 requests, once for the whole sweep
     assert res["goodput"] == 50.0 and all(p["slo_attainment"] == 1.0 for p in res["points"])
     assert len(seen) == 1 + 2 * 3  # one warm-up for the whole sweep
     prompts = [r["messages"][0]["content"] for r in seen]
@@ -326,6 +357,7 @@ def test_bench_compare_interleaves_servers_rate_by_rate(fake_server, tmp_path, c
     args = ["compare", "--url", url, "--name", "a", "--against", f"b={url}"]
     args += ["--against", f"c={url}", "--workload", "chat", "--num-requests", "2"]
     args += ["--rates", "50,20", "--slo-ttft", "5", "--warmup", "1", "--no-progress"]
+    args += ["--cold-start", "0"]
     assert bench_main([*args, "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert list(res) == ["a", "b", "c"]
