@@ -92,6 +92,12 @@ def add_plan(sub) -> None:
     p.add_argument("--slo-tpot", type=positive_float, default=None, help="seconds")
     p.add_argument("--max-workers", type=positive_int, required=True)
     p.add_argument("--out", default=None, help="folder for plan.txt/json and the PNG plots")
+    p.add_argument(
+        "--unit-max",
+        type=positive_int,
+        default=None,
+        help="past this many workers, search units up to it and replicate them",
+    )
     p.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
     p.add_argument("--cv", type=positive_float, default=1.0, help="gamma arrivals' burstiness")
     p.add_argument("--seed", type=int, default=0)

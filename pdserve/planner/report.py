@@ -12,7 +12,7 @@ from pdserve.planner.search import Plan, SplitResult
 def format_plan(p: Plan) -> str:
     head = (
         f"{'split':<7}{'workers':>8}{'attain':>8}{'goodput':>9}{'gp/wkr':>8}"
-        f"{'capacity':>10}{'cap/wkr':>9}{'p90 TTFT':>10}{'p50 TPOT':>10}"
+        f"{'capacity':>10}{'cap/wkr':>9}{'p90 TTFT':>10}{'p50 TPOT':>10}{'copies':>7}"
     )
     lines = [
         (
@@ -26,7 +26,7 @@ def format_plan(p: Plan) -> str:
         lines.append(
             f"{r.split.label:<7}{r.split.workers:>8}{r.attainment:>8.1%}{r.goodput:>9.3f}"
             f"{r.goodput_per_worker:>8.3f}{r.capacity:>10.3f}{r.capacity_per_worker:>9.3f}"
-            f"{r.p90_ttft_ms:>8.0f}ms{r.p50_tpot_ms:>8.1f}ms{mark}"
+            f"{r.p90_ttft_ms:>8.0f}ms{r.p50_tpot_ms:>8.1f}ms{r.replicas:>7}{mark}"
         )
     lines.append(recommendation_text(p))
     return "\n".join(lines)
@@ -38,6 +38,11 @@ def recommendation_text(p: Plan) -> str:
         f"recommended: {best.split.label} ({best.capacity:.3g} req/s, "
         f"{best.capacity_per_worker:.3g} per worker)"
     )
+    if best.replicas > 1:
+        verdict += (
+            f"; deployed as {best.replicas} copies = {best.split.num_prefill * best.replicas}P"
+            f"{best.split.num_decode * best.replicas}D, {best.deployment_capacity:.3g} req/s"
+        )
     if not p.holds_rate:
         verdict += f"; no split up to this size holds {p.rate:g} req/s at 90%"
     d, c = p.best_disaggregated, p.best_colocated
@@ -66,6 +71,8 @@ def plan_json(p: Plan) -> dict:
             "goodput_per_worker": r.goodput_per_worker,
             "capacity": r.capacity,
             "capacity_per_worker": r.capacity_per_worker,
+            "replicas": r.replicas,
+            "deployment_capacity": r.deployment_capacity,
             "p90_ttft_ms": r.p90_ttft_ms,
             "p50_tpot_ms": r.p50_tpot_ms,
             "curve": [{"rate": a, "attainment": b, "goodput": c} for a, b, c in r.curve],

@@ -43,6 +43,11 @@ class SplitResult:
     p90_ttft_ms: float = 0.0
     p50_tpot_ms: float = 0.0
     curve: list[tuple[float, float, float]] = field(default_factory=list)  # rate, att, goodput
+    replicas: int = 1  # copies of this unit in the deployment (each takes 1/replicas of it)
+
+    @property
+    def deployment_capacity(self) -> float:
+        return self.capacity * self.replicas
 
     @property
     def capacity_per_worker(self) -> float:
@@ -167,11 +172,11 @@ def evaluate(ev: Evaluator, split: Split, rate: float, curve_rates: list[float])
 
 
 def recommend(results: list[SplitResult], rate: float) -> tuple[SplitResult, bool]:
-    holding = [r for r in results if r.capacity >= rate]
+    holding = [r for r in results if r.deployment_capacity >= rate]
     if holding:
         best = max(holding, key=lambda r: (r.capacity_per_worker, -r.split.workers, r.capacity))
         return best, True
-    return max(results, key=lambda r: (r.capacity, -r.split.workers)), False
+    return max(results, key=lambda r: (r.deployment_capacity, -r.split.workers)), False
 
 
 def plan(
@@ -183,16 +188,26 @@ def plan(
     base: SimConfig | None = None,
     curve_points: int = 8,
     progress: Callable[[str], None] | None = None,
+    unit_max: int | None = None,
 ) -> Plan:
+    """Every split up to ``max_workers``; past ``unit_max`` workers (a 64-GPU deployment),
+    every *unit* up to ``unit_max`` instead, replicated to fill ``max_workers``, each copy
+    serving its share of the rate (copies behind one router pool a little better than that,
+    so this errs on the safe side)."""
     if rate <= 0:
         raise ValueError("rate must be > 0")
     if not slo.is_set:
         raise ValueError("give an SLO: slo_ttft and/or slo_tpot")
     ev = Evaluator(profile, workload, slo, base or SimConfig(Split(1, 1)))
-    curve_rates = [rate * 2 * (i + 1) / curve_points for i in range(curve_points)]
+    unit_max = min(unit_max or max_workers, max_workers)
     results = []
-    for split in candidate_splits(max_workers):
-        results.append(evaluate(ev, split, rate, curve_rates))
+    for split in candidate_splits(unit_max):
+        replicas = max_workers // split.workers if unit_max < max_workers else 1
+        share = rate / replicas
+        curve_rates = [share * 2 * (i + 1) / curve_points for i in range(curve_points)]
+        result = evaluate(ev, split, share, curve_rates)
+        result.replicas = replicas
+        results.append(result)
         if progress is not None:
             progress(split.label)
     best, holds = recommend(results, rate)

@@ -1,0 +1,139 @@
+"""`pdserve profile --quick` on a tiny random model, then `pdserve plan` on it: a table, JSON
+and PNG plots; bad arguments are named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.cli import main
+from pdserve.planner.profile import load_profile
+from pdserve.planner.workload import synthetic, write_trace
+from tests.conftest import tiny_llama_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("planner")
+    model, _ = tiny_llama_dir(tmp, seed=31)
+    cfg = tmp / "tiny.yaml"
+    cfg.write_text(f"model: {model}\nmax_model_len: 256\nnum_blocks: 256\n")
+    out = tmp / "profile.json"
+    assert (
+        main(["profile", "--config", str(cfg), "--out", str(out), "--quick", "--no-progress"]) == 0
+    )
+    return out
+
+
+def test_quick_profile_records_hardware_model_dtype_and_versions(tiny_profile):
+    prof = load_profile(tiny_profile)
+    for key in ("cpu", "device", "dtype", "versions", "model", "threads"):
+        assert key in prof.meta
+    assert prof.prefill_seconds(32, 0) > 0
+    assert prof.decode_seconds(4, 64) > 0
+    assert prof.transfer_seconds_for(128) > 0
+    assert prof.engine.max_model_len == 256
+
+
+def test_plan_writes_table_json_and_plots(tiny_profile, tmp_path, capsys):
+    out = tmp_path / "plan"
+    argv = [
+        "plan",
+        "--profile",
+        str(tiny_profile),
+        "--workload",
+        "20-60/4-16",
+        "--rate",
+        "50",
+        "--slo-ttft",
+        "0.05",
+        "--slo-tpot",
+        "0.01",
+        "--max-workers",
+        "2",
+        "--out",
+        str(out),
+        "--duration",
+        "5",
+        "--max-requests",
+        "300",
+    ]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "recommended:" in text and "1P1D" in text and "colo2" in text
+    data = json.loads((out / "plan.json").read_text())
+    assert {s["split"] for s in data["splits"]} == {"1P1D", "colo1", "colo2"}
+    for png in ("goodput_vs_rate.png", "attainment_vs_ratio.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_replays_a_trace_at_its_own_rate(tiny_profile, tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    rows = synthetic("20-60/4-16", 100, 40.0, seed=2)
+    write_trace(trace, rows)
+    own_rate = (len(rows) - 1) / (rows[-1].arrival_s - rows[0].arrival_s)
+    argv = [
+        "plan",
+        "--profile",
+        str(tiny_profile),
+        "--trace",
+        str(trace),
+        "--slo-ttft",
+        "0.05",
+        "--max-workers",
+        "2",
+        "--duration",
+        "3",
+    ]
+    assert main(argv) == 0
+    assert f"at {own_rate:g} req/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (["--rate", "0"], "--rate"),
+        (["--rate", "x"], "--rate"),
+        (["--rate", "1", "--max-workers", "0"], "--max-workers"),
+        (["--rate", "1", "--workload", "nope"], "--workload"),
+        (["--rate", "1", "--prefill-policy", "best"], "--prefill-policy"),
+        (["--rate", "1", "--profile", "/no/such.json"], "--profile"),
+        (["--rate", "1", "--slo-ttft", "-2"], "--slo-ttft"),
+    ],
+)
+def test_plan_names_a_bad_argument(tiny_profile, extra, named, capsys):
+    argv = [
+        "plan",
+        "--profile",
+        str(tiny_profile),
+        "--workload",
+        "chat",
+        "--slo-ttft",
+        "1",
+        "--max-workers",
+        "2",
+    ]
+    # Later flags win in argparse: each case overrides one of the good ones.
+    with pytest.raises(SystemExit) as e:
+        main(argv + extra)
+    assert e.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_plan_needs_an_slo(tiny_profile, capsys):
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "plan",
+                "--profile",
+                str(tiny_profile),
+                "--workload",
+                "chat",
+                "--rate",
+                "1",
+                "--max-workers",
+                "2",
+            ]
+        )
+    assert "--slo-ttft" in capsys.readouterr().err
