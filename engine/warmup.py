@@ -52,7 +52,12 @@ def warm_up(engine) -> float:
     prompts = warmup_prompts(engine)
     greedy = SamplingParams(max_tokens=WARMUP_DECODE_STEPS, ignore_eos=True)
     sampled = SamplingParams(
-        max_tokens=WARMUP_DECODE_STEPS, temperature=0.8, top_k=40, top_p=0.9, seed=0, ignore_eos=True
+        max_tokens=WARMUP_DECODE_STEPS,
+        temperature=0.8,
+        top_k=40,
+        top_p=0.9,
+        seed=0,
+        ignore_eos=True,
     )
     ids = [
         engine.add_request(p, sampled if i % 2 else greedy, request_id=f"warmup-{i}")
@@ -67,5 +72,7 @@ def warm_up(engine) -> float:
         raise RuntimeError(f"warm-up left {blocks.num_total - blocks.num_free} blocks in use")
     blocks.reset_prefix_cache()
     seconds = time.perf_counter() - start
-    log.info("warm-up: %d prompts, %d decode steps in %.2f s", len(prompts), WARMUP_DECODE_STEPS, seconds)
+    log.info(
+        "warm-up: %d prompts, %d decode steps in %.2f s", len(prompts), WARMUP_DECODE_STEPS, seconds
+    )
     return seconds
