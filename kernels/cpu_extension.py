@@ -201,7 +201,7 @@ def _build(variant: Variant):
             extra_ldflags=["-fopenmp", *_vector_math_flags()],
             verbose=False,
         )
-    except Exception as e:  # no compiler, no headers: the torch path still works
+    except Exception as e:  # noqa: BLE001  (no compiler, no headers: the torch path still works)
         log.warning("CPU extension (%s) unavailable (%s); using the torch path", variant.name, e)
         return None
     assert module.instruction_set == variant.name, "build flags and simd.h disagree"

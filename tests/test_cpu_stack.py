@@ -7,12 +7,12 @@ import torch
 
 from engine.config import ModelConfig
 from engine.model import LlamaModel
-from kernels import cpu_extension
 from kernels.metadata import AttentionMetadata
+from tests import cpu_variants
 
-pytestmark = pytest.mark.skipif(
-    cpu_extension.load() is None, reason="no C++ compiler: the CPU extension could not be built"
-)
+ext = cpu_variants.ext  # fixture: each build in turn (AVX-512, AVX2)
+# Every test here runs once per build: the C++ layers come from the build under test.
+pytestmark = pytest.mark.usefixtures("ext")
 BLOCK = 16
 
 
@@ -66,7 +66,7 @@ def run_both(model_args: dict, prompt_lens, steps):
 @pytest.mark.parametrize("qkv_bias", [False, True], ids=["no-bias", "qkv-bias"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 32), (4, 4, 16), (2, 1, 40)])
 def test_decode_and_mixed_steps_match_python_layers(heads, kv_heads, head_dim, qkv_bias):
-    args = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, qkv_bias=qkv_bias)
+    args = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "qkv_bias": qkv_bias}
     # Decode-only steps (one C++ call) at batch 3 and mixed steps (C++ halves per layer).
     steps = [[1, 1, 1], [1, 1, 1], [5, 1, 1], [1, 9, 1], [1, 1, 1]]
     (ours, theirs), (our_cache, their_cache) = run_both(args, [7, 16, 33], steps)

@@ -8,6 +8,7 @@ import torch
 
 from engine.request import SamplingParams
 from kernels import ops
+from tests import cpu_variants
 from tests.conftest import tiny_llama_dir
 from tests.greedy import assert_same_greedy, hf_greedy
 
@@ -22,6 +23,7 @@ ON_CUDA = pytest.param(
     ],
 )
 DEVICES = pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+cpu_variant = cpu_variants.cpu_variant  # fixture: each CPU kernel build, then the torch path
 
 
 def boundary_lengths(block_size: int) -> list[int]:
@@ -54,6 +56,26 @@ def test_tiny_greedy_matches_transformers(
     params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     outs = engine.generate(prompts, params)
     for prompt, req in zip(prompts, outs):
+        assert_same_greedy(
+            hf_model, prompt, req.output_token_ids, hf_greedy(hf_model, prompt, NEW_TOKENS)
+        )
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,block_size,chunk", [(4, 2, 16, 0), (6, 2, 32, 16)], ids=["gqa2", "gqa3-chunk16"]
+)
+def test_greedy_matches_transformers_with_every_cpu_kernel_variant(
+    tmp_path, make_engine, cpu_variant, heads, kv_heads, block_size, chunk
+):
+    """Token-exact with the AVX-512 build, the AVX2 build and the torch path alike."""
+    path, hf_model = tiny_llama_dir(tmp_path, num_heads=heads, num_kv_heads=kv_heads)
+    engine = make_engine(
+        path, block_size=block_size, num_blocks=4096 // block_size, prefill_chunk_size=chunk
+    )
+    assert (engine.runner.model.cpu_stack is None) == (cpu_variant == "torch")
+    prompts = random_prompts(boundary_lengths(block_size), hf_model.config.vocab_size)
+    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    for prompt, req in zip(prompts, engine.generate(prompts, params)):
         assert_same_greedy(
             hf_model, prompt, req.output_token_ids, hf_greedy(hf_model, prompt, NEW_TOKENS)
         )

@@ -12,7 +12,10 @@ import torch
 from kernels import ops
 from kernels.metadata import AttentionMetadata
 from kernels.reference import paged_attention_ref
+from tests import cpu_variants
 from tests.kernel_cases import KernelCase, build_inputs, check_case, make_cases
+
+cpu_variant = cpu_variants.cpu_variant  # fixture: each build, then the torch path
 
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}
 
@@ -29,19 +32,9 @@ CPU_CASES = make_cases(head_dim=32, max_len=120) + [
 ]
 
 
-@pytest.fixture(params=["cpp-kernels", "torch-only"])
-def decode_path(request, monkeypatch):
-    """Run each case with the C++ kernels (decode, causal prefill) and with the pure-torch
-    fallback."""
-    if request.param == "torch-only":
-        monkeypatch.setattr(ops.cpu_extension, "load", lambda: None)
-    elif ops.cpu_extension.load() is None:
-        pytest.skip("no C++ compiler: the CPU extension could not be built")
-    return request.param
-
-
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
-def test_torch_ops_match_reference(case: KernelCase, decode_path) -> None:
+def test_torch_ops_match_reference(case: KernelCase, cpu_variant) -> None:
+    """Every variant (the AVX-512 and AVX2 builds, the torch path) against the reference."""
     errors = check_case(case, backend="torch")
     tolerance = TOLERANCE[case.dtype]
     bad = {op: err for op, err in errors.items() if not err <= tolerance}
@@ -110,10 +103,11 @@ def test_ops_import_and_run_without_triton() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_cpp_decode_kernel_refuses_block_ids_outside_the_cache() -> None:
-    ext = ops.cpu_extension.load()
+@pytest.mark.parametrize("name", [v.name for v in ops.cpu_extension.VARIANTS])
+def test_cpp_decode_kernel_refuses_block_ids_outside_the_cache(name) -> None:
+    ext = ops.cpu_extension.load(name)
     if ext is None:
-        pytest.skip("no C++ compiler: the CPU extension could not be built")
+        pytest.skip(f"no {name} build here (CPU without it, or no compiler)")
     cache = torch.zeros(4, 16, 2, 32)
     query = torch.zeros(1, 4, 32)
     lens = torch.tensor([5], dtype=torch.int32)

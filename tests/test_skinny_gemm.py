@@ -8,12 +8,9 @@ from torch.nn import functional as F
 
 from engine import linear as linear_mod
 from engine.linear import SKINNY_MAX_ROWS, Linear
-from kernels import cpu_extension
+from tests import cpu_variants
 
-ext = cpu_extension.load()
-pytestmark = pytest.mark.skipif(
-    ext is None, reason="no C++ compiler: the CPU extension could not be built"
-)
+ext = cpu_variants.ext  # fixture: each build in turn (AVX-512, AVX2)
 
 
 def close(actual, expected, k):
@@ -24,7 +21,7 @@ def close(actual, expected, k):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 2, 11, 12, 13, 24, 25, 48, 70])
 @pytest.mark.parametrize("n_out,k", [(16, 64), (17, 5), (100, 37), (960, 576), (48, 1536)])
-def test_equals_f_linear(threads, rows, n_out, k):
+def test_equals_f_linear(ext, threads, rows, n_out, k):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -46,7 +43,7 @@ def test_equals_f_linear(threads, rows, n_out, k):
         torch.set_num_threads(before)
 
 
-def test_packed_layout_is_tiles_of_16_outputs_zero_padded():
+def test_packed_layout_is_tiles_of_16_outputs_zero_padded(ext):
     w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
     packed = ext.pack_skinny_weight(w)
     assert packed.shape == (2, 3, 16)
@@ -55,7 +52,7 @@ def test_packed_layout_is_tiles_of_16_outputs_zero_padded():
     assert not packed[1, :, 4:].any()
 
 
-def test_no_rows_gives_an_empty_result():
+def test_no_rows_gives_an_empty_result(ext):
     packed = ext.pack_skinny_weight(torch.randn(32, 8))
     assert ext.skinny_linear(torch.empty(0, 8), packed, 32).shape == (0, 32)
 
@@ -70,14 +67,14 @@ def test_no_rows_gives_an_empty_result():
         (torch.randn(2, 8), 32, {"residual": torch.randn(3, 32)}),
     ],
 )
-def test_mismatched_inputs_are_refused(x, n_out, kwargs):
+def test_mismatched_inputs_are_refused(ext, x, n_out, kwargs):
     packed = ext.pack_skinny_weight(torch.randn(32, 8))
     with pytest.raises(RuntimeError):
         ext.skinny_linear(x, packed, n_out, **kwargs)
 
 
 @pytest.mark.parametrize("rows", [1, 4, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 130])
-def test_linear_takes_the_skinny_kernel_up_to_its_row_limit(rows, monkeypatch):
+def test_linear_takes_the_skinny_kernel_up_to_its_row_limit(ext, rows, monkeypatch):
     layer = Linear(96, 80, bias=True)
     assert layer.pack_for_cpu() and layer.skinny is not None
     calls = []
