@@ -1,0 +1,196 @@
+"""The planner's simulator against real clusters on this machine (docs/PLANNING.md).
+
+Part 1, fidelity: for each setup (1P1D, 1P2D, colocated; embedded model, one torch thread per
+worker, each worker its own process, as ``cluster_configs/local.yaml``) and two Poisson rates
+(one low, one near the simulated saturation), a real cluster serves ``pdserve bench serve``'s
+workload over HTTP with ``ignore_eos``; the simulator then replays the *same* requests (each
+one's send time, prompt tokens from usage, output tokens) on the profile. Prints simulated vs
+measured p50/p90 TTFT, p50 TPOT and goodput with their errors, and the MAPE per metric.
+
+Part 2, the recommendation: for a long-prompt workload (longdoc) and a short-prompt,
+long-answer one (chat), ``plan`` recommends a split up to ``--max-workers``; each candidate
+split of that size is then run for real at the same rate, and the recommended split's measured
+goodput is compared with the best measured one.
+
+    python scripts/planner_fidelity.py --profile docs/results/planner/profile_cpu_smollm2.json \
+        --json docs/results/planner/fidelity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pdserve.bench.metrics import SLO, BenchResult
+from pdserve.bench.serve import ServeConfig, run_benchmark
+from pdserve.local_cluster import ClusterSpec, LocalCluster
+from pdserve.planner.profile import load_profile
+from pdserve.planner.sim import Split, simulate
+from pdserve.planner.workload import TraceRequest
+
+# (split, workload, SLO, low rate, near-saturation rate): rates from the simulated capacity.
+SETUPS = [
+    ("1P1D", "mixed", SLO(3.0, 0.15), 0.4, 0.9),
+    ("1P2D", "chat", SLO(1.0, 0.1), 1.0, 2.6),
+    ("colo2", "mixed", SLO(3.0, 0.15), 0.6, 1.4),
+]
+RECOMMEND = [("longdoc", SLO(4.0, 0.15), 0.3), ("chat", SLO(1.0, 0.1), 2.0)]
+METRICS = ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "goodput")
+
+
+def summary(res: BenchResult) -> dict:
+    return {
+        "p50_ttft_ms": res.ttft_ms.median,
+        "p90_ttft_ms": res.ttft_ms.p90,
+        "p50_tpot_ms": res.tpot_ms.median,
+        "goodput": res.request_goodput or 0.0,
+        "attainment": res.slo_attainment or 0.0,
+        "completed": res.completed,
+    }
+
+
+def run_real(split: Split, workload: str, rate: float, n: int, slo: SLO, seed: int):
+    spec = ClusterSpec(
+        num_prefill=split.num_prefill,
+        num_decode=split.num_decode,
+        threads_per_worker=1,
+        separate_processes=True,
+        http_port=0,
+    )
+    with LocalCluster(spec) as cluster:
+        cfg = ServeConfig(
+            url=f"http://{cluster.http_address}",
+            workload=workload,
+            num_requests=n,
+            rate=rate,
+            seed=seed,
+            slo=slo,
+            warmup=2,
+            ignore_eos=True,
+            progress=False,
+        )
+        return asyncio.run(run_benchmark(cfg))
+
+
+def replay(profile, split: Split, real: BenchResult, raw_sends, slo: SLO) -> BenchResult:
+    """The real run's requests (send offsets, lengths) through the simulator."""
+    trace = [TraceRequest(t, p, o) for t, p, o in raw_sends]
+    return simulate(profile, trace, split, slo).result
+
+
+def sends_of(res: BenchResult, rate: float, seed: int, n: int):
+    """Send offsets come from the same seeded Poisson schedule the load generator used."""
+    from pdserve.bench.serve import poisson_schedule
+
+    offsets = poisson_schedule(n, rate, seed)
+    return list(zip(offsets.tolist(), res.input_lens, res.output_lens, strict=False))
+
+
+def err(sim: float, real: float) -> float:
+    return abs(sim - real) / real if real else (0.0 if sim == 0 else 1.0)
+
+
+def fidelity(profile, seed: int, scale: float) -> list[dict]:
+    rows = []
+    for label, workload, slo, low, high in SETUPS:
+        split = Split.parse(label)
+        for rate in (low, high):
+            n = max(30, int(rate * 60 * scale))
+            started = time.time()
+            real = run_real(split, workload, rate, n, slo, seed)
+            if real.completed < n:
+                print(f"  {label} @ {rate}: {real.failed} failed: {real.errors[:2]}", flush=True)
+            sends = sends_of(real, rate, seed, n)
+            sim = replay(profile, split, real, sends, slo)
+            row = {
+                "split": label,
+                "workload": workload,
+                "rate": rate,
+                "requests": n,
+                "real": summary(real),
+                "sim": summary(sim),
+                "wall_s": time.time() - started,
+            }
+            row["error"] = {m: err(row["sim"][m], row["real"][m]) for m in METRICS}
+            rows.append(row)
+            print(format_row(row), flush=True)
+    return rows
+
+
+def format_row(r: dict) -> str:
+    cells = [f"{r['split']:<6}{r['workload']:<8}{r['rate']:>5}"]
+    for m in METRICS:
+        cells.append(f"{m} {r['sim'][m]:.3g}/{r['real'][m]:.3g} ({r['error'][m]:.0%})")
+    return "  ".join(cells)
+
+
+def mape(rows: list[dict]) -> dict:
+    return {m: sum(r["error"][m] for r in rows) / len(rows) for m in METRICS}
+
+
+def recommendation(profile, seed: int, max_workers: int, scale: float) -> list[dict]:
+    from pdserve.planner.search import candidate_splits, plan, synthetic_workload
+
+    out = []
+    for workload, slo, rate in RECOMMEND:
+        wl = synthetic_workload(workload, seed, duration_s=200, min_requests=60, max_requests=600)
+        p = plan(profile, wl, rate, slo, max_workers, curve_points=2)
+        splits = [s for s in candidate_splits(max_workers) if s.workers == max_workers]
+        measured = {}
+        for split in splits:
+            n = max(30, int(rate * 60 * scale))
+            measured[split.label] = summary(run_real(split, workload, rate, n, slo, seed))
+            print(f"  {workload} {split.label}: {measured[split.label]}", flush=True)
+        best = max(measured, key=lambda k: measured[k]["goodput"])
+        rec = p.recommended.split.label
+        got = measured.get(rec, {}).get("goodput")
+        out.append(
+            {
+                "workload": workload,
+                "rate": rate,
+                "recommended": rec,
+                "best_measured": best,
+                "measured": measured,
+                "ratio": got / measured[best]["goodput"]
+                if got is not None and measured[best]["goodput"]
+                else None,
+            }
+        )
+        print(
+            f"{workload}: recommended {rec}, best measured {best}, ratio {out[-1]['ratio']}",
+            flush=True,
+        )
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--profile", required=True)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scale", type=float, default=1.0, help="x the requests per run")
+    ap.add_argument("--part", choices=("fidelity", "recommend", "all"), default="all")
+    ap.add_argument("--max-workers", type=int, default=2, help="part 2's pool size")
+    args = ap.parse_args()
+    profile = load_profile(args.profile)
+    report: dict = {"profile": args.profile, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if args.part in ("fidelity", "all"):
+        report["fidelity"] = fidelity(profile, args.seed, args.scale)
+        report["mape"] = mape(report["fidelity"])
+        print("MAPE " + "  ".join(f"{m} {v:.1%}" for m, v in report["mape"].items()), flush=True)
+    if args.part in ("recommend", "all"):
+        report["recommendation"] = recommendation(profile, args.seed, args.max_workers, args.scale)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
