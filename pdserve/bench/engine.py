@@ -4,6 +4,10 @@ measured GEMM peak and read bandwidth, beside ``transformers`` on the same workl
 Useful prefill FLOPs = 2 x non-embedding params x tokens + causal attention + the LM head for
 the last token only. Decode bytes = every weight the step reads (LM head included, embedding
 rows excluded) + the KV cache of every sequence.
+
+``--cpu-kernels avx512,avx2,torch`` times each CPU kernel variant on the same engine, workload
+by workload (interleaved: a shared machine's slow spells fall on every variant alike); every
+result names the CPU, its instruction sets and the variant of each row.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from engine import hugepages
+from kernels import cpu_extension
 from pdserve.bench.limits import best_time, gemm_peak, read_bandwidth
 
 
@@ -27,6 +32,7 @@ class Row:
     hf_seconds: float
     ratio: float  # MFU (prefill) or MBU (decode)
     hf_ratio: float
+    cpu_kernels: str = ""  # the extension's variant: avx512 | avx2 | torch
 
     @property
     def speedup(self) -> float:
@@ -89,6 +95,18 @@ class EngineRunner:
         return best_time(lambda: self.runner.execute(seqs), reps=5, warmup=2)
 
 
+def use_cpu_kernels(model, variant: str) -> None:
+    """Run the model's CPU layers on ``variant`` (a build of the extension, or ``torch``) from
+    now on: the skinny tiles and the C++ layers are rebuilt from that build."""
+    from engine.linear import Linear
+
+    cpu_extension.use(variant)
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.skinny = None
+    model.pack_weights_for_cpu()
+
+
 class HFRunner:
     def __init__(self, model_dir):
         from transformers import AutoModelForCausalLM
@@ -123,40 +141,43 @@ def run(
     batches=(1, 8, 32),
     contexts=(256, 1024),
     baseline: bool = True,
+    cpu_kernels: tuple[str, ...] = (),
 ) -> dict:
-    from engine.config import CacheConfig, SchedulerConfig
-    from engine.llm_engine import LLMEngine
-    from engine.model_files import resolve_model_dir
-
+    """``cpu_kernels``: the variants to time side by side (default: the one chosen here)."""
     if threads:
         torch.set_num_threads(threads)
-    model_dir = resolve_model_dir(model)
-    max_ctx = max(max(prompt_lens), max(contexts)) + 16
-    # Enough blocks for the largest decode batch and for the longest prompt.
-    blocks = max(max(batches) * (max(contexts) // 16 + 2), max(prompt_lens) // 16 + 2) + 8
-    engine = LLMEngine.from_model_path(
-        model_dir,
-        CacheConfig(16, blocks),
-        SchedulerConfig(max_ctx),
-        max_model_len=max_ctx + 16,
-        progress=False,
-    )
+    model_dir, engine = _engine(model, prompt_lens, batches, contexts)
+    variants = cpu_kernels or (cpu_extension.selected_variant(),)
     cfg = engine.config.model
     peak, bandwidth = gemm_peak(), read_bandwidth()
-    ours, hf = EngineRunner(engine), HFRunner(model_dir) if baseline else None
+    ours = EngineRunner(engine)
+    hf = HFRunner(model_dir) if baseline else None
     rows = []
+
+    def timed(measure, *args) -> dict[str, float]:
+        """Seconds of ``measure(*args)`` under each variant in turn."""
+        out = {}
+        for v in variants:
+            if len(variants) > 1:
+                use_cpu_kernels(engine.runner.model, v)
+            out[v] = measure(*args)
+        return out
+
     for n in prompt_lens:
-        t, t_hf = ours.prefill_seconds(n), hf.prefill_seconds(n) if hf else float("nan")
+        t_hf = hf.prefill_seconds(n) if hf else float("nan")
         flops = prefill_flops(cfg, n)
-        rows.append(Row("prefill", 1, n, t, t_hf, flops / t / peak, flops / t_hf / peak))
+        for v, t in timed(ours.prefill_seconds, n).items():
+            rows.append(Row("prefill", 1, n, t, t_hf, flops / t / peak, flops / t_hf / peak, v))
     for b in batches:
         for c in contexts:
-            t, t_hf = ours.decode_seconds(b, c), hf.decode_seconds(b, c) if hf else float("nan")
+            t_hf = hf.decode_seconds(b, c) if hf else float("nan")
             nbytes = decode_bytes(cfg, b, c)
-            rows.append(
-                Row("decode", b, c, t, t_hf, nbytes / t / bandwidth, nbytes / t_hf / bandwidth)
-            )
+            for v, t in timed(ours.decode_seconds, b, c).items():
+                mbu, hf_mbu = nbytes / t / bandwidth, nbytes / t_hf / bandwidth
+                rows.append(Row("decode", b, c, t, t_hf, mbu, hf_mbu, v))
     return {
+        **cpu_extension.describe(),
+        "cpu_kernels": list(variants),
         "threads": torch.get_num_threads(),
         "huge_pages": hugepages.active(),
         "gemm_peak_gflops": peak / 1e9,
@@ -165,22 +186,46 @@ def run(
     }
 
 
+def _engine(model: str, prompt_lens, batches, contexts):
+    """The model's directory and an engine with blocks for the largest workload."""
+    from engine.config import CacheConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.model_files import resolve_model_dir
+
+    model_dir = resolve_model_dir(model)
+    max_ctx = max(max(prompt_lens), max(contexts)) + 16
+    # Enough blocks for the largest decode batch and for the longest prompt.
+    blocks = max(max(batches) * (max(contexts) // 16 + 2), max(prompt_lens) // 16 + 2) + 8
+    return model_dir, LLMEngine.from_model_path(
+        model_dir,
+        CacheConfig(16, blocks),
+        SchedulerConfig(max_ctx),
+        max_model_len=max_ctx + 16,
+        progress=False,
+    )
+
+
 def format_report(result: dict) -> str:
     lines = [
+        (
+            f"CPU {result.get('cpu_model', '?')}  instruction sets {result.get('cpu_isa', '?')}  "
+            f"kernels {', '.join(result.get('cpu_kernels', []))}"
+        ),
         (
             f"threads {result['threads']}  GEMM peak {result['gemm_peak_gflops']:.1f} GFLOP/s  "
             f"read bandwidth {result['read_bandwidth_gbs']:.1f} GB/s  "
             f"huge pages {'on' if result.get('huge_pages') else 'off'}"
         ),
         (
-            f"{'phase':<8}{'batch':>6}{'tokens':>8}{'pdserve ms':>12}{'hf ms':>10}{'ratio':>8}"
-            f"{'hf ratio':>10}{'speedup':>9}   ratio = MFU (prefill) / MBU (decode)"
+            f"{'phase':<8}{'batch':>6}{'tokens':>8}{'kernels':>9}{'pdserve ms':>12}{'hf ms':>10}"
+            f"{'ratio':>8}{'hf ratio':>10}{'speedup':>9}   ratio = MFU (prefill) / MBU (decode)"
         ),
     ]
     for r in result["rows"]:
         lines.append(
-            f"{r['kind']:<8}{r['batch']:>6}{r['tokens']:>8}{r['seconds'] * 1e3:>12.1f}"
-            f"{r['hf_seconds'] * 1e3:>10.1f}{r['ratio']:>8.2f}{r['hf_ratio']:>10.2f}{r['speedup']:>8.2f}x"
+            f"{r['kind']:<8}{r['batch']:>6}{r['tokens']:>8}{r.get('cpu_kernels', ''):>9}"
+            f"{r['seconds'] * 1e3:>12.1f}{r['hf_seconds'] * 1e3:>10.1f}{r['ratio']:>8.2f}"
+            f"{r['hf_ratio']:>10.2f}{r['speedup']:>8.2f}x"
         )
     return "\n".join(lines)
 
@@ -195,6 +240,12 @@ def add_parser(sub) -> None:
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--contexts", default="256,1024")
     p.add_argument("--no-baseline", action="store_true", help="skip transformers")
+    p.add_argument(
+        "--cpu-kernels",
+        default="",
+        help="CPU kernel variants to time side by side, e.g. avx512,avx2,torch "
+        "(default: the one chosen for this CPU)",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     p.set_defaults(func=_main)
 
@@ -212,6 +263,7 @@ def _main(args) -> int:
         _ints(args.batches),
         _ints(args.contexts),
         baseline=not args.no_baseline,
+        cpu_kernels=tuple(v for v in args.cpu_kernels.split(",") if v),
     )
     print(format_report(result))
     print(f"({time.time() - started:.0f} s)")
