@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from kernels import cpu_extension
 from pdserve.bench.cold_start import (
     DEFAULT_FOLLOWERS,
     PROBE_MAX_TOKENS,
@@ -259,6 +260,9 @@ async def run_benchmark(cfg: ServeConfig, workload: Workload | None = None) -> B
         "nonce": workload.nonce,
         "max_concurrency": cfg.max_concurrency,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        # The client's machine (the server's may differ: its workers log their CPU kernels).
+        "client_cpu": cpu_extension.cpu_model(),
+        "client_cpu_isa": cpu_extension.cpu_isa(),
     }
     if cold is not None:
         meta["cold_start"] = cold.to_dict()
