@@ -10,6 +10,7 @@ import grpc
 
 from decode_worker.worker import DecodeWorker, ReservationError
 from engine.errors import InvalidRequestError
+from engine.wire import logprob_message, logprob_messages
 from kv_transfer.auth import resolve_cluster_token, worker_server
 from kv_transfer.frame import FrameError
 from kv_transfer.transports import TOKEN_TRANSPORTS, add_kv_servicer, start_receiver_server
@@ -74,11 +75,12 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         req = stream.req
         first = True
         while True:
-            tokens, reason = _drain(stream.items)
-            chunk = pb.TokenChunk(token_ids=tokens, finish_reason=reason or "")
+            tokens, logprobs, reason = _drain(stream.items)
+            chunk = pb.TokenChunk(token_ids=tokens, finish_reason=reason or "", logprobs=logprobs)
             if first and "scheduled" in req.events:
                 ready = req.events.get("kv_ready", req.events["arrived"])
                 chunk.decode_queue_s = req.events["scheduled"] - ready
+                chunk.prompt_logprobs.extend(logprob_messages(req.prompt_logprobs))
                 first = False
             yield chunk
             if reason is not None:
@@ -89,18 +91,23 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         return pb.WorkerStatus(kv_endpoint=self.kv_endpoint, kv_transport=self.kv_transport, **st)
 
 
-def _drain(items: queue.Queue) -> tuple[list[int], str | None]:
-    """Block for one item, then take whatever else is ready: a slow reader gets bigger chunks."""
+def _drain(items: queue.Queue) -> tuple[list[int], list[pb.TokenLogprobs], str | None]:
+    """Block for one item, then take whatever else is ready: a slow reader gets bigger chunks.
+    Returns tokens, their logprobs (when the request asked) and the finish reason, if any."""
     tokens: list[int] = []
+    logprobs: list[pb.TokenLogprobs] = []
     item = items.get()
     while True:
         if isinstance(item, str):
-            return tokens, item
-        tokens.append(item)
+            return tokens, logprobs, item
+        token, logprob = item
+        tokens.append(token)
+        if logprob is not None:
+            logprobs.append(logprob_message(logprob))
         try:
             item = items.get_nowait()
         except queue.Empty:
-            return tokens, None
+            return tokens, logprobs, None
 
 
 def serve_decode_worker(
@@ -110,10 +117,12 @@ def serve_decode_worker(
     kv_transport: str = "grpc",
     max_workers: int = 64,
     cluster_token: str | None = None,
+    kv_private_network: bool = False,
 ):
     """Start the worker's engine thread and gRPC server; returns (server, address, kv server).
-    With a cluster token (argument or PDSERVE_CLUSTER_TOKEN), every call, KV frames over gRPC
-    included, must carry it."""
+    With a cluster token (argument or PDSERVE_CLUSTER_TOKEN), every call, KV streams included,
+    must carry it; without one the worker binds loopback only. torch_dist KV listens off
+    loopback only with ``kv_private_network`` (its data path is not authenticated)."""
     token = resolve_cluster_token(cluster_token)
     server, address = worker_server(host, port, token, max_workers)
     kv_server = None
@@ -122,6 +131,8 @@ def serve_decode_worker(
         kv_endpoint = address
     else:
         opts = {"token": token} if token and kv_transport in TOKEN_TRANSPORTS else {}
+        if kv_transport == "torch_dist":
+            opts["private_network"] = kv_private_network
         kv_server = start_receiver_server(kv_transport, worker.receiver, host=host, **opts)
         kv_endpoint = kv_server.endpoint
     pb_grpc.add_DecodeWorkerServicer_to_server(

@@ -73,6 +73,8 @@ class DecodeWorker(EngineWorker):
             raise InvalidRequestError("lease_id", f"must be 1-{MAX_ID_LEN} characters")
         if num_tokens < 1:
             raise InvalidRequestError("num_tokens", "must be >= 1")
+        if ttl_s is not None and (problem := self.leases.ttl_problem(ttl_s)):
+            raise InvalidRequestError("lease_seconds", problem)  # NaN would never expire
         if num_tokens >= self.engine.config.max_model_len:
             raise InvalidRequestError(
                 "num_tokens", f"exceeds the context of {self.engine.config.max_model_len}"
@@ -171,7 +173,8 @@ class DecodeWorker(EngineWorker):
             for req in self.scheduler.update(plan, tokens):
                 stream = self._streams.get(req.request_id)
                 if stream is not None:
-                    stream.items.put(req.output_token_ids[-1])
+                    logprob = req.output_logprobs[-1] if req.output_logprobs else None
+                    stream.items.put((req.output_token_ids[-1], logprob))
                 if req.is_finished:
                     self._end_stream(req, req.status.finish_reason)
         return True
@@ -191,7 +194,7 @@ class DecodeWorker(EngineWorker):
         stream = self._streams.pop(req.request_id, None)
         self.engine.sampler.release(req.request_id)
         if stream is not None:
-            stream.items.put(reason)  # a str ends the stream; ints are tokens
+            stream.items.put(reason)  # a str ends the stream; (token, logprob) pairs are tokens
 
     def _fail_all(self, error: BaseException) -> None:
         with self.loop.lock:

@@ -7,8 +7,11 @@ from collections.abc import Sequence
 import torch
 
 from engine.model import KVCache, LayerCallback, LlamaModel
+from engine.sampler import logprob_entries
 from engine.scheduler import ScheduledSequence
 from kernels.metadata import AttentionMetadata
+
+PROMPT_LOGPROB_ROWS = 512  # prompt positions per LM-head call when prompt logprobs are asked
 
 
 class ModelRunner:
@@ -42,6 +45,7 @@ class ModelRunner:
         """Run the forward; return fp32 logits [num sampling sequences, vocab]."""
         input_ids, positions, meta = self.prepare(batch)
         hidden = self.model(input_ids, positions, meta, self.kv_caches, layer_callback)
+        self._record_prompt_logprobs(batch, hidden)
         last = meta.query_start_loc[1:].long() - 1
         rows = [i for i, s in enumerate(batch) if s.samples]
         if not rows:
@@ -49,6 +53,33 @@ class ModelRunner:
         # Logits for the last token of sampling sequences only: the LM head is the largest
         # matmul of a decode step, and prefill positions before the last need none.
         return self.model.compute_logits(hidden[last[rows]]).float()
+
+    def _record_prompt_logprobs(self, batch: Sequence[ScheduledSequence], hidden) -> None:
+        """Each prompt token's logprob given the tokens before it, for requests that asked
+        (echo): their chunk's positions go through the LM head too; others pay nothing."""
+        row = 0
+        for s in batch:
+            req, first_row = s.request, row
+            row += s.num_new_tokens
+            k = req.sampling.prompt_logprobs
+            if k is None:
+                continue
+            start = req.num_computed_tokens
+            if start == 0 or req.prompt_logprobs is None:  # a recompute starts over
+                req.prompt_logprobs = []
+            # Position p predicts token p + 1; the last prompt position is sampled instead.
+            stop = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
+            for lo in range(start, stop, PROMPT_LOGPROB_ROWS):  # bounded logits memory
+                hi = min(stop, lo + PROMPT_LOGPROB_ROWS)
+                rows = hidden[first_row + lo - start : first_row + hi - start]
+                logits = self.model.compute_logits(rows).float()
+                n = hi - lo
+                req.prompt_logprobs += logprob_entries(
+                    logits,
+                    [req.sampling.temperature] * n,
+                    req.prompt_token_ids[lo + 1 : hi + 1],
+                    [k] * n,
+                )
 
 
 def _token_slice(req, start: int, end: int) -> list[int]:

@@ -57,6 +57,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     logprobs: int | None = None  # top-k logprobs per generated token; None = none at all
     prompt_logprobs: int | None = None  # the same for every prompt position (echo)
+    n: int = 1  # sequences sampled from one prompt (seeds seed, seed + 1, ...)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -73,6 +74,7 @@ class SamplingParams:
             ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
             ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, ">= 0"),
             ("seed", self.seed is None or isinstance(self.seed, int), "an int"),
+            ("n", isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"an int in [1, {MAX_N}]"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 2.0, "in (0, 2]"),
@@ -101,6 +103,7 @@ class SamplingParams:
         )
 
 
+MAX_N = 16  # sequences per request
 MAX_LOGPROBS = 20  # top-k logprobs per position, as vLLM's default max_logprobs
 
 
@@ -192,4 +195,5 @@ def sampling_from_message(msg, default_max_tokens: int = 16) -> SamplingParams:
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        n=msg.n or 1,
     )

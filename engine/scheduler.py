@@ -206,12 +206,20 @@ class Scheduler:
     def _admit_new(self, req: Request, budget: int) -> int:
         """Allocate blocks (reusing cached prefix blocks); tokens scheduled, 0 if no room."""
         bs = self.blocks.block_size
-        cached = len(self.blocks.match_prefix(req.all_token_ids, (req.num_tokens - 1) // bs))
+        # Prompt logprobs need every prompt position computed: no prefix reuse (as vLLM).
+        reuse = req.sampling.prompt_logprobs is None
+        max_cached = (req.num_tokens - 1) // bs if reuse else 0
+        cached = len(self.blocks.match_prefix(req.all_token_ids, max_cached))
         n = min(req.num_tokens - cached * bs, budget)
         if self.cfg.prefill_chunk_size:
             n = min(n, self.cfg.prefill_chunk_size)
         try:
-            table, num_cached = self.blocks.allocate_for_tokens(req.all_token_ids, cached * bs + n)
+            if reuse:
+                table, num_cached = self.blocks.allocate_for_tokens(
+                    req.all_token_ids, cached * bs + n
+                )
+            else:
+                table, num_cached = self.blocks.allocate(self.blocks.blocks_needed(n)), 0
         except NoFreeBlocksError:
             return 0
         req.block_table, req.num_computed_tokens, req.block_hashes = table, num_cached, []

@@ -10,6 +10,7 @@ import grpc
 
 from engine.errors import InvalidRequestError
 from engine.request import sampling_from_message
+from engine.wire import logprob_message, logprob_messages
 from kv_transfer.auth import resolve_cluster_token, worker_server
 from kv_transfer.sender import TOKEN_TRANSPORTS, KVSender, TransferError, make_sender
 from prefill_worker.worker import PrefillWorker
@@ -31,7 +32,7 @@ class SenderPool:
         with self._lock:
             sender = self._senders.get((transport, endpoint))
             if sender is None:
-                # gRPC and Flight authenticate frames with the cluster token; torch_dist cannot.
+                # Every socket transport carries the cluster token (torch_dist at its rendezvous).
                 use_token = self._token and transport in TOKEN_TRANSPORTS
                 opts = {"token": self._token} if use_token else {}
                 sender = make_sender(transport, endpoint, **opts)
@@ -79,19 +80,12 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             item = job.events.get()
             if isinstance(item, BaseException):
                 context.abort(grpc.StatusCode.ABORTED, f"prefill failed: {item}")
-            ev = job.req.events
-            yield pb.PrefillEvent(
-                first_token=pb.FirstToken(
-                    token_id=item,
-                    queue_s=ev.get("scheduled", ev["arrived"]) - ev["arrived"],
-                    prefill_s=ev["prefilled"] - ev.get("scheduled", ev["arrived"]),
-                    cached_tokens=job.req.num_cached_tokens,
-                )
-            )
+            yield pb.PrefillEvent(first_token=_first_token(job.req, item))
             try:
                 stats = job.stream.commit()
             except TransferError as e:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
+            ev = job.req.events
             yield pb.PrefillEvent(
                 transfer_done=pb.TransferDone(
                     bytes=stats.bytes,
@@ -104,6 +98,20 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
 
     def Status(self, request, context):
         return pb.WorkerStatus(**self.worker.status())
+
+
+def _first_token(req, token: int) -> pb.FirstToken:
+    ev = req.events
+    msg = pb.FirstToken(
+        token_id=token,
+        queue_s=ev.get("scheduled", ev["arrived"]) - ev["arrived"],
+        prefill_s=ev["prefilled"] - ev.get("scheduled", ev["arrived"]),
+        cached_tokens=req.num_cached_tokens,
+        prompt_logprobs=logprob_messages(req.prompt_logprobs),
+    )
+    if req.output_logprobs:
+        msg.logprobs.CopyFrom(logprob_message(req.output_logprobs[-1]))
+    return msg
 
 
 def serve_prefill_worker(

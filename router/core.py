@@ -51,6 +51,9 @@ class Delta:
     finish_reason: str | None = None
     usage: pb.Usage | None = None
     timings: FlowTimings | None = None
+    logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # per token, when asked
+    prompt_logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # on the first delta
+    index: int = 0
 
 
 @dataclass
@@ -222,13 +225,15 @@ class Router:
         n_out = 0
         flow = self.flow.run(inp.request_id, inp.prompt_ids, inp.sampling, timings)
         try:
-            async for tokens, reason in flow:
+            async for item in flow:
+                tokens, reason = item.ids, item.reason
                 n_out += len(tokens)
                 delta_text, stopped = text.push(tokens, final=reason is not None)
                 if stopped:
                     reason = "stop"
+                lp = {"logprobs": item.logprobs, "prompt_logprobs": item.prompt_logprobs}
                 if reason is None:
-                    yield Delta(tokens, delta_text)
+                    yield Delta(tokens, delta_text, **lp)
                     continue
                 usage = pb.Usage(
                     prompt_tokens=len(inp.prompt_ids),
@@ -238,7 +243,7 @@ class Router:
                 timings.e2e_s = time.monotonic() - start
                 tpot = (timings.e2e_s - timings.ttft_s) / (n_out - 1) if n_out > 1 else None
                 self.recent_latencies.append((time.monotonic(), timings.ttft_s, tpot))
-                yield Delta(tokens, delta_text, reason, usage, timings)
+                yield Delta(tokens, delta_text, reason, usage, timings, **lp)
                 return
         finally:
             await flow.aclose()

@@ -40,6 +40,18 @@ PREEMPTED = "preempted"
 REFUSED = "lease refused"  # the concurrent reservation was refused after the first token
 
 
+@dataclass
+class Tokens:
+    """What a request's flow yields: new tokens of sequence ``index`` and, with the last,
+    why it finished."""
+
+    ids: list[int]
+    reason: str | None = None
+    logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # one per id, when asked
+    prompt_logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # first item, if asked
+    index: int = 0
+
+
 class Overloaded(Exception):
     """No decode worker could reserve blocks in time (429 / RESOURCE_EXHAUSTED)."""
 
@@ -108,8 +120,8 @@ class RequestFlow:
 
     async def run(
         self, request_id: str, prompt: list[int], sampling: pb.SamplingParams, timings: FlowTimings
-    ) -> AsyncIterator[tuple[list[int], str | None]]:
-        """Yield (new tokens, finish reason or None) until the request finishes."""
+    ) -> AsyncIterator[Tokens]:
+        """Yield new tokens until the request finishes (a ``Tokens`` with its reason)."""
         outputs: list[int] = []
         start = time.monotonic()
         reason = None
@@ -126,14 +138,18 @@ class RequestFlow:
             steps = path(attempt_id, prompt, outputs, sampling, timings)
             reason = None
             try:
-                async for tokens, reason in steps:
-                    if tokens and not timings.ttft_s:
+                async for item in steps:
+                    reason = item.reason
+                    if item.ids and not timings.ttft_s:
                         timings.ttft_s = time.monotonic() - start
+                    if item.prompt_logprobs:  # computed once: later attempts need not again
+                        sampling = _without_prompt_logprobs(sampling)
                     if reason in (PREEMPTED, REFUSED):
-                        if tokens:  # generated before the preemption: already in outputs
-                            yield tokens, None
+                        if item.ids:  # generated before the preemption: already in outputs
+                            item.reason = None
+                            yield item
                         break
-                    yield tokens, reason
+                    yield item
                     if reason:
                         return
             finally:
@@ -152,8 +168,9 @@ class RequestFlow:
         args = (request_id, prompt, outputs, sampling, timings)
         attempt, first = await self._reserve_and_prefill(*args, concurrent=concurrent)
         try:
-            outputs.append(first)
-            yield [first], None
+            outputs.append(first.token_id)
+            logprobs = [first.logprobs] if first.HasField("logprobs") else []
+            yield Tokens([first.token_id], None, logprobs, list(first.prompt_logprobs))
             async for item in self._decode(attempt, request_id, prompt, outputs, sampling, timings):
                 yield item
         finally:
@@ -286,7 +303,7 @@ class RequestFlow:
 
     async def _prefill(
         self, attempt, request_id, prompt, outputs, sampling, timings, after_send=None
-    ) -> int:
+    ) -> pb.FirstToken:
         """Prefill toward the attempt's lease; returns the first token. ``after_send`` runs
         once the Prefill call is on its way, before its first event is awaited."""
         candidates = self.cfg.prefill_policy(self.prefill.routable(), prompt)
@@ -320,7 +337,7 @@ class RequestFlow:
         timings.prefill_s += ft.prefill_s
         timings.cached_tokens = max(timings.cached_tokens, ft.cached_tokens)
         attempt.transfer = asyncio.ensure_future(self._transfer_done(call, timings))
-        return ft.token_id
+        return ft
 
     @staticmethod
     async def _transfer_done(call, timings: FlowTimings) -> None:
@@ -331,7 +348,7 @@ class RequestFlow:
 
     async def _decode(self, attempt, request_id, prompt, outputs, sampling, timings):
         if await attempt.lease() is None:  # a concurrent reservation, refused
-            yield [], REFUSED
+            yield Tokens([], REFUSED)
             return
         req = pb.DecodeRequest(
             request_id=request_id,
@@ -359,7 +376,13 @@ class RequestFlow:
                     # Decoding starts only after the commit, so TransferDone is (nearly) in.
                     await asyncio.wait([transfer], timeout=1.0)
             outputs.extend(chunk.token_ids)
-            yield list(chunk.token_ids), chunk.finish_reason or None
+            yield Tokens(
+                list(chunk.token_ids),
+                chunk.finish_reason or None,
+                list(chunk.logprobs),
+                list(chunk.prompt_logprobs),
+                chunk.index,
+            )
 
     async def _cleanup(self, attempt: _Attempt) -> None:
         for call in attempt.calls:
@@ -374,3 +397,10 @@ class RequestFlow:
             )
         except grpc.aio.AioRpcError as e:
             log.warning("release of lease %s failed: %s", attempt.lease_id, e.code().name)
+
+
+def _without_prompt_logprobs(sampling: pb.SamplingParams) -> pb.SamplingParams:
+    out = pb.SamplingParams()
+    out.CopyFrom(sampling)
+    out.ClearField("prompt_logprobs")
+    return out

@@ -30,11 +30,12 @@ from router.auth import bearer_ok
 from router.core import Router
 from router.flow import Overloaded, WorkerFailure
 from router.http_tokenize import add_tokenize_routes
-from router.openai_models import (
-    ChatCompletionRequest,
+from router.openai_models import ChatCompletionRequest, CompletionRequest
+from router.openai_responses import (
     ChatResponseShape,
-    CompletionRequest,
+    ResponseBuilder,
     ResponseShape,
+    TokenText,
     timings_body,
     usage_body,
 )
@@ -108,6 +109,7 @@ def _sse(body: dict | str) -> str:
 class OpenAIHandlers:
     def __init__(self, router: Router):
         self.router = router
+        self.token_text = TokenText(router.tokenizer)
 
     def _parse(self, model_cls, raw: bytes):
         try:
@@ -124,10 +126,15 @@ class OpenAIHandlers:
         req = self._parse(CompletionRequest, raw)
         try:
             prompt = req.prompt_input()
-            ids = self.router.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            tok = self.router.tokenizer
+            ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
+            echo = None
+            if req.echo:
+                echo = (prompt if isinstance(prompt, str) else tok.decode(ids), ids)
         except InvalidRequestError as e:
             raise _bad_request(e) from None
-        return await self._respond(req, ids, ResponseShape(self.router.cfg.model_name))
+        shape = ResponseShape(self.router.cfg.model_name, with_logprobs=req.logprobs is not None)
+        return await self._respond(req, ids, shape, echo)
 
     async def chat(self, raw: bytes) -> Response:
         req = self._parse(ChatCompletionRequest, raw)
@@ -138,9 +145,10 @@ class OpenAIHandlers:
             raise _bad_request(e) from None
         except Exception as e:  # noqa: BLE001 - a template's raise_exception on these messages
             raise ApiError(400, f"messages: the chat template failed: {e}", "messages") from None
-        return await self._respond(req, ids, ChatResponseShape(self.router.cfg.model_name))
+        shape = ChatResponseShape(self.router.cfg.model_name, with_logprobs=req.logprobs)
+        return await self._respond(req, ids, shape)
 
-    async def _respond(self, req, prompt_ids: list[int], shape: ResponseShape) -> Response:
+    async def _respond(self, req, prompt_ids: list[int], shape: ResponseShape, echo=None):
         cfg = self.router.cfg
         try:
             req.check_supported()
@@ -155,48 +163,54 @@ class OpenAIHandlers:
             raise _bad_request(e) from None
         except WORKER_ERRORS as e:
             raise _worker_error(e) from None
+        builder = ResponseBuilder(shape, self.token_text, req.n, echo)
         if req.stream:
-            events = self._stream(req, shape, first, deltas)
+            events = self._stream(req, builder, first, deltas)
             return StreamingResponse(
                 events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
-        return JSONResponse(await self._collect(req, shape, first, deltas))
+        return JSONResponse(await self._collect(req, builder, first, deltas))
 
-    async def _collect(self, req, shape: ResponseShape, first, deltas) -> dict:
-        text, delta = first.text, first
+    async def _collect(self, req, builder: ResponseBuilder, first, deltas) -> dict:
+        """The whole response; the delta with ``usage`` is the request's last."""
         try:
-            while delta.finish_reason is None:
-                delta = await deltas.__anext__()
-                text += delta.text
+            builder.add(first)
+            while builder.usage is None:
+                builder.add(await deltas.__anext__())
         except WORKER_ERRORS as e:
             raise _worker_error(e) from None
         finally:
             await deltas.aclose()
-        extra = {"usage": usage_body(delta.usage)}
+        extra = {"usage": usage_body(builder.usage)}
         if req.return_timings:
-            extra["timings"] = timings_body(delta.timings)
-        return shape.whole(text, delta.finish_reason, **extra)
+            extra["timings"] = timings_body(builder.timings)
+        return builder.shape.whole(builder.choices, **extra)
 
-    async def _stream(self, req, shape: ResponseShape, first, deltas) -> AsyncIterator[str]:
+    async def _stream(self, req, builder: ResponseBuilder, first, deltas) -> AsyncIterator[str]:
         usage_field = {"usage": None} if req.include_usage else {}
+        timings = req.return_timings
         pump = _Pump(deltas)
         delta = first
         try:
-            while delta.finish_reason is None:
-                if delta.text or not shape.sent_role:
-                    yield _sse(shape.chunk(delta.text, **usage_field))
+            while True:
+                choice = builder.add(delta)
+                done = builder.usage is not None
+                if choice is not None:
+                    extra = usage_field
+                    if done and timings and not req.include_usage:  # on the last chunk
+                        extra = {"timings": timings_body(builder.timings)}
+                    yield _sse(builder.shape.chunk(choice, **extra))
+                if done:
+                    break
                 delta = await pump.next()
         except WORKER_ERRORS as e:  # too late for a status code: an error event ends the stream
             yield _sse(_worker_error(e).body())
             return
         finally:
             pump.stop()
-        last = {"timings": timings_body(delta.timings)} if req.return_timings else {}
         if req.include_usage:
-            yield _sse(shape.chunk(delta.text, delta.finish_reason, usage=None))
-            yield _sse(shape.usage_chunk(usage=usage_body(delta.usage), **last))
-        else:
-            yield _sse(shape.chunk(delta.text, delta.finish_reason, **last))
+            last = {"timings": timings_body(builder.timings)} if timings else {}
+            yield _sse(builder.shape.usage_chunk(usage=usage_body(builder.usage), **last))
         yield _sse("[DONE]")
 
 

@@ -1,5 +1,5 @@
-"""OpenAI API shapes at the HTTP edge: request models (pydantic, strict types) and the response
-and stream-chunk bodies of /v1/completions and /v1/chat/completions.
+"""OpenAI API requests at the HTTP edge: the request models (pydantic, strict types) of
+/v1/completions and /v1/chat/completions (their responses: ``router/openai_responses.py``).
 
 Types are checked here (``"max_tokens": "abc"`` is a 400 naming ``max_tokens``); value ranges
 that the engine defines (temperature, top_k, min_tokens vs max_tokens, the context length) are
@@ -8,13 +8,12 @@ checked once, by ``Router.prepare``, for HTTP and gRPC alike.
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.errors import InvalidRequestError
+from engine.request import MAX_LOGPROBS, MAX_N
 from protos import pdserve_pb2 as pb
 
 UINT32 = 2**32 - 1
@@ -24,10 +23,6 @@ StopString = Annotated[str, Field(min_length=1)]
 # OpenAI parameters pdserve does not implement: accepted only at their neutral values, so a
 # user who asks for more gets a 400 instead of silence.
 NEUTRAL_VALUES = {
-    "best_of": 1,
-    "echo": False,
-    "logprobs": False,
-    "top_logprobs": 0,
     "suffix": "",
     "tools": [],
 }
@@ -50,7 +45,7 @@ class _GenerateRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1, le=INT32)  # extension; -1 or 0 = off
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: StopString | list[StopString] | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -65,10 +60,6 @@ class _GenerateRequest(BaseModel):
     repetition_penalty: float | None = None  # extension, as vLLM
     logit_bias: dict[str, float] | None = None
     # See NEUTRAL_VALUES.
-    best_of: Any = None
-    echo: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
     suffix: Any = None
     tools: Any = None
 
@@ -110,10 +101,20 @@ class _GenerateRequest(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 0.0,
             logit_bias=self.token_logit_bias(),
+            n=self.n,
         )
         if self.seed is not None:
             msg.seed = self.seed
+        logprobs, prompt_logprobs = self.logprob_counts()
+        if logprobs is not None:
+            msg.logprobs = logprobs
+        if prompt_logprobs is not None:
+            msg.prompt_logprobs = prompt_logprobs
         return msg
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """Top-k logprobs asked for generated and prompt positions (None: none at all)."""
+        return None, None
 
     def token_logit_bias(self) -> dict[int, float]:
         out = {}
@@ -136,6 +137,18 @@ class _GenerateRequest(BaseModel):
 
 class CompletionRequest(_GenerateRequest):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top-k per position
+    echo: bool = False  # the prompt comes back before the completion (with logprobs if asked)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of is not None and self.best_of != self.n:
+            # Ranking best_of candidates by logprob is not implemented (vLLM V1 dropped it too).
+            raise InvalidRequestError("best_of", f"must equal n ({self.n}) when set")
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
 
     def prompt_input(self) -> str | list[int]:
         """The one prompt: text, or token ids. A batch of prompts is a 400 (n=1 only)."""
@@ -169,100 +182,16 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerateRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32)  # the newer max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
-
-
-# ---- responses -------------------------------------------------------------------------
-
-
-def usage_body(usage: pb.Usage) -> dict:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
-    }
-
-
-def timings_body(t) -> dict:
-    """Where the first token's time went; ``other_s`` is the rest of TTFT (routing, the
-    reservation, network)."""
-    parts = t.prefill_queue_s + t.prefill_s + t.kv_transfer_s + t.decode_queue_s
-    return {
-        "prefill_queue_s": t.prefill_queue_s,
-        "prefill_s": t.prefill_s,
-        "kv_transfer_s": t.kv_transfer_s,
-        "decode_queue_s": t.decode_queue_s,
-        "other_s": max(0.0, t.ttft_s - parts),
-        "ttft_s": t.ttft_s,
-        "e2e_s": getattr(t, "e2e_s", 0.0),
-        "kv_bytes": t.kv_bytes,
-        "cached_tokens": t.cached_tokens,
-        "preemptions": t.preemptions,
-    }
-
-
-class ResponseShape:
-    """Builds one request's response bodies: whole, or as stream chunks."""
-
-    object_name = "text_completion"
-    chunk_object = "text_completion"
-    id_prefix = "cmpl"
-
-    def __init__(self, model: str):
-        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
-        self.model = model
-        self.created = int(time.time())
-        self.sent_role = True  # chat sends the assistant role in its first chunk
-
-    def _body(self, obj: str, choices: list, **extra) -> dict:
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            **extra,
-        }
-
-    def choice(self, text: str, finish_reason: str | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
-    def delta_choice(self, text: str, finish_reason: str | None) -> dict:
-        return self.choice(text, finish_reason)
-
-    def whole(self, text: str, finish_reason: str, **extra) -> dict:
-        return self._body(self.object_name, [self.choice(text, finish_reason)], **extra)
-
-    def chunk(self, text: str, finish_reason: str | None = None, **extra) -> dict:
-        return self._body(self.chunk_object, [self.delta_choice(text, finish_reason)], **extra)
-
-    def usage_chunk(self, **extra) -> dict:
-        return self._body(self.chunk_object, [], **extra)
-
-
-class ChatResponseShape(ResponseShape):
-    object_name = "chat.completion"
-    chunk_object = "chat.completion.chunk"
-    id_prefix = "chatcmpl"
-
-    def __init__(self, model: str):
-        super().__init__(model)
-        self.sent_role = False
-
-    def choice(self, text: str, finish_reason: str | None) -> dict:
-        return {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-
-    def delta_choice(self, text: str, finish_reason: str | None) -> dict:
-        delta = {"content": text} if text or not self.sent_role else {}
-        if not self.sent_role:
-            delta = {"role": "assistant", **delta}
-            self.sent_role = True
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

@@ -225,7 +225,10 @@ BAD = [
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
     ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
     ({"return_timings": 1}, "return_timings"),
-    ({"logprobs": 3}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"echo": 1}, "echo"),
+    ({"best_of": 0}, "best_of"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": 5}, "prompt"),
     ({"prompt": ""}, "prompt"),
@@ -241,6 +244,9 @@ BAD_CHAT = [
     ({"messages": [{"role": "robot", "content": "w5"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": 2}, "logprobs"),
 ]
 
 

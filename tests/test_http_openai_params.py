@@ -178,3 +178,85 @@ def test_tokenize_over_grpc(cluster, tok):
         with pytest.raises(grpc.RpcError) as e:
             stub.Detokenize(pb.DetokenizeRequest(tokens=[10**6]))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# ---- logprobs and echo ------------------------------------------------------------------
+
+
+def hf_logprobs(hf_model, ids):
+    import torch
+
+    with torch.inference_mode():
+        return torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_completion_logprobs_equal_transformers(client, model, tiny, tok):
+    prompt = tok.encode("w5 w6 w7 w8")
+    out = client.completions.create(model=model, prompt=prompt, logprobs=3, **GREEDY)
+    lp = out.choices[0].logprobs
+    ids = [tok.encode(t, add_special_tokens=False)[0] for t in lp.tokens]
+    # The word-level test tokenizer decodes a lone token without its separating space.
+    assert len(ids) == NEW and " ".join(lp.tokens) == out.choices[0].text.strip()
+    ref = hf_logprobs(tiny[1], prompt + ids)
+    for t, token in enumerate(ids):
+        row = ref[len(prompt) - 1 + t]
+        assert lp.token_logprobs[t] == pytest.approx(row[token].item(), abs=1e-4)
+        top = row.topk(3)
+        assert list(lp.top_logprobs[t].values()) == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert max(lp.top_logprobs[t].values()) == lp.token_logprobs[t]  # greedy
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+
+
+def test_echo_returns_prompt_logprobs_equal_transformers(client, model, tiny, tok):
+    prompt = "w9 w10 w11 w12 w13"
+    out = client.completions.create(
+        model=model, prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0
+    )
+    choice, ids = out.choices[0], tok.encode(prompt)
+    assert choice.text.startswith(prompt)
+    lp = choice.logprobs
+    assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and lp.tokens[: len(ids)] == prompt.split()
+    ref = hf_logprobs(tiny[1], ids)
+    for p in range(1, len(ids)):
+        assert lp.token_logprobs[p] == pytest.approx(ref[p - 1, ids[p]].item(), abs=1e-4)
+
+
+def test_echo_without_logprobs_streams_the_prompt_first(client, model):
+    chunks = list(
+        client.completions.create(model=model, prompt="w5 w6", echo=True, stream=True, **GREEDY)
+    )
+    assert chunks[0].choices[0].text.startswith("w5 w6")
+    assert all(c.choices[0].logprobs is None for c in chunks)
+
+
+def test_streamed_completion_logprobs_match_the_whole_response(client, model):
+    kw = {"model": model, "prompt": "w20 w21", "logprobs": 2, "echo": True, **GREEDY}
+    whole = client.completions.create(**kw).choices[0].logprobs
+    chunks = list(client.completions.create(stream=True, **kw))
+    streamed = [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs]
+    offsets = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
+    assert streamed == whole.token_logprobs and offsets == whole.text_offset
+
+
+def test_chat_logprobs_streaming_and_not(client, model, tiny, tok):
+    messages = [{"role": "user", "content": "w30 w31"}]
+    kw = {"model": model, "messages": messages, "logprobs": True, "top_logprobs": 2, **GREEDY}
+    whole = client.chat.completions.create(**kw).choices[0].logprobs.content
+    assert len(whole) == NEW and len(whole[0].top_logprobs) == 2
+    ids = [tok.encode(e.token, add_special_tokens=False)[0] for e in whole]
+    prompt = tok.encode_chat(messages)
+    ref = hf_logprobs(tiny[1], prompt + ids)
+    for t, e in enumerate(whole):
+        assert e.logprob == pytest.approx(ref[len(prompt) - 1 + t, ids[t]].item(), abs=1e-4)
+        assert e.bytes == list(e.token.encode()) and e.top_logprobs[0].logprob == e.logprob
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [e.logprob for e in streamed] == [e.logprob for e in whole]
+    plain = client.chat.completions.create(model=model, messages=messages, **GREEDY)
+    assert plain.choices[0].logprobs is None

@@ -1,0 +1,232 @@
+"""OpenAI response bodies of /v1/completions and /v1/chat/completions: whole responses and
+stream chunks, one choice per sequence (``n``), with logprobs in each API's shape.
+
+Completions: ``logprobs: {tokens, token_logprobs, top_logprobs, text_offset}``; with ``echo``
+the prompt's text and logprobs come first (its first token has none: null). Chat:
+``logprobs: {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``.
+Tokens are named by their own decoded text, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from engine.tokenizer import Tokenizer
+from protos import pdserve_pb2 as pb
+
+# One position: (token text, its logprob or None, [(alternative text, logprob)] or None).
+Record = tuple[str, float | None, list[tuple[str, float]] | None]
+
+
+def usage_body(usage: pb.Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+    }
+
+
+def timings_body(t) -> dict:
+    """Where the first token's time went; ``other_s`` is the rest of TTFT (routing, the
+    reservation, network)."""
+    parts = t.prefill_queue_s + t.prefill_s + t.kv_transfer_s + t.decode_queue_s
+    return {
+        "prefill_queue_s": t.prefill_queue_s,
+        "prefill_s": t.prefill_s,
+        "kv_transfer_s": t.kv_transfer_s,
+        "decode_queue_s": t.decode_queue_s,
+        "other_s": max(0.0, t.ttft_s - parts),
+        "ttft_s": t.ttft_s,
+        "e2e_s": getattr(t, "e2e_s", 0.0),
+        "kv_bytes": t.kv_bytes,
+        "cached_tokens": t.cached_tokens,
+        "preemptions": t.preemptions,
+    }
+
+
+class TokenText:
+    """Each token's own text (decoded alone, special tokens kept), cached per id."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def records(self, ids, entries) -> list[Record]:
+        """``entries``: a ``pb.TokenLogprobs`` per id, or None where a position has none."""
+        out = []
+        for token, entry in zip(ids, entries):
+            if entry is None:
+                out.append((self(token), None, None))
+                continue
+            top = [(self(t.token_id), t.logprob) for t in entry.top]
+            out.append((self(token), entry.logprob, top))
+        return out
+
+
+@dataclass
+class Choice:
+    """One sequence's text and logprob records so far."""
+
+    index: int
+    text: str = ""
+    records: list[Record] = field(default_factory=list)
+    finish_reason: str | None = None
+    started: bool = False  # a chunk went out (chat: with the role)
+    echoed: bool = False  # the prompt went out before the completion (echo)
+    # Where the next record's token starts: the sum of the token texts so far (text_offset).
+    token_offset: int = 0
+
+
+class ResponseShape:
+    """Builds one request's response bodies: whole, or as stream chunks."""
+
+    object_name = "text_completion"
+    chunk_object = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, model: str, with_logprobs: bool = False):
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.model = model
+        self.created = int(time.time())
+        self.with_logprobs = with_logprobs
+
+    def _body(self, obj: str, choices: list, **extra) -> dict:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+
+    def logprobs_body(self, records: list[Record], offset: int) -> dict | None:
+        if not self.with_logprobs:
+            return None
+        offsets = []
+        for token, _, _ in records:
+            offsets.append(offset)
+            offset += len(token)
+        return {
+            "tokens": [r[0] for r in records],
+            "token_logprobs": [r[1] for r in records],
+            "top_logprobs": [None if r[2] is None else dict(r[2]) for r in records],
+            "text_offset": offsets,
+        }
+
+    def choice(self, c: Choice) -> dict:
+        lp = self.logprobs_body(c.records, 0)
+        return {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+
+    def delta_choice(self, c: Choice, text: str, records: list[Record], offset: int) -> dict:
+        lp = self.logprobs_body(records, offset)
+        c.started = True
+        return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
+
+    def wants_chunk(self, c: Choice, text: str, records: list) -> bool:
+        return bool(text or records or c.finish_reason)
+
+    def whole(self, choices: list[Choice], **extra) -> dict:
+        return self._body(self.object_name, [self.choice(c) for c in choices], **extra)
+
+    def chunk(self, choice: dict, **extra) -> dict:
+        return self._body(self.chunk_object, [choice], **extra)
+
+    def usage_chunk(self, **extra) -> dict:
+        return self._body(self.chunk_object, [], **extra)
+
+
+class ChatResponseShape(ResponseShape):
+    object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def logprobs_body(self, records: list[Record], offset: int) -> dict | None:
+        if not self.with_logprobs:
+            return None
+
+        def one(token: str, logprob: float) -> dict:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        content = [
+            {**one(token, lp), "top_logprobs": [one(t, v) for t, v in top or ()]}
+            for token, lp, top in records
+        ]
+        return {"content": content, "refusal": None}
+
+    def choice(self, c: Choice) -> dict:
+        return {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": self.logprobs_body(c.records, 0),
+            "finish_reason": c.finish_reason,
+        }
+
+    def delta_choice(self, c: Choice, text: str, records: list[Record], offset: int) -> dict:
+        delta = {"content": text} if text or not c.started else {}
+        if not c.started:
+            delta = {"role": "assistant", **delta}
+            c.started = True
+        lp = self.logprobs_body(records, offset) if records else None
+        return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
+
+    def wants_chunk(self, c: Choice, text: str, records: list) -> bool:
+        return not c.started or super().wants_chunk(c, text, records)
+
+
+class ResponseBuilder:
+    """Turns a request's deltas into choices: echo first, then text and logprob records, per
+    sequence index."""
+
+    def __init__(
+        self,
+        shape: ResponseShape,
+        token_text: TokenText,
+        n: int = 1,
+        echo: tuple[str, list[int]] | None = None,  # the prompt's text and ids
+    ):
+        self.shape = shape
+        self.token_text = token_text
+        self.choices = [Choice(i) for i in range(n)]
+        self.echo = echo
+        self.prompt_records: list[Record] = []
+        self.usage = None
+        self.timings = None
+
+    def add(self, delta) -> dict | None:
+        """Take one delta in; returns its stream chunk's choice, or None if it adds nothing."""
+        c = self.choices[delta.index]
+        if delta.prompt_logprobs and self.echo is not None:
+            ids = self.echo[1]
+            self.prompt_records = self.token_text.records(ids, [None, *delta.prompt_logprobs])
+        text, records = delta.text, []
+        if self.shape.with_logprobs and delta.logprobs:
+            records = self.token_text.records(delta.token_ids, delta.logprobs)
+        if self.echo is not None and not c.echoed:
+            c.echoed = True
+            text = self.echo[0] + text
+            records = (self.prompt_records or self._bare_prompt_records()) + records
+        offset = c.token_offset
+        c.token_offset += sum(len(r[0]) for r in records)
+        c.text += text
+        c.records += records
+        c.finish_reason = delta.finish_reason or c.finish_reason
+        if delta.usage is not None:
+            self.usage, self.timings = delta.usage, delta.timings
+        if not self.shape.wants_chunk(c, text, records):
+            return None
+        return self.shape.delta_choice(c, text, records, offset)
+
+    def _bare_prompt_records(self) -> list[Record]:
+        if not self.shape.with_logprobs:
+            return []
+        return self.token_text.records(self.echo[1], [None] * len(self.echo[1]))
