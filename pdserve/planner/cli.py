@@ -190,6 +190,25 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def add_trace(sub) -> None:
+    p = sub.add_parser(
+        "trace", help="record a live cluster's requests (lengths, lifetimes) as a plan trace"
+    )
+    p.add_argument("--url", required=True, help="the router's HTTP API, e.g. http://127.0.0.1:8000")
+    p.add_argument("--out", required=True, help="JSONL trace to write")
+    p.add_argument("--host", default="127.0.0.1", help="where clients reach the recorder")
+    p.add_argument("--port", type=int, default=8001)
+    p.add_argument("--duration", type=positive_float, default=None, help="stop after seconds")
+    p.set_defaults(func=cmd_trace)
+
+
+def cmd_trace(args) -> int:
+    from pdserve.planner.trace_proxy import serve
+
+    return serve(args.url, args.out, args.host, args.port, args.duration)
+
+
 def register(sub) -> None:
     add_profile(sub)
     add_plan(sub)
+    add_trace(sub)
