@@ -117,3 +117,15 @@ def test_an_hour_of_1p1d_traffic_simulates_in_under_a_minute():
     run = simulate(prof, trace, Split(1, 1), SLO(5.0, 0.2))
     assert run.result.completed == len(trace)
     assert run.wall_s < 60
+
+
+def test_workers_sharing_cores_run_slower_than_workers_with_their_own():
+    prof = toy_profile()
+    trace = synthetic("100-200/20-40", 40, 2.0, seed=5)
+    own = simulate(prof, trace, SimConfig(Split(1, 1))).result
+    shared = simulate(prof, trace, SimConfig(Split(1, 1), cpu_cores=1)).result
+    assert shared.tpot_ms.median > own.tpot_ms.median
+    alone = simulate(prof, [TraceRequest(0.0, 300, 1)], SimConfig(Split(1, 1), cpu_cores=1))
+    assert alone.result.ttfts[0] == pytest.approx(
+        prof.router_overhead_s + prof.prefill_seconds(300)
+    )

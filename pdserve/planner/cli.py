@@ -112,6 +112,12 @@ def add_plan(sub) -> None:
     p.add_argument("--decode-policy", default="most_free_blocks")
     p.add_argument("--local-prefill-max-tokens", type=int, default=0)
     p.add_argument("--decode-num-blocks", type=positive_int, default=None)
+    p.add_argument(
+        "--cpu-cores",
+        type=positive_int,
+        default=None,
+        help="workers share this many cores (one small machine); default: own hardware",
+    )
     p.set_defaults(func=cmd_plan)
 
 
@@ -171,6 +177,7 @@ def cmd_plan(args) -> int:
         prefill_policy=args.prefill_policy,
         decode_policy=args.decode_policy,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
+        cpu_cores=args.cpu_cores,
     )
     started = time.time()
     result = plan(

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from pdserve.bench.metrics import SLO, BenchResult, RequestRecord, compute_result
 from pdserve.planner.profile import EngineSettings, Profile
-from pdserve.planner.sim_workers import Clock, SimDecodeWorker, SimPrefillWorker
+from pdserve.planner.sim_workers import Clock, CpuShare, SimDecodeWorker, SimPrefillWorker
 from pdserve.planner.workload import TraceRequest
 from router.policies import get_policy
 
@@ -77,6 +77,8 @@ class SimConfig:
     # This router streams the first token before the KV transfer commits; a system that waits
     # for the commit (reserve, prefill, transfer, then token) sets this.
     first_token_waits_for_kv: bool = False
+    # Workers sharing this many CPU cores (one small machine); None: each has its own.
+    cpu_cores: int | None = None
 
 
 @dataclass
@@ -117,15 +119,23 @@ class SimCluster:
         self.clock = Clock()
         self.prefill_policy = get_policy("prefill", cfg.prefill_policy)
         self.decode_policy = get_policy("decode", cfg.decode_policy)
+        cpu = CpuShare(cfg.cpu_cores, int(profile.meta.get("threads") or 1))
         args = (self.clock, profile, self.engine)
         self.prefill = [
-            SimPrefillWorker(*args, self.engine.num_blocks, f"p{i}", on_first_token=self._first)
+            SimPrefillWorker(
+                *args, self.engine.num_blocks, f"p{i}", cpu, on_first_token=self._first
+            )
             for i in range(cfg.split.num_prefill)
         ]
         decode_blocks = cfg.decode_num_blocks or self.engine.num_blocks
         self.decode = [
             SimDecodeWorker(
-                *args, decode_blocks, f"d{i}", on_token=self._token, on_preempted=self._preempted
+                *args,
+                decode_blocks,
+                f"d{i}",
+                cpu,
+                on_token=self._token,
+                on_preempted=self._preempted,
             )
             for i in range(cfg.split.num_decode)
         ]

@@ -53,6 +53,27 @@ class Clock:
             fn(*args)
 
 
+class CpuShare:
+    """Workers that share ``cores`` CPU cores (several workers on one small machine): a step
+    that starts while ``k`` workers compute, each with ``threads`` threads, runs
+    max(1, k x threads / cores) times slower (processor sharing, judged at the step's start).
+    ``cores`` None: every worker has its own hardware, as on GPUs."""
+
+    def __init__(self, cores: int | None = None, threads: int = 1):
+        self.cores = cores
+        self.threads = max(threads, 1)
+        self.busy = 0
+
+    def start(self) -> float:
+        self.busy += 1
+        if not self.cores:
+            return 1.0
+        return max(1.0, self.busy * self.threads / self.cores)
+
+    def end(self) -> None:
+        self.busy -= 1
+
+
 class SimWorker:
     """One worker's engine loop. Also carries the load counters the router's policies read
     (the fields of router.pool.WorkerHandle they use), so the real policies run unchanged."""
@@ -61,9 +82,16 @@ class SimWorker:
     check_stop = True
 
     def __init__(
-        self, clock: Clock, profile: Profile, engine: EngineSettings, num_blocks: int, name: str
+        self,
+        clock: Clock,
+        profile: Profile,
+        engine: EngineSettings,
+        num_blocks: int,
+        name: str,
+        cpu: CpuShare | None = None,
     ):
         self.clock = clock
+        self.cpu = cpu or CpuShare()
         self.profile = profile
         self.address = name
         self.blocks = BlockManager(num_blocks, engine.block_size, enable_prefix_caching=False)
@@ -97,13 +125,14 @@ class SimWorker:
         if plan.is_empty:
             return  # idle until woken: a submit, an attach or blocks coming back
         self.busy = True
-        dt = self.profile.step_seconds(plan.scheduled)
+        dt = self.profile.step_seconds(plan.scheduled) * self.cpu.start()
         self.busy_s += dt
         self.steps += 1
         self.clock.at(self.clock.now + dt, self._end_step, plan)
 
     def _end_step(self, plan: SchedulerOutput) -> None:
         n = sum(1 for s in plan.scheduled if s.samples)
+        self.cpu.end()
         updated = self.scheduler.update(plan, [TOKEN] * n, check_stop=self.check_stop)
         self.on_updated(updated)
         self.busy = False
