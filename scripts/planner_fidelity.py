@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,16 +32,18 @@ from pdserve.bench.metrics import SLO, BenchResult
 from pdserve.bench.serve import ServeConfig, run_benchmark
 from pdserve.local_cluster import ClusterSpec, LocalCluster
 from pdserve.planner.profile import load_profile
-from pdserve.planner.sim import Split, simulate
+from pdserve.planner.sim import SimConfig, Split, simulate
 from pdserve.planner.workload import TraceRequest
 
-# (split, workload, SLO, low rate, near-saturation rate): rates from the simulated capacity.
+# (split, workload, SLO). Rates: LOW and NEAR x the simulated capacity (highest rate at 90%).
 SETUPS = [
-    ("1P1D", "mixed", SLO(3.0, 0.15), 0.4, 0.9),
-    ("1P2D", "chat", SLO(1.0, 0.1), 1.0, 2.6),
-    ("colo2", "mixed", SLO(3.0, 0.15), 0.6, 1.4),
+    ("1P1D", "mixed", SLO(3.0, 0.15)),
+    ("1P2D", "chat", SLO(1.0, 0.1)),
+    ("colo2", "mixed", SLO(3.0, 0.15)),
 ]
-RECOMMEND = [("longdoc", SLO(4.0, 0.15), 0.3), ("chat", SLO(1.0, 0.1), 2.0)]
+LOW, NEAR = 0.4, 0.85
+# (workload, SLO, share of the recommended split's simulated capacity to run at)
+RECOMMEND = [("longdoc", SLO(4.0, 0.15), 0.9), ("chat", SLO(1.0, 0.1), 0.9)]
 METRICS = ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "goodput")
 
 
@@ -78,10 +81,17 @@ def run_real(split: Split, workload: str, rate: float, n: int, slo: SLO, seed: i
         return asyncio.run(run_benchmark(cfg))
 
 
-def replay(profile, split: Split, real: BenchResult, raw_sends, slo: SLO) -> BenchResult:
+def replay(profile, split: Split, raw_sends, slo: SLO, cores: int) -> BenchResult:
     """The real run's requests (send offsets, lengths) through the simulator."""
     trace = [TraceRequest(t, p, o) for t, p, o in raw_sends]
-    return simulate(profile, trace, split, slo).result
+    return simulate(profile, trace, SimConfig(split, cpu_cores=cores), slo).result
+
+
+def sim_capacity(profile, split: Split, workload: str, slo: SLO, cores: int) -> float:
+    from pdserve.planner.search import Evaluator, synthetic_workload
+
+    wl = synthetic_workload(workload, 0, duration_s=200, min_requests=60, max_requests=600)
+    return Evaluator(profile, wl, slo, SimConfig(split, cpu_cores=cores)).capacity(split, 0.5)
 
 
 def sends_of(res: BenchResult, rate: float, seed: int, n: int):
@@ -96,19 +106,21 @@ def err(sim: float, real: float) -> float:
     return abs(sim - real) / real if real else (0.0 if sim == 0 else 1.0)
 
 
-def fidelity(profile, seed: int, scale: float) -> list[dict]:
+def fidelity(profile, seed: int, scale: float, cores: int) -> list[dict]:
     rows = []
-    for label, workload, slo, low, high in SETUPS:
+    for label, workload, slo in SETUPS:
         split = Split.parse(label)
-        for rate in (low, high):
+        cap = sim_capacity(profile, split, workload, slo, cores)
+        for rate in (round(LOW * cap, 2), round(NEAR * cap, 2)):
             n = max(30, int(rate * 60 * scale))
             started = time.time()
             real = run_real(split, workload, rate, n, slo, seed)
             if real.completed < n:
                 print(f"  {label} @ {rate}: {real.failed} failed: {real.errors[:2]}", flush=True)
             sends = sends_of(real, rate, seed, n)
-            sim = replay(profile, split, real, sends, slo)
+            sim = replay(profile, split, sends, slo, cores)
             row = {
+                "load_average": os.getloadavg()[0],
                 "split": label,
                 "workload": workload,
                 "rate": rate,
@@ -134,13 +146,20 @@ def mape(rows: list[dict]) -> dict:
     return {m: sum(r["error"][m] for r in rows) / len(rows) for m in METRICS}
 
 
-def recommendation(profile, seed: int, max_workers: int, scale: float) -> list[dict]:
-    from pdserve.planner.search import candidate_splits, plan, synthetic_workload
+def recommendation(profile, seed: int, max_workers: int, scale: float, cores: int) -> list[dict]:
+    from pdserve.planner.search import candidate_splits, plan, recommend, synthetic_workload
 
     out = []
-    for workload, slo, rate in RECOMMEND:
+    for workload, slo, share in RECOMMEND:
         wl = synthetic_workload(workload, seed, duration_s=200, min_requests=60, max_requests=600)
-        p = plan(profile, wl, rate, slo, max_workers, curve_points=2)
+        base = SimConfig(Split(1, 1), cpu_cores=cores)
+        # Plan at a low rate first to find the best split, then check it at 90% of its capacity.
+        # Only splits of exactly max_workers are run for real, so only they compete here.
+        first = plan(profile, wl, 0.1, slo, max_workers, base, curve_points=2)
+        sized = [r for r in first.results if r.split.workers == max_workers]
+        rate = round(share * recommend(sized, 0.1)[0].capacity, 2)
+        p = plan(profile, wl, rate, slo, max_workers, base, curve_points=2)
+        chosen, _ = recommend([r for r in p.results if r.split.workers == max_workers], rate)
         splits = [s for s in candidate_splits(max_workers) if s.workers == max_workers]
         measured = {}
         for split in splits:
@@ -148,7 +167,7 @@ def recommendation(profile, seed: int, max_workers: int, scale: float) -> list[d
             measured[split.label] = summary(run_real(split, workload, rate, n, slo, seed))
             print(f"  {workload} {split.label}: {measured[split.label]}", flush=True)
         best = max(measured, key=lambda k: measured[k]["goodput"])
-        rec = p.recommended.split.label
+        rec = chosen.split.label
         got = measured.get(rec, {}).get("goodput")
         out.append(
             {
@@ -177,15 +196,23 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="x the requests per run")
     ap.add_argument("--part", choices=("fidelity", "recommend", "all"), default="all")
     ap.add_argument("--max-workers", type=int, default=2, help="part 2's pool size")
+    ap.add_argument("--cpu-cores", type=int, default=os.cpu_count(), help="cores the workers share")
     args = ap.parse_args()
     profile = load_profile(args.profile)
-    report: dict = {"profile": args.profile, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    report: dict = {
+        "profile": args.profile,
+        "cpu_cores": args.cpu_cores,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "load_average_at_start": os.getloadavg(),
+    }
     if args.part in ("fidelity", "all"):
-        report["fidelity"] = fidelity(profile, args.seed, args.scale)
+        report["fidelity"] = fidelity(profile, args.seed, args.scale, args.cpu_cores)
         report["mape"] = mape(report["fidelity"])
         print("MAPE " + "  ".join(f"{m} {v:.1%}" for m, v in report["mape"].items()), flush=True)
     if args.part in ("recommend", "all"):
-        report["recommendation"] = recommendation(profile, args.seed, args.max_workers, args.scale)
+        report["recommendation"] = recommendation(
+            profile, args.seed, args.max_workers, args.scale, args.cpu_cores
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
