@@ -24,11 +24,18 @@ def main() -> None:
     parser.add_argument("--kv-transport", default="grpc", choices=["grpc", "flight", "torch_dist"])
     parser.add_argument("--lease-ttl", type=float, default=30.0)
     parser.add_argument("--worker-id", default=None)
+    parser.add_argument(
+        "--kv-private-network",
+        action="store_true",
+        help="let torch_dist KV listen off loopback (its data path is not authenticated: only "
+        "on a network no one but the cluster reaches); the cluster token comes from "
+        "$PDSERVE_CLUSTER_TOKEN",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     worker = DecodeWorker(engine_from_args(args), args.worker_id, args.lease_ttl)
     server, address, kv_server = serve_decode_worker(
-        worker, args.host, args.port, args.kv_transport
+        worker, args.host, args.port, args.kv_transport, kv_private_network=args.kv_private_network
     )
     print(f"READY {address}", flush=True)
     done = threading.Event()

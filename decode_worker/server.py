@@ -55,7 +55,11 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         try:
             if request.lease_id:
                 stream = self.worker.attach(
-                    request.request_id, request.lease_id, *args[1:], request.sampling
+                    request.request_id,
+                    request.lease_id,
+                    *args[1:],
+                    request.sampling,
+                    list(request.fork_token_ids),
                 )
             else:  # no lease: prefill here
                 stream = self.worker.submit_local(*args, request.sampling)
@@ -73,41 +77,42 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             self.worker.abort(request.request_id)
             return
         req = stream.req
-        first = True
-        while True:
-            tokens, logprobs, reason = _drain(stream.items)
-            chunk = pb.TokenChunk(token_ids=tokens, finish_reason=reason or "", logprobs=logprobs)
-            if first and "scheduled" in req.events:
-                ready = req.events.get("kv_ready", req.events["arrived"])
-                chunk.decode_queue_s = req.events["scheduled"] - ready
-                chunk.prompt_logprobs.extend(logprob_messages(req.prompt_logprobs))
-                first = False
-            yield chunk
-            if reason is not None:
-                return
+        first, running = True, stream.n
+        while running:
+            for chunk in _drain(stream.items):
+                if first and "scheduled" in req.events:
+                    ready = req.events.get("kv_ready", req.events["arrived"])
+                    chunk.decode_queue_s = req.events["scheduled"] - ready
+                    chunk.prompt_logprobs.extend(logprob_messages(req.prompt_logprobs))
+                    first = False
+                running -= bool(chunk.finish_reason)
+                yield chunk
 
     def Status(self, request, context):
         st = self.worker.status()
         return pb.WorkerStatus(kv_endpoint=self.kv_endpoint, kv_transport=self.kv_transport, **st)
 
 
-def _drain(items: queue.Queue) -> tuple[list[int], list[pb.TokenLogprobs], str | None]:
-    """Block for one item, then take whatever else is ready: a slow reader gets bigger chunks.
-    Returns tokens, their logprobs (when the request asked) and the finish reason, if any."""
-    tokens: list[int] = []
-    logprobs: list[pb.TokenLogprobs] = []
+def _drain(items: queue.Queue) -> list[pb.TokenChunk]:
+    """Block for one item, then take whatever else is ready (a slow reader gets bigger
+    chunks): one chunk per run of items of the same sequence, a finish reason ending it."""
+    chunks: list[pb.TokenChunk] = []
     item = items.get()
     while True:
-        if isinstance(item, str):
-            return tokens, logprobs, item
-        token, logprob = item
-        tokens.append(token)
-        if logprob is not None:
-            logprobs.append(logprob_message(logprob))
+        index, token_or_reason, logprob = item
+        if not chunks or chunks[-1].index != index or chunks[-1].finish_reason:
+            chunks.append(pb.TokenChunk(index=index))
+        chunk = chunks[-1]
+        if isinstance(token_or_reason, str):
+            chunk.finish_reason = token_or_reason
+        else:
+            chunk.token_ids.append(token_or_reason)
+            if logprob is not None:
+                chunk.logprobs.append(logprob_message(logprob))
         try:
             item = items.get_nowait()
         except queue.Empty:
-            return tokens, logprobs, None
+            return chunks
 
 
 def serve_decode_worker(
@@ -118,13 +123,15 @@ def serve_decode_worker(
     max_workers: int = 64,
     cluster_token: str | None = None,
     kv_private_network: bool = False,
+    tls=None,
 ):
     """Start the worker's engine thread and gRPC server; returns (server, address, kv server).
     With a cluster token (argument or PDSERVE_CLUSTER_TOKEN), every call, KV streams included,
     must carry it; without one the worker binds loopback only. torch_dist KV listens off
-    loopback only with ``kv_private_network`` (its data path is not authenticated)."""
+    loopback only with ``kv_private_network`` (its data path is not authenticated). ``tls``
+    (kv_transfer.tls.ClusterTls): mutual TLS on the worker API and gRPC/Flight KV."""
     token = resolve_cluster_token(cluster_token)
-    server, address = worker_server(host, port, token, max_workers)
+    server, address = worker_server(host, port, token, max_workers, tls)
     kv_server = None
     if kv_transport == "grpc":
         add_kv_servicer(server, worker.receiver, token)
@@ -133,6 +140,8 @@ def serve_decode_worker(
         opts = {"token": token} if token and kv_transport in TOKEN_TRANSPORTS else {}
         if kv_transport == "torch_dist":
             opts["private_network"] = kv_private_network
+        elif tls is not None:
+            opts["tls"] = tls
         kv_server = start_receiver_server(kv_transport, worker.receiver, host=host, **opts)
         kv_endpoint = kv_server.endpoint
     pb_grpc.add_DecodeWorkerServicer_to_server(

@@ -2,13 +2,15 @@
 
 Worker-to-worker and router-to-worker calls (Reserve, Prefill, Decode, Status, PushFrames)
 are refused with UNAUTHENTICATED without it. The token comes from the worker's config or the
-``PDSERVE_CLUSTER_TOKEN`` environment variable; with neither, workers accept any caller (bind
-them to a private address then).
+``PDSERVE_CLUSTER_TOKEN`` environment variable (the Ray controller makes a random one per
+cluster). Without one a worker serves on a loopback address only: it refuses to bind anything
+else, since anyone who reached its port could reserve, prefill or push KV.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 
 import grpc
@@ -17,8 +19,34 @@ TOKEN_KEY = "x-pdserve-token"
 TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
 
 
+class OpenBindError(RuntimeError):
+    """A server would listen off loopback without the authentication that makes that safe."""
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and ``localhost``; False for 0.0.0.0, ::, names and other IPs
+    (a name may resolve anywhere, so it counts as exposed)."""
+    name = host.strip().strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def require_token_off_loopback(host: str, token: str | None, what: str) -> None:
+    """Raise OpenBindError, before anything binds, for an unauthenticated server off loopback."""
+    if not token and not is_loopback(host):
+        raise OpenBindError(
+            f"refusing to serve the {what} on {host} without a cluster token: anyone who can "
+            f"reach the port could call it. Set {TOKEN_ENV} (the Ray controller makes one per "
+            "cluster) or bind 127.0.0.1."
+        )
+
+
 def resolve_cluster_token(token: str | None = None) -> str | None:
-    """The explicit token, else the environment's, else None (no check)."""
+    """The explicit token, else the environment's, else None (no check: loopback only)."""
     return token or os.environ.get(TOKEN_ENV) or None
 
 
@@ -61,10 +89,14 @@ def server_interceptors(token: str | None) -> list[grpc.ServerInterceptor]:
     return [ClusterTokenInterceptor(token)] if token else []
 
 
-def worker_server(host: str, port: int, token: str | None, max_workers: int = 64):
+def worker_server(host: str, port: int, token: str | None, max_workers: int = 64, tls=None):
     """A worker's sync gRPC server, bound to ``host:port`` only, with KV-sized message limits
-    and the cluster-token check; returns (server, "host:port" actually bound)."""
+    and the cluster-token check (and mutual TLS with a kv_transfer.tls.ClusterTls); returns
+    (server, "host:port" actually bound). Without a token it binds loopback only
+    (OpenBindError otherwise)."""
     from concurrent import futures
+
+    require_token_off_loopback(host, token, "worker gRPC API")
 
     from kv_transfer.transport_grpc import EXCLUSIVE_PORT, bind, message_options
 
@@ -73,4 +105,4 @@ def worker_server(host: str, port: int, token: str | None, max_workers: int = 64
         options=message_options() + EXCLUSIVE_PORT,
         interceptors=server_interceptors(token),
     )
-    return server, f"{host}:{bind(server, f'{host}:{port}')}"
+    return server, f"{host}:{bind(server, f'{host}:{port}', tls)}"

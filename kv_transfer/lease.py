@@ -10,6 +10,7 @@ its blocks.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
@@ -17,6 +18,20 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kv_transfer.frame import FrameError
+
+# A lease pins blocks until its deadline: an infinite, NaN or year-long one would pin them for
+# good (the deadline comparison is never true for NaN). The worker's default TTL may be higher.
+MAX_LEASE_TTL_S = 600.0
+
+
+def lease_ttl_problem(ttl_s, max_ttl_s: float = MAX_LEASE_TTL_S) -> str | None:
+    """Why ``ttl_s`` cannot be a lease's time to live (None when it can): it must be a finite
+    number of seconds in (0, max_ttl_s]; the message names the limit."""
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)):
+        return "must be a number of seconds"
+    if not math.isfinite(ttl_s) or ttl_s <= 0 or ttl_s > max_ttl_s:
+        return f"must be finite and in (0, {max_ttl_s:g}] seconds (limit max_lease_seconds)"
+    return None
 
 
 @dataclass
@@ -44,7 +59,9 @@ class LeaseTable:
 
     MAX_REFUSED = 1024  # refused ids remembered for frames still on their way
 
-    def __init__(self, default_ttl_s: float = 30.0):
+    def __init__(self, default_ttl_s: float = 30.0, max_ttl_s: float | None = None):
+        self.max_ttl_s = max(MAX_LEASE_TTL_S, default_ttl_s) if max_ttl_s is None else max_ttl_s
+        self._check_ttl(default_ttl_s)
         self.default_ttl_s = default_ttl_s
         self._leases: dict[str, Lease] = {}
         self._refused: OrderedDict[str, str] = OrderedDict()
@@ -56,6 +73,7 @@ class LeaseTable:
     ) -> Lease:
         """Open a lease on ``block_ids``; ``lease_id`` is the caller's (unique) or a new one."""
         ttl = self.default_ttl_s if ttl_s is None else ttl_s
+        self._check_ttl(ttl)
         lease = Lease(
             lease_id=lease_id or uuid.uuid4().hex,
             request_id=request_id,
@@ -108,7 +126,16 @@ class LeaseTable:
         with self._lock:
             return self._leases.pop(lease_id, None)
 
+    def ttl_problem(self, ttl_s) -> str | None:
+        return lease_ttl_problem(ttl_s, self.max_ttl_s)
+
+    def _check_ttl(self, ttl_s) -> None:
+        problem = self.ttl_problem(ttl_s)
+        if problem is not None:
+            raise ValueError(f"lease_seconds {ttl_s!r}: {problem}")
+
     def extend(self, lease_id: str, ttl_s: float) -> None:
+        self._check_ttl(ttl_s)
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None:

@@ -34,8 +34,9 @@ TRANSPORTS = {
     "flight": "kv_transfer.transport_flight",
     "torch_dist": "kv_transfer.transport_dist",
 }
-# Transports whose servers check the cluster token (their senders and servers take ``token``).
-TOKEN_TRANSPORTS = frozenset({"grpc", "flight"})
+# Transports whose servers check the cluster token (their senders and servers take ``token``):
+# every one that crosses a socket (torch_dist at its rendezvous).
+TOKEN_TRANSPORTS = frozenset({"grpc", "flight", "torch_dist"})
 
 
 class TransferError(Exception):

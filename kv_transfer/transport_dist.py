@@ -14,19 +14,31 @@ reasons_len] and, if reasons_len > 0, the utf-8 reasons joined by newlines as ui
 A gloo recv that times out closes the pair, so an idle sender sends PING every
 idle_timeout/4 and the receiver drops a pair silent for idle_timeout (a dead sender).
 Only the sender thread talks on a pair, so each message is sent whole under one lock.
+
+Security. With a cluster token the rendezvous is authenticated: for pair n the receiver
+writes a random nonce under ``pair/<n>/nonce``, the sender answers HMAC-SHA256(token, nonce)
+under ``pair/<n>/proof``, and the receiver builds the pair's group only for a right answer
+(``pair/<n>/verdict``), so a sender without the token never gets a pair. The store, gloo and
+NCCL themselves carry no authentication or encryption, though: anyone on the network can
+reach the store's port. So the receiver refuses to listen off loopback unless the operator
+declares the network private (``private_network=True``, config ``kv_private_network``).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import itertools
 import logging
+import secrets
 import socket
 import threading
 
 import torch
 import torch.distributed as dist
 
+from kv_transfer.auth import OpenBindError, is_loopback
 from kv_transfer.frame import MAX_FRAME_BYTES, MAX_HEADER_BYTES, FrameError
 from kv_transfer.sender import Channel, Link, ReceiverServer
 
@@ -36,6 +48,13 @@ OP_FRAME, OP_COMMIT, OP_ABORT, OP_PING, OP_CLOSE = 1, 2, 3, 4, 5
 TAG_DATA, TAG_ACK = 0, 1
 MAX_REASON_BYTES = 16 * 1024
 POLL_S = 0.05  # how often the receiver looks for new pairs
+
+
+VERDICT_OK, VERDICT_REFUSED = b"ok", b"refused"
+
+
+def _proof(token: str, nonce: bytes) -> bytes:
+    return hmac.new(token.encode(), nonce, hashlib.sha256).hexdigest().encode()
 
 
 def backend_for(device: torch.device) -> str:
@@ -104,7 +123,13 @@ class _DistChannel(Channel):
 
 
 class _DistLink(Link):
-    def __init__(self, endpoint: str, timeout_s: float = 60.0, bind_host: str | None = None):
+    def __init__(
+        self,
+        endpoint: str,
+        timeout_s: float = 60.0,
+        bind_host: str | None = None,
+        token: str | None = None,
+    ):
         host, _, port = endpoint.rpartition(":")
         host = host.strip("[]")
         self._store = dist.TCPStore(
@@ -115,6 +140,7 @@ class _DistLink(Link):
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
         n = self._store.add("pairs", 1)
         prefixed = dist.PrefixStore(f"pair/{n}", self._store)
+        _answer_challenge(prefixed, token)
         group = make_pair_group(backend, prefixed, 0, timeout_s, bind_host or _local_ip(host))
         self._pair = _Pair(group, peer=1, device=device or torch.device("cpu"))
         self._tags = itertools.count()
@@ -173,6 +199,15 @@ class _DistLink(Link):
         self._pair = None
 
 
+def _answer_challenge(store, token: str | None) -> None:
+    """Prove the cluster token for this pair (the nonce's key blocks until the receiver wrote
+    it); ConnectionError when the receiver refuses the pair."""
+    nonce = store.get("nonce")
+    store.set("proof", _proof(token, nonce) if token else b"")
+    if store.get("verdict") != VERDICT_OK:
+        raise ConnectionError("torch_dist receiver refused the pair: missing or bad cluster token")
+
+
 def _local_ip(remote_host: str) -> str:
     """The local address that routes to the receiver, for gloo to bind (no packet is sent)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -206,8 +241,27 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _check_exposure(host: str, private_network: bool) -> None:
+    if not private_network and not is_loopback(host):
+        raise OpenBindError(
+            f"refusing to serve torch_dist KV on {host}: its store, gloo and NCCL traffic is "
+            "neither authenticated nor encrypted past the rendezvous. Bind 127.0.0.1, or set "
+            "kv_private_network (--kv-private-network) if only the cluster can reach that network."
+        )
+
+
 class DistReceiverServer(ReceiverServer):
-    def __init__(self, receiver, host: str, port: int, idle_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        receiver,
+        host: str,
+        port: int,
+        idle_timeout_s: float = 30.0,
+        token: str | None = None,
+        private_network: bool = False,
+    ):
+        _check_exposure(host, private_network)
+        self._token = token
         sock = _listen(host, port)
         real_port = sock.getsockname()[1]
         self._store = dist.TCPStore(
@@ -255,6 +309,8 @@ class DistReceiverServer(ReceiverServer):
     def _serve_pair(self, n: int) -> None:
         try:
             store = dist.PrefixStore(f"pair/{n}", self._store)
+            if not self._challenge(store, n):
+                return
             group = make_pair_group(self._backend, store, 1, self._idle_timeout_s, self._host)
             pair = _Pair(group, peer=0, device=self._device)
             self._pair_loop(pair)
@@ -262,6 +318,18 @@ class DistReceiverServer(ReceiverServer):
         except Exception as e:  # noqa: BLE001
             if not self._stopping.is_set():
                 log.warning("torch_dist pair %d closed: %s", n, str(e)[:200])
+
+    def _challenge(self, store, n: int) -> bool:
+        """Ask pair n's sender for the token's proof; tell it the verdict. Without a token
+        (loopback only) every pair is welcome."""
+        nonce = secrets.token_hex(16).encode()
+        store.set("nonce", nonce)
+        proof = store.get("proof")  # blocks until the sender answers, up to the store timeout
+        ok = self._token is None or hmac.compare_digest(proof, _proof(self._token, nonce))
+        store.set("verdict", VERDICT_OK if ok else VERDICT_REFUSED)
+        if not ok:
+            log.warning("torch_dist pair %d refused: missing or bad cluster token", n)
+        return ok
 
     def _pair_loop(self, pair: _Pair) -> None:
         streams: dict[int, _StreamTally] = {}

@@ -14,7 +14,8 @@ answers once, after the client finished writing: msgpack ``{"accepted", "rejecte
 It keeps consuming after a bad frame and reports every rejection there, as the grpc transport
 does. With a cluster token, a call without ``x-pdserve-token`` is refused (UNAUTHENTICATED).
 pyarrow's Flight server sets no message size limit and exposes none: senders keep frames under
-MAX_FRAME_BYTES, and only a caller with the token (where one is set) gets a stream at all.
+MAX_FRAME_BYTES, and only a caller with the token gets a stream at all (without a token the
+server listens on loopback only).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import msgpack
 import pyarrow as pa
 from pyarrow import flight
 
-from kv_transfer.auth import TOKEN_KEY, token_matches
+from kv_transfer.auth import TOKEN_KEY, require_token_off_loopback, token_matches
 from kv_transfer.frame import FrameError
 from kv_transfer.sender import Channel, Link, ReceiverServer
+from kv_transfer.tls import read_pem
 
 log = logging.getLogger("pdserve.kv")
 
@@ -62,10 +64,34 @@ class _TokenCheck(flight.ServerMiddlewareFactory):
             raise flight.FlightUnauthenticatedError("bad cluster token")
 
 
+def _tls_server_args(tls) -> dict:
+    if tls is None:
+        return {}
+    pem = (read_pem(tls.cert, "cert"), read_pem(tls.key, "key"))
+    return {
+        "tls_certificates": [flight.CertKeyPair(*pem)],
+        "verify_client": True,  # mutual TLS: only cluster key holders connect
+        "root_certificates": read_pem(tls.ca, "ca"),
+    }
+
+
+def _tls_client_args(tls) -> dict:
+    if tls is None:
+        return {}
+    args = {
+        "tls_root_certs": read_pem(tls.ca, "ca"),
+        "cert_chain": read_pem(tls.cert, "cert"),
+        "private_key": read_pem(tls.key, "key"),
+    }
+    if tls.server_name:
+        args["override_hostname"] = tls.server_name
+    return args
+
+
 class _KvFlightServer(flight.FlightServerBase):
-    def __init__(self, location: str, receiver, token: str | None):
+    def __init__(self, location: str, receiver, token: str | None, tls=None):
         middleware = {"token": _TokenCheck(token)} if token is not None else None
-        super().__init__(location, middleware=middleware)
+        super().__init__(location, middleware=middleware, **_tls_server_args(tls))
         self.receiver = receiver
 
     def do_put(self, context, descriptor, reader, writer):
@@ -100,9 +126,12 @@ class _KvFlightServer(flight.FlightServerBase):
 
 
 class FlightReceiverServer(ReceiverServer):
-    def __init__(self, receiver, host: str, port: int, token: str | None = None):
+    def __init__(self, receiver, host: str, port: int, token: str | None = None, tls=None):
+        # pyarrow sets no message size limit on a Flight server: only token holders may send.
+        require_token_off_loopback(host, token, "Flight KV receiver")
         address = f"[{host}]" if ":" in host else host
-        self._server = _KvFlightServer(f"grpc+tcp://{address}:{port}", receiver, token)
+        scheme = "grpc+tls" if tls is not None else "grpc+tcp"
+        self._server = _KvFlightServer(f"{scheme}://{address}:{port}", receiver, token, tls)
         self.endpoint = f"{address}:{self._server.port}"
 
     def stop(self, grace_s: float = 1.0) -> None:
@@ -180,9 +209,16 @@ class _FlightChannel(Channel):
 
 
 class _FlightLink(Link):
-    def __init__(self, endpoint: str, token: str | None = None, stream_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        endpoint: str,
+        token: str | None = None,
+        stream_timeout_s: float = 120.0,
+        tls=None,
+    ):
         # One client per destination, shared by all streams: gRPC multiplexes the calls.
-        self._client = flight.FlightClient(f"grpc+tcp://{endpoint}")
+        scheme = "grpc+tls" if tls is not None else "grpc+tcp"
+        self._client = flight.FlightClient(f"{scheme}://{endpoint}", **_tls_client_args(tls))
         headers = [(TOKEN_KEY.encode(), token.encode())] if token is not None else []
         self._options = flight.FlightCallOptions(timeout=stream_timeout_s, headers=headers)
 

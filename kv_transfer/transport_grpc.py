@@ -7,15 +7,16 @@ The receiver keeps consuming after a bad frame and reports every rejection in th
 
 from __future__ import annotations
 
-import hmac
 import logging
 import queue
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from kv_transfer.auth import TOKEN_KEY, require_token_off_loopback, token_matches
 from kv_transfer.frame import FrameError
 from kv_transfer.sender import Channel, Link, ReceiverServer
+from kv_transfer.tls import ClusterTls, add_port
 from protos import pdserve_pb2, pdserve_pb2_grpc
 
 log = logging.getLogger("pdserve.kv")
@@ -23,7 +24,6 @@ log = logging.getLogger("pdserve.kv")
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # frames stay under 4 MiB; this is headroom, not a target
 MAX_QUEUED_FRAMES = 8  # per stream: ~28 MiB in flight at most
 MAX_REPORTED_ERRORS = 32
-TOKEN_KEY = "x-pdserve-token"
 SERVICE = "pdserve.v1.KvTransfer"
 PUSH_FRAMES = f"/{SERVICE}/PushFrames"
 
@@ -119,16 +119,11 @@ def message_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]
 EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
 
 
-def bind(server, address: str) -> int:
-    """``server.add_insecure_port`` that raises OSError naming the address when it cannot
-    bind (taken, or not this host's), whichever way this gRPC version reports it."""
-    try:
-        bound = server.add_insecure_port(address)
-    except RuntimeError as e:
-        raise OSError(f"cannot bind {address}: {e}") from e
-    if bound == 0:
-        raise OSError(f"cannot bind {address}")
-    return bound
+def bind(server, address: str, tls=None) -> int:
+    """``server.add_insecure_port`` (``add_secure_port`` with a kv_transfer.tls config) that
+    raises OSError naming the address when it cannot bind (taken, or not this host's),
+    whichever way this gRPC version reports it."""
+    return add_port(server, address, tls)
 
 
 class KvTransferServicer(pdserve_pb2_grpc.KvTransferServicer):
@@ -138,8 +133,8 @@ class KvTransferServicer(pdserve_pb2_grpc.KvTransferServicer):
 
     def PushFrames(self, request_iterator, context):
         if self.token is not None:
-            sent = dict(context.invocation_metadata()).get(TOKEN_KEY, "")
-            if not hmac.compare_digest(str(sent), self.token):
+            sent = dict(context.invocation_metadata()).get(TOKEN_KEY)
+            if not token_matches(sent, self.token):
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad cluster token")
         ack = pdserve_pb2.PushAck()
         for frame in request_iterator:
@@ -182,14 +177,15 @@ def add_kv_servicer(server: grpc.Server, receiver, token: str | None = None) -> 
 
 
 class GrpcReceiverServer(ReceiverServer):
-    def __init__(self, receiver, host: str, port: int, max_workers: int = 8, token=None):
+    def __init__(self, receiver, host: str, port: int, max_workers: int = 8, token=None, tls=None):
+        require_token_off_loopback(host, token, "gRPC KV receiver")
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-recv"),
             options=message_options() + EXCLUSIVE_PORT,
         )
         add_kv_servicer(self._server, receiver, token)
         address = f"[{host}]" if ":" in host else host
-        bound = bind(self._server, f"{address}:{port}")
+        bound = bind(self._server, f"{address}:{port}", tls)
         self.endpoint = f"{address}:{bound}"
         self._server.start()
 
@@ -242,12 +238,29 @@ class _GrpcChannel(Channel):
             pass
 
 
+def open_channel(endpoint: str, tls: ClusterTls | None, options: list) -> grpc.Channel:
+    """A sync channel to a worker service: plaintext, or mutual TLS with the cluster's keys."""
+    compression = grpc.Compression.NoCompression
+    if tls is None:
+        return grpc.insecure_channel(endpoint, options=options, compression=compression)
+    return grpc.secure_channel(
+        endpoint,
+        tls.channel_credentials(),
+        options=options + tls.channel_options(),
+        compression=compression,
+    )
+
+
 class _GrpcLink(Link):
-    def __init__(self, endpoint: str, token: str | None = None, stream_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        endpoint: str,
+        token: str | None = None,
+        stream_timeout_s: float = 120.0,
+        tls: ClusterTls | None = None,
+    ):
         # One channel per destination, shared by all streams: HTTP/2 multiplexes the calls.
-        self._channel = grpc.insecure_channel(
-            endpoint, options=message_options(), compression=grpc.Compression.NoCompression
-        )
+        self._channel = open_channel(endpoint, tls, message_options())
         # The generated stub would build KvFrame messages; same method, leaner serializer.
         self._push_frames = self._channel.stream_unary(
             PUSH_FRAMES,

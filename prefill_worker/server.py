@@ -23,9 +23,10 @@ log = logging.getLogger("pdserve.prefill")
 class SenderPool:
     """One KV sender per (transport, endpoint), reused across requests."""
 
-    def __init__(self, cluster_token: str | None = None):
+    def __init__(self, cluster_token: str | None = None, tls=None):
         self._senders: dict[tuple[str, str], KVSender] = {}
         self._token = cluster_token
+        self._tls = tls  # kv_transfer.tls.ClusterTls for gRPC and Flight KV
         self._lock = threading.Lock()
 
     def get(self, transport: str, endpoint: str) -> KVSender:
@@ -35,6 +36,8 @@ class SenderPool:
                 # Every socket transport carries the cluster token (torch_dist at its rendezvous).
                 use_token = self._token and transport in TOKEN_TRANSPORTS
                 opts = {"token": self._token} if use_token else {}
+                if self._tls is not None and transport in ("grpc", "flight"):
+                    opts["tls"] = self._tls
                 sender = make_sender(transport, endpoint, **opts)
                 self._senders[(transport, endpoint)] = sender
             return sender
@@ -111,6 +114,10 @@ def _first_token(req, token: int) -> pb.FirstToken:
     )
     if req.output_logprobs:
         msg.logprobs.CopyFrom(logprob_message(req.output_logprobs[-1]))
+    for token, logprob in req.fork_first:  # n > 1: the other sequences' first tokens
+        msg.fork_token_ids.append(token)
+        if logprob is not None:
+            msg.fork_logprobs.append(logprob_message(logprob))
     return msg
 
 
@@ -120,13 +127,15 @@ def serve_prefill_worker(
     port: int = 0,
     max_workers: int = 64,
     cluster_token: str | None = None,
+    tls=None,
 ):
     """Start the worker's engine thread and gRPC server; returns (server, address, senders).
     With a cluster token (argument or PDSERVE_CLUSTER_TOKEN), callers must send it, and KV
-    frames sent over gRPC carry it."""
+    streams carry it; without one the worker binds loopback only. ``tls``
+    (kv_transfer.tls.ClusterTls): mutual TLS on the worker API and on gRPC/Flight KV."""
     token = resolve_cluster_token(cluster_token)
-    server, address = worker_server(host, port, token, max_workers)
-    senders = SenderPool(token)
+    server, address = worker_server(host, port, token, max_workers, tls)
+    senders = SenderPool(token, tls)
     pb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker, senders), server)
     worker.start()
     server.start()

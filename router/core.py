@@ -17,6 +17,7 @@ from engine.request import SamplingParams, sampling_from_message
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from protos import pdserve_pb2 as pb
 from router.flow import FlowConfig, FlowTimings, Overloaded, RequestFlow
+from router.limits import RequestLimits, check_request_limits
 from router.metrics import Metrics
 from router.policies import get_policy
 from router.pool import WorkerPool
@@ -42,6 +43,8 @@ class RouterConfig:
     concurrent_reserve_headroom: float = 0.1  # see FlowConfig; < 0 turns it off
     api_key: str | None = None  # clients must send it (HTTP Bearer, gRPC metadata) when set
     cluster_token: str | None = None  # sent to workers as x-pdserve-token when set
+    cluster_tls: object | None = None  # kv_transfer.tls.ClusterTls: mutual TLS to workers
+    limits: RequestLimits = field(default_factory=RequestLimits)  # caps, named in their 400s
 
 
 @dataclass
@@ -68,8 +71,8 @@ class Router:
     def __init__(self, cfg: RouterConfig, prefill: list[str], decode: list[str]):
         self.cfg = cfg
         self.tokenizer = Tokenizer(cfg.model_dir)
-        self.prefill = WorkerPool("prefill", cfg.cluster_token)
-        self.decode = WorkerPool("decode", cfg.cluster_token)
+        self.prefill = WorkerPool("prefill", cfg.cluster_token, cfg.cluster_tls)
+        self.decode = WorkerPool("decode", cfg.cluster_token, cfg.cluster_tls)
         for address in prefill:
             self.prefill.add(address)
         for address in decode:
@@ -166,6 +169,7 @@ class Router:
     ) -> GenerateInput:
         """Validate everything a request carries; raises InvalidRequestError naming the field."""
         params = sampling_from_message(sampling, self.cfg.default_max_tokens)
+        check_request_limits(self.cfg.limits, prompt_ids, params)
         if request_id and ("#" in request_id or len(request_id) > MAX_REQUEST_ID_LEN):
             raise InvalidRequestError(
                 "request_id",
@@ -219,21 +223,28 @@ class Router:
             self._active_ids.discard(inp.request_id)
 
     async def _generate(self, inp: GenerateInput) -> AsyncIterator[Delta]:
+        """Deltas of the request's n sequences; each one's last has its finish reason, and
+        the request's last has the usage (summed over sequences) and timings too."""
         timings = FlowTimings()
         start = time.monotonic()
-        text = _StopText(self.tokenizer, inp.params.stop)
+        texts = [_StopText(self.tokenizer, inp.params.stop) for _ in range(inp.params.n)]
+        running = set(range(inp.params.n))
         n_out = 0
         flow = self.flow.run(inp.request_id, inp.prompt_ids, inp.sampling, timings)
         try:
             async for item in flow:
-                tokens, reason = item.ids, item.reason
+                i, tokens, reason = item.index, item.ids, item.reason
+                if i not in running:  # stopped here by a stop string; the rest is dropped
+                    continue
                 n_out += len(tokens)
-                delta_text, stopped = text.push(tokens, final=reason is not None)
+                delta_text, stopped = texts[i].push(tokens, final=reason is not None)
                 if stopped:
                     reason = "stop"
                 lp = {"logprobs": item.logprobs, "prompt_logprobs": item.prompt_logprobs}
-                if reason is None:
-                    yield Delta(tokens, delta_text, **lp)
+                if reason is not None:
+                    running.discard(i)
+                if reason is None or running:
+                    yield Delta(tokens, delta_text, reason, index=i, **lp)
                     continue
                 usage = pb.Usage(
                     prompt_tokens=len(inp.prompt_ids),
@@ -243,7 +254,7 @@ class Router:
                 timings.e2e_s = time.monotonic() - start
                 tpot = (timings.e2e_s - timings.ttft_s) / (n_out - 1) if n_out > 1 else None
                 self.recent_latencies.append((time.monotonic(), timings.ttft_s, tpot))
-                yield Delta(tokens, delta_text, reason, usage, timings, **lp)
+                yield Delta(tokens, delta_text, reason, usage, timings, index=i, **lp)
                 return
         finally:
             await flow.aclose()

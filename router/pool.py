@@ -56,15 +56,22 @@ class _TokenStub:
 
 
 class WorkerPool:
-    def __init__(self, role: str, cluster_token: str | None = None):
+    def __init__(self, role: str, cluster_token: str | None = None, tls=None):
         self.role = role
         self.workers: dict[str, WorkerHandle] = {}
         self._metadata = ((CLUSTER_TOKEN_KEY, cluster_token),) if cluster_token else None
+        self._tls = tls  # kv_transfer.tls.ClusterTls: mutual TLS to the workers
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if self._tls is None:
+            return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        options = CHANNEL_OPTIONS + self._tls.channel_options()
+        return grpc.aio.secure_channel(address, self._tls.channel_credentials(), options=options)
 
     def add(self, address: str) -> WorkerHandle:
         if address in self.workers:
             return self.workers[address]
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = self._channel(address)
         stub_cls = pb_grpc.PrefillWorkerStub if self.role == "prefill" else pb_grpc.DecodeWorkerStub
         stub = stub_cls(channel)
         if self._metadata is not None:
