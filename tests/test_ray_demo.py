@@ -29,3 +29,58 @@ def test_demo_streams_through_the_disaggregated_path_and_stops():
     rows = [line for line in out.splitlines() if re.match(r"\s*\d+\s+\d+\s+\d+\s", line)]
     assert len(rows) == 6, out
     assert "6 requests" in out
+    line = re.search(
+        r"first request after ready: TTFT ([\d.]+) ms; median of the next 10: ([\d.]+) ms; "
+        r"ratio ([\d.]+)x",
+        out,
+    )
+    assert line, out
+    first, median, ratio = map(float, line.groups())
+    assert abs(first / median - ratio) < 0.01 + 0.01 * ratio
+    assert "columns:" in out and "p.queue = waiting for the prefill worker" in out
+
+
+@pytest.mark.slow
+@needs_embedded
+def test_serve_on_the_embedded_default_answers_health_completions_and_openai(tmp_path):
+    """The README's `pdserve serve` and curl, with the official client: the embedded default
+    config, on free ports."""
+    import httpx
+    import openai
+    import yaml
+
+    from pdserve.config import load_config
+    from tests.test_ray_cluster import _read_until_ready
+
+    config = tmp_path / "local.yaml"
+    cfg = load_config(None).with_overrides(grpc_port=0, http_port=0)
+    config.write_text(yaml.safe_dump(cfg.model_dump()))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "serve", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    lines: list[str] = []
+    try:
+        url = "http://" + _read_until_ready(proc, lines)["http"]
+        health = httpx.get(f"{url}/health", timeout=30)
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 8}
+        done = httpx.post(f"{url}/v1/completions", json={**body, "temperature": 0}, timeout=120)
+        assert done.status_code == 200, done.text
+        assert done.json()["usage"]["completion_tokens"] == 8
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        chat = client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": "Name three fruits."}],
+            max_tokens=16,
+            temperature=0,
+        )
+        assert chat.choices[0].message.content and chat.usage.completion_tokens > 0
+        proc.terminate()
+        assert proc.wait(60) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
