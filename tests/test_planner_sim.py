@@ -25,8 +25,15 @@ def test_interp_is_flat_below_and_linear_past_the_table():
     assert interp([1, 2], [10, 20], 0) == 10
     assert interp([1, 2], [10, 20], 1.5) == 15
     assert interp([1, 2], [10, 20], 4) == 40
+    assert interp([1, 2], [10, 5], 4) == 5  # never extrapolated downward
     t = Table2D((1, 2), (0, 10), ((1, 2), (3, 4)))
     assert t.at(1.5, 5) == pytest.approx(2.5)
+
+
+def test_noisy_measurements_become_monotone():
+    from pdserve.planner.profile import monotone
+
+    assert monotone([[3, 2, 4], [1, 5, 1]]) == ((3, 3, 4), (3, 5, 5))
 
 
 def test_profile_round_trips_through_json(tmp_path):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.bench.limits import best_time
-from pdserve.planner.profile import EngineSettings, Profile, Table2D
+from pdserve.planner.profile import EngineSettings, Profile, Table2D, monotone
 
 QUICK_ROUTER_OVERHEAD_S = 2e-3  # --quick does not spawn the router; BENCHMARKS.md run 5
 
@@ -34,7 +34,7 @@ class Grid:
     batches: tuple[int, ...]
     contexts: tuple[int, ...]
     transfer_tokens: tuple[int, ...]
-    reps: int = 2
+    reps: int = 3
     decode_steps: int = 4
 
 
@@ -237,6 +237,7 @@ def run_profile(
     )
     meta = machine_meta(engine, device, torch.get_num_threads())
     meta.update(
+        raw={"prefill": prefill, "decode": decode},  # before the running maximum
         model=str(cfg.model),
         model_shape={
             k: getattr(model_cfg, k)
@@ -254,8 +255,8 @@ def run_profile(
         quick=quick,
     )
     return Profile(
-        prefill=Table2D(grid.prefill_tokens, grid.offsets, tuple(prefill)),
-        decode=Table2D(grid.batches, grid.contexts, tuple(decode)),
+        prefill=Table2D(grid.prefill_tokens, grid.offsets, monotone(prefill)),
+        decode=Table2D(grid.batches, grid.contexts, monotone(decode)),
         transfer_bytes=tuple(float(t * kv_per_token) for t in grid.transfer_tokens),
         transfer_seconds=tuple(transfer),
         router_overhead_s=router_s,

@@ -15,6 +15,7 @@ A step's cost, from the scheduler's plan (``step_seconds``):
 
 from __future__ import annotations
 
+import itertools
 import json
 from bisect import bisect_right
 from collections.abc import Sequence
@@ -25,12 +26,25 @@ PROFILE_VERSION = 1
 
 
 def interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
-    """Piecewise-linear ``ys(x)``; flat below ``xs[0]``, linear past ``xs[-1]``."""
+    """Piecewise-linear ``ys(x)``; flat below ``xs[0]``, linear past ``xs[-1]`` (never
+    downward: a bigger batch or a longer context is not faster)."""
     if x <= xs[0] or len(xs) == 1:
         return ys[0]
     i = min(bisect_right(xs, x), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    if x > x1:
+        return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (x - x1)
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def monotone(seconds: Sequence[Sequence[float]]) -> tuple[tuple[float, ...], ...]:
+    """Running maximum along both axes: on a shared machine a point measured in a quiet
+    moment can come out below a smaller one, and more work is never faster."""
+    rows = [list(itertools.accumulate(r, max)) for r in seconds]
+    for j in range(len(rows[0]) if rows else 0):
+        for i in range(1, len(rows)):
+            rows[i][j] = max(rows[i][j], rows[i - 1][j])
+    return tuple(tuple(r) for r in rows)
 
 
 @dataclass(frozen=True)
