@@ -15,6 +15,7 @@ import logging
 import queue
 import time
 
+from engine.block_manager import NoFreeBlocksError
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus, sampling_from_message
@@ -33,11 +34,18 @@ class ReservationError(Exception):
 
 
 class _Stream:
-    """Tokens of one request on their way from the engine thread to its Decode RPC."""
+    """Tokens of one request's sequences on their way from the engine thread to its Decode RPC:
+    items are (sequence index, token, logprob) and, last for each sequence, (index, finish
+    reason, None)."""
 
-    def __init__(self, req: Request):
-        self.req = req
+    def __init__(self, req: Request, n: int = 1):
+        self.req = req  # sequence 0
+        self.n = n
+        self.seqs = [req]  # the forks join as they are made
         self.items: queue.Queue = queue.Queue()
+
+    def index(self, req: Request) -> int:
+        return next(i for i, r in enumerate(self.seqs) if r is req)
 
 
 class DecodeWorker(EngineWorker):
@@ -111,33 +119,71 @@ class DecodeWorker(EngineWorker):
 
     # ---- decode ------------------------------------------------------------------------
     def attach(
-        self, request_id: str, lease_id: str, prompt: list[int], outputs: list[int], sampling_msg
+        self,
+        request_id: str,
+        lease_id: str,
+        prompt: list[int],
+        outputs: list[int],
+        sampling_msg,
+        forks: list[int] = (),
     ) -> _Stream:
-        """Wait for the lease's KV, then queue the request for decoding; returns its stream."""
+        """Wait for the lease's KV, then queue the request for decoding; returns its stream.
+        ``forks``: with n > 1, the first tokens the prefill sampled for sequences 1..n-1."""
         sampling = sampling_from_message(sampling_msg)
         if not prompt or not outputs:
             raise InvalidRequestError("output_token_ids", "prompt and the first token are required")
+        if len(forks) != sampling.n - 1:
+            raise InvalidRequestError(
+                "fork_token_ids", f"must hold n - 1 = {sampling.n - 1} tokens"
+            )
         lease = self.leases.get(lease_id)
         if not lease.committed.wait(max(0.0, lease.deadline - time.monotonic())):
             self.release(lease_id)
             raise TimeoutError(f"KV for lease {lease_id} did not arrive before its deadline")
-        req = self.new_request(request_id, prompt, outputs, sampling)
+        req = self.new_request(request_id, prompt, outputs, sampling.for_sequence(0))
         req.num_computed_tokens = req.num_tokens - 1
         req.mark("kv_ready")
-        stream = _Stream(req)
+        stream = _Stream(req, sampling.n)
         with self.loop.lock:
             lease = self.leases.close(lease_id)
             if lease is None:  # expired between the commit and now
                 raise TimeoutError(f"lease {lease_id} expired")
             req.block_table = list(lease.block_ids)
             self._streams[request_id] = stream
-            status = self.scheduler.check_stop(req)  # the prefill's token may already end it
-            if status is not None:
-                self._finish(req, status)
-            else:
-                self.scheduler.attach_prefilled(req)
+            for seq in [req, *self._fork(stream, req, forks)]:
+                status = self.scheduler.check_stop(seq)  # a prefill's token may end it already
+                if status is not None:
+                    self._finish(seq, status)
+                else:
+                    self.scheduler.attach_prefilled(seq)
         self.loop.wake()
         return stream
+
+    def _fork(self, stream: _Stream, parent: Request, first_tokens) -> list[Request]:
+        """Sequences 1..n-1 over ``parent``'s computed KV, each with its own first token: the
+        full blocks are shared by reference count, the partial last one is copied. A fork
+        that finds no free block ends "preempted" (the router runs it again on its own)."""
+        forks, kv_tokens = [], parent.num_computed_tokens
+        for i, token in enumerate(first_tokens, 1):
+            outputs = [*parent.output_token_ids[:-1], token]
+            seq = self.new_request(
+                f"{parent.request_id}#n{i}",  # '#' never occurs in a client's id
+                parent.prompt_token_ids,
+                outputs,
+                parent.sampling.for_sequence(i),
+            )
+            stream.seqs.append(seq)
+            try:
+                seq.block_table, fresh = self.blocks.fork(parent.block_table, kv_tokens)
+            except NoFreeBlocksError:
+                stream.items.put((i, PREEMPTED, None))
+                continue
+            if fresh is not None:
+                self.engine.runner.copy_block(parent.block_table[len(seq.block_table) - 1], fresh)
+            seq.num_computed_tokens = kv_tokens
+            self._streams[seq.request_id] = stream
+            forks.append(seq)
+        return forks
 
     def submit_local(
         self, request_id: str, prompt: list[int], outputs: list[int], sampling_msg
@@ -147,8 +193,9 @@ class DecodeWorker(EngineWorker):
         Used for every request in a colocated pool, and for prompts short enough that the
         router skips the transfer."""
         sampling = sampling_from_message(sampling_msg)
+        # With n > 1 the sampler draws every sequence's first token: _step forks then.
         req = self.new_request(request_id, prompt, outputs, sampling)
-        stream = _Stream(req)
+        stream = _Stream(req, sampling.n)
         with self.loop.lock:
             if self.draining:
                 raise ReservationError(f"{self.worker_id} is draining")
@@ -174,16 +221,33 @@ class DecodeWorker(EngineWorker):
                 stream = self._streams.get(req.request_id)
                 if stream is not None:
                     logprob = req.output_logprobs[-1] if req.output_logprobs else None
-                    stream.items.put((req.output_token_ids[-1], logprob))
+                    stream.items.put((stream.index(req), req.output_token_ids[-1], logprob))
                 if req.is_finished:
                     self._end_stream(req, req.status.finish_reason)
+                elif req.fork_first and stream is not None:
+                    self._fork_after_prefill(stream, req)
         return True
+
+    def _fork_after_prefill(self, stream: _Stream, req: Request) -> None:
+        """A request with n > 1 prefilled here: its forks start from the tokens the sampler
+        drew for them."""
+        first, req.fork_first = req.fork_first, []
+        req.sampling = req.sampling.for_sequence(0)
+        for seq in self._fork(stream, req, [t for t, _ in first]):
+            i = stream.index(seq)
+            stream.items.put((i, seq.output_token_ids[-1], first[i - 1][1]))
+            status = self.scheduler.check_stop(seq)
+            if status is not None:
+                self._finish(seq, status)
+            else:
+                self.scheduler.attach_prefilled(seq)
 
     def _apply_aborts(self) -> None:
         for request_id in self._aborts:
             stream = self._streams.get(request_id)
-            if stream is not None:
-                self._finish(stream.req, RequestStatus.FINISHED_ABORTED)
+            for seq in stream.seqs if stream is not None else ():
+                if seq.request_id in self._streams:  # not ended yet
+                    self._finish(seq, RequestStatus.FINISHED_ABORTED)
         self._aborts.clear()
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
@@ -193,13 +257,19 @@ class DecodeWorker(EngineWorker):
     def _end_stream(self, req: Request, reason: str) -> None:
         stream = self._streams.pop(req.request_id, None)
         self.engine.sampler.release(req.request_id)
-        if stream is not None:
-            stream.items.put(reason)  # a str ends the stream; (token, logprob) pairs are tokens
+        if stream is None:
+            return
+        stream.items.put((stream.index(req), reason, None))
+        if req is stream.req and req.fork_first:  # ended before its forks were made
+            for i in range(len(stream.seqs), stream.n):  # the router runs each on its own
+                stream.items.put((i, PREEMPTED, None))
 
     def _fail_all(self, error: BaseException) -> None:
         with self.loop.lock:
-            for stream in list(self._streams.values()):
-                self._finish(stream.req, RequestStatus.FINISHED_ABORTED)
+            for stream in {id(s): s for s in self._streams.values()}.values():
+                for seq in stream.seqs:
+                    if seq.request_id in self._streams:
+                        self._finish(seq, RequestStatus.FINISHED_ABORTED)
 
     # ---- status ------------------------------------------------------------------------
     def status(self) -> dict:

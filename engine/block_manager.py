@@ -168,6 +168,22 @@ class BlockManager:
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
 
+    def fork(self, block_table: Sequence[int], num_tokens: int) -> tuple[list[int], int | None]:
+        """A second sequence over the first ``num_tokens`` tokens of ``block_table``: its full
+        blocks are shared (one more reference each); the partial last block, which both will
+        write, gets a fresh block. Returns (the fork's table, that fresh block or None); the
+        caller copies the partial block's KV into it."""
+        full, partial = divmod(num_tokens, self.block_size)
+        if partial and not self.can_allocate(1):
+            raise NoFreeBlocksError("no free block for the fork's last partial block")
+        shared = list(block_table[:full])
+        for block in shared:
+            self._take_ref(block)
+        if not partial:
+            return shared, None
+        [fresh] = self.allocate(1)
+        return [*shared, fresh], fresh
+
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
 

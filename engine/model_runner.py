@@ -54,6 +54,13 @@ class ModelRunner:
         # matmul of a decode step, and prefill positions before the last need none.
         return self.model.compute_logits(hidden[last[rows]]).float()
 
+    @torch.inference_mode()
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's KV in every layer (a forked sequence's own partial block)."""
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst].copy_(k_cache[src])
+            v_cache[dst].copy_(v_cache[src])
+
     def _record_prompt_logprobs(self, batch: Sequence[ScheduledSequence], hidden) -> None:
         """Each prompt token's logprob given the tokens before it, for requests that asked
         (echo): their chunk's positions go through the LM head too; others pay nothing."""

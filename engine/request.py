@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.errors import InvalidRequestError
 
@@ -96,6 +96,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    def for_sequence(self, i: int) -> SamplingParams:
+        """Sequence i of n: one sequence, seeded seed + i (vLLM's convention for n > 1)."""
+        seed = None if self.seed is None else self.seed + i
+        return replace(self, n=1, seed=seed)
+
     @property
     def has_penalties(self) -> bool:
         return bool(
@@ -138,6 +143,9 @@ class Request:
     # Filled by the model runner when ``sampling.prompt_logprobs`` is set: positions 1.. of the
     # prompt (position 0 has nothing before it).
     prompt_logprobs: list[TokenLogprob] | None = None
+    # With sampling.n > 1, set by the sampler with the first token: the first tokens (and
+    # logprobs) of sequences 1..n-1, drawn from the same logits with seeds seed + i.
+    fork_first: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)
     # Lifecycle timestamps (time.monotonic()), DistServe-style, feeding metrics.
     events: dict[str, float] = field(default_factory=dict)
 

@@ -20,11 +20,11 @@ from engine.request import Request, TokenLogprob
 
 # What a logprob of -inf is reported as (JSON has no infinity); vLLM uses the same value.
 MIN_LOGPROB = -9999.0
+_GOLDEN = 0x9E3779B97F4A7C15  # spreads (seed, position) over the generator's seed space
 
 
 class Sampler:
     def __init__(self) -> None:
-        self._generators: dict[str, torch.Generator] = {}
         self.penalties = Penalties()
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
@@ -32,6 +32,12 @@ class Sampler:
         that asked for logprobs get the sampled token's appended to ``output_logprobs``."""
         logits = self.penalties.apply(logits, requests)
         logits = self._apply_min_tokens(logits, requests)
+        out = self._draw(logits, requests)
+        self._record_logprobs(logits, requests, out)
+        self._sample_forks(logits, requests)
+        return out
+
+    def _draw(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         out = logits.argmax(dim=-1).tolist()
         random_rows = [i for i, r in enumerate(requests) if not r.sampling.is_greedy]
         if random_rows:
@@ -43,11 +49,35 @@ class Sampler:
                 gen = self._generator(requests[i])
                 noise = torch.empty_like(probs[j]).exponential_(generator=gen)
                 out[i] = int((probs[j] / noise).argmax())
-        self._record_logprobs(logits, requests, out)
         return out
 
+    def _sample_forks(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        """Requests with n > 1 (at their first token): sequences 1..n-1 draw their first
+        tokens from the same processed logits, each from its own seed."""
+        for i, req in enumerate(requests):
+            n = req.sampling.n
+            if n == 1:
+                continue
+            forks = [
+                Request(
+                    f"{req.request_id}#n{j}",
+                    req.prompt_token_ids,
+                    req.sampling.for_sequence(j),
+                    output_token_ids=list(req.output_token_ids),  # the same position
+                )
+                for j in range(1, n)
+            ]
+            rows = logits[i : i + 1].expand(n - 1, -1)
+            tokens = self._draw(rows, forks)
+            self._record_logprobs(rows, forks, tokens)
+            req.fork_first = [
+                (t, f.output_logprobs[-1] if f.output_logprobs else None)
+                for t, f in zip(tokens, forks)
+            ]
+            for f in forks:
+                self.release(f.request_id)
+
     def release(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
         self.penalties.release(request_id)
 
     @staticmethod
@@ -65,14 +95,15 @@ class Sampler:
         for req, entry in zip(reqs, entries):
             req.output_logprobs.append(entry)
 
-    def _generator(self, req: Request) -> torch.Generator | None:
+    @staticmethod
+    def _generator(req: Request) -> torch.Generator | None:
+        """A seeded sequence draws its t-th token from a generator seeded by (seed, t), so a
+        token is the same wherever it is drawn: prefill worker, decode worker, colocated, or
+        again after a preemption."""
         if req.sampling.seed is None:
             return None
-        gen = self._generators.get(req.request_id)
-        if gen is None:
-            gen = torch.Generator().manual_seed(req.sampling.seed)
-            self._generators[req.request_id] = gen
-        return gen
+        t = len(req.output_token_ids)
+        return torch.Generator().manual_seed((req.sampling.seed ^ (t * _GOLDEN)) % 2**64)
 
     @staticmethod
     def _apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

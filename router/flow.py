@@ -119,10 +119,20 @@ class RequestFlow:
         self.cfg = cfg
 
     async def run(
-        self, request_id: str, prompt: list[int], sampling: pb.SamplingParams, timings: FlowTimings
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: pb.SamplingParams,
+        timings: FlowTimings,
+        outputs: list[int] | None = None,
     ) -> AsyncIterator[Tokens]:
-        """Yield new tokens until the request finishes (a ``Tokens`` with its reason)."""
-        outputs: list[int] = []
+        """Yield new tokens until the request finishes (a ``Tokens`` with its reason; with
+        n > 1, one per sequence). ``outputs``: tokens generated before, kept."""
+        if sampling.n > 1:
+            async for item in self._run_n(request_id, prompt, sampling, timings):
+                yield item
+            return
+        outputs = [] if outputs is None else outputs
         start = time.monotonic()
         reason = None
         for i in range(self.cfg.max_attempts):
@@ -160,6 +170,40 @@ class RequestFlow:
             log.info("%s: %s after %d tokens; prefilling again", request_id, why, len(outputs))
         raise WorkerFailure(f"{request_id}: gave up after {self.cfg.max_attempts} attempts")
 
+    async def _run_n(self, request_id, prompt, sampling, timings) -> AsyncIterator[Tokens]:
+        """n sequences from one prefill: the decode worker forks the prompt's KV. A sequence
+        the attempt does not finish (preempted, or a fork that found no free block) goes
+        around again on its own, seeded seed + i, with its tokens kept."""
+        n, start = sampling.n, time.monotonic()
+        outputs = [[] for _ in range(n)]  # index 0's is extended by the path itself
+        finished = [False] * n
+        path = self._local
+        if not self.prefill_locally(len(prompt)):  # reserve first: forks grow past the lease
+            path = functools.partial(self._disaggregated, concurrent=False)
+        steps = path(request_id, prompt, outputs[0], sampling, timings)
+        try:
+            async for item in steps:
+                if item.ids and not timings.ttft_s:
+                    timings.ttft_s = time.monotonic() - start
+                if item.index:
+                    outputs[item.index].extend(item.ids)
+                if item.reason == PREEMPTED:
+                    item.reason = None
+                    timings.preemptions += 1
+                finished[item.index] = finished[item.index] or item.reason is not None
+                yield item
+        finally:
+            await steps.aclose()
+        for i in (i for i in range(n) if not finished[i]):
+            alone = _sequence_sampling(sampling, i)
+            flow = self.run(f"{request_id}#n{i}", prompt, alone, timings, outputs[i])
+            try:
+                async for item in flow:
+                    item.index = i
+                    yield item
+            finally:
+                await flow.aclose()
+
     def prefill_locally(self, num_tokens: int) -> bool:
         """Colocated pool (no prefill worker up), or a prompt too short to be worth a transfer."""
         return not self.prefill.routable() or num_tokens <= self.cfg.local_prefill_max_tokens
@@ -171,7 +215,12 @@ class RequestFlow:
             outputs.append(first.token_id)
             logprobs = [first.logprobs] if first.HasField("logprobs") else []
             yield Tokens([first.token_id], None, logprobs, list(first.prompt_logprobs))
-            async for item in self._decode(attempt, request_id, prompt, outputs, sampling, timings):
+            forks = list(first.fork_token_ids)  # n > 1: sampled from the same prefill
+            for i, token in enumerate(forks, 1):
+                lp = [first.fork_logprobs[i - 1]] if first.fork_logprobs else []
+                yield Tokens([token], None, lp, index=i)
+            decode = self._decode(attempt, request_id, prompt, outputs, sampling, timings, forks)
+            async for item in decode:
                 yield item
         finally:
             await self._cleanup(attempt)
@@ -346,7 +395,7 @@ class RequestFlow:
             timings.kv_transfer_s += event.transfer_done.exposed_s
             timings.kv_bytes += event.transfer_done.bytes
 
-    async def _decode(self, attempt, request_id, prompt, outputs, sampling, timings):
+    async def _decode(self, attempt, request_id, prompt, outputs, sampling, timings, forks=()):
         if await attempt.lease() is None:  # a concurrent reservation, refused
             yield Tokens([], REFUSED)
             return
@@ -356,6 +405,7 @@ class RequestFlow:
             prompt_token_ids=prompt,
             output_token_ids=outputs,
             sampling=sampling,
+            fork_token_ids=forks,
         )
         call = attempt.decode.stub.Decode(req)
         attempt.calls.append(call)
@@ -375,7 +425,8 @@ class RequestFlow:
                 if transfer is not None:
                     # Decoding starts only after the commit, so TransferDone is (nearly) in.
                     await asyncio.wait([transfer], timeout=1.0)
-            outputs.extend(chunk.token_ids)
+            if chunk.index == 0:  # the others' are kept by _run_n
+                outputs.extend(chunk.token_ids)
             yield Tokens(
                 list(chunk.token_ids),
                 chunk.finish_reason or None,
@@ -403,4 +454,13 @@ def _without_prompt_logprobs(sampling: pb.SamplingParams) -> pb.SamplingParams:
     out = pb.SamplingParams()
     out.CopyFrom(sampling)
     out.ClearField("prompt_logprobs")
+    return out
+
+
+def _sequence_sampling(sampling: pb.SamplingParams, i: int) -> pb.SamplingParams:
+    """Sequence i of n on its own: n = 1, seed + i (as the decode worker seeds its forks)."""
+    out = _without_prompt_logprobs(sampling)
+    out.n = 1
+    if out.HasField("seed"):
+        out.seed = sampling.seed + i
     return out

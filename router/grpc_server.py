@@ -49,10 +49,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             async for delta in self.router.generate(inp):
                 msg = pb.GenerateResponse(
-                    request_id=inp.request_id, token_ids=delta.token_ids, text=delta.text
+                    request_id=inp.request_id,
+                    token_ids=delta.token_ids,
+                    text=delta.text,
+                    logprobs=delta.logprobs,
+                    prompt_logprobs=delta.prompt_logprobs,
+                    index=delta.index,
                 )
                 if delta.finish_reason:
                     msg.finish_reason = delta.finish_reason
+                if delta.usage is not None:  # the request's last message
                     msg.usage.CopyFrom(delta.usage)
                     if request.include_timings:
                         t = delta.timings

@@ -116,7 +116,7 @@ class RequestTracker:
                 self.m.itl.observe((now - self.last) / n)
         self.first_seen = self.first_seen or n > 0
         self.last = now
-        if delta.finish_reason is not None:
+        if delta.usage is not None:  # the request's last delta (of its n sequences)
             self._finish(delta)
 
     def _finish(self, delta) -> None:

@@ -64,8 +64,6 @@ class _GenerateRequest(BaseModel):
     tools: Any = None
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise InvalidRequestError("n", f"only n=1 is supported, got {self.n!r}")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "is only allowed with stream=true")
         for name, neutral in NEUTRAL_VALUES.items():

@@ -216,7 +216,7 @@ BAD = [
     ({"seed": 2**70}, "seed"),
     ({"stop": 5}, "stop"),
     ({"stop": [""]}, "stop"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"n": "1"}, "n"),
     ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),

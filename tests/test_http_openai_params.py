@@ -260,3 +260,84 @@ def test_chat_logprobs_streaming_and_not(client, model, tiny, tok):
     assert [e.logprob for e in streamed] == [e.logprob for e in whole]
     plain = client.chat.completions.create(model=model, messages=messages, **GREEDY)
     assert plain.choices[0].logprobs is None
+
+
+# ---- n > 1 ------------------------------------------------------------------------------
+
+SAMPLED = {"max_tokens": NEW, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+
+
+def texts(out) -> list[str]:
+    assert [c.index for c in out.choices] == list(range(len(out.choices)))
+    return [c.text for c in out.choices]
+
+
+def test_n_seeded_sequences_differ_and_repeat(client, model):
+    kw = {"model": model, "prompt": "w5 w6", "n": 4, "seed": 3, **SAMPLED}
+    first = client.completions.create(**kw)
+    assert len(set(texts(first))) > 1 and first.usage.completion_tokens == 4 * NEW
+    assert texts(client.completions.create(**kw)) == texts(first)
+
+
+def test_sequence_i_is_the_single_request_seeded_seed_plus_i(client, model):
+    many = texts(client.completions.create(model=model, prompt="w9", n=3, seed=10, **SAMPLED))
+    for i in range(3):
+        one = client.completions.create(model=model, prompt="w9", seed=10 + i, **SAMPLED)
+        assert one.choices[0].text == many[i]
+
+
+def test_n_greedy_equals_the_single_greedy_output(client, model):
+    one = client.completions.create(model=model, prompt="w7 w8", **GREEDY).choices[0].text
+    assert texts(client.completions.create(model=model, prompt="w7 w8", n=4, **GREEDY)) == [one] * 4
+
+
+def test_n_streams_each_choice_under_its_index(client, model):
+    messages = [{"role": "user", "content": "w40 w41"}]
+    kw = {"model": model, "messages": messages, "n": 3, "seed": 4, "logprobs": True, **SAMPLED}
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed, lps = ["", "", ""], [[], [], []]
+    for c in chunks:
+        for ch in c.choices:
+            streamed[ch.index] += ch.delta.content or ""
+            lps[ch.index] += [e.logprob for e in (ch.logprobs.content if ch.logprobs else [])]
+    assert streamed == [c.message.content for c in whole.choices]
+    assert lps == [[e.logprob for e in c.logprobs.content] for c in whole.choices]
+    assert sum(1 for c in chunks for ch in c.choices if ch.finish_reason) == 3
+
+
+def test_n_prefilled_on_the_decode_worker_matches(cluster, model):
+    """The colocated path (no transfer) forks after its own prefill: same sequences."""
+    from dataclasses import replace
+
+    from router.app import start_router
+
+    cfg = replace(cluster.router.cfg, local_prefill_max_tokens=1000)
+    servers = cluster.run(
+        start_router(cfg, cluster.prefill_addresses, cluster.decode_addresses, http_port=0)
+    )
+    kw = {"model": model, "prompt": "w11 w12 w13", "n": 3, "seed": 8, **SAMPLED}
+    try:
+        with openai.OpenAI(
+            base_url=f"http://{servers.http_address}/v1", api_key="x", max_retries=0
+        ) as local:
+            colocated = texts(local.completions.create(**kw))
+    finally:
+        cluster.run(servers.stop())
+    with openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="x") as c:
+        assert colocated == texts(c.completions.create(**kw))
+
+
+@pytest.mark.parametrize(
+    "override,param",
+    [
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
+        ({"n": 2, "best_of": 3}, "best_of"),
+        ({"best_of": 0}, "best_of"),
+    ],
+)
+def test_bad_n_is_400(cluster, model, override, param):
+    body = {"model": model, "prompt": "w5", "max_tokens": 2, **override}
+    status, out = post(cluster.http_address, "/v1/completions", body)
+    assert status == 400 and out["error"]["param"] == param, out

@@ -1,0 +1,58 @@
+"""n > 1 on the decode worker: the forks share the prompt's full KV blocks by reference count,
+each gets its own copy of the partial last block, and every block is free afterwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decode_worker.worker import DecodeWorker
+from engine.block_manager import BlockManager
+from protos import pdserve_pb2 as pb
+from tests.conftest import tiny_llama_dir
+
+
+def test_block_manager_fork_shares_full_blocks_and_copies_the_partial_one():
+    blocks = BlockManager(8, 4)
+    table = blocks.allocate(3)  # 10 tokens: two full blocks and a partial one
+    fork, fresh = blocks.fork(table, 10)
+    assert fork[:2] == table[:2] and fork[2] == fresh and fresh not in table
+    assert [blocks.ref_count(b) for b in table] == [2, 2, 1]
+    blocks.free(table)
+    blocks.free(fork)
+    assert blocks.num_free == blocks.num_total
+    full_only, none = blocks.fork(blocks.allocate(2), 8)
+    assert none is None and len(full_only) == 2
+
+
+@pytest.fixture
+def worker(tmp_path, make_engine):
+    path, _ = tiny_llama_dir(tmp_path, num_heads=4, num_kv_heads=2)
+    return DecodeWorker(make_engine(path, block_size=16, num_blocks=64))
+
+
+def test_attach_with_forks_holds_the_prompt_once(worker):
+    prompt = list(range(3, 43))  # 40 tokens + the first: KV for 40 = 2 full blocks + 8 tokens
+    lease = worker.reserve("r", len(prompt) + 1)
+    k_cache = worker.engine.runner.kv_caches[0][0]
+    k_cache[lease.block_ids[2]] = torch.randn_like(k_cache[0])  # the partial block's "KV"
+    lease.committed.set()  # as if every frame had arrived
+    sampling = pb.SamplingParams(max_tokens=4, n=4, temperature=1.0, seed=7)
+    stream = worker.attach("r", lease.lease_id, prompt, [50], sampling, [51, 52, 53])
+    seqs = stream.seqs
+    assert [s.output_token_ids for s in seqs] == [[50], [51], [52], [53]]
+    assert [s.sampling.seed for s in seqs] == [7, 8, 9, 10] and all(s.sampling.n == 1 for s in seqs)
+    full = seqs[0].block_table[:2]
+    assert all(s.block_table[:2] == full for s in seqs)
+    assert [worker.blocks.ref_count(b) for b in full] == [4, 4]
+    partials = {s.block_table[2] for s in seqs}
+    assert len(partials) == 4  # each its own copy
+    for s in seqs[1:]:
+        assert torch.equal(k_cache[s.block_table[2]], k_cache[seqs[0].block_table[2]])
+    assert worker.blocks.num_total - worker.blocks.num_free == 3 + 3  # not 4 x 3
+    worker.abort("r")
+    with worker.loop.lock:
+        worker._apply_aborts()
+    ends = [stream.items.get_nowait() for _ in range(4)]
+    assert sorted(i for i, _, _ in ends) == [0, 1, 2, 3]
+    assert worker.blocks.num_free == worker.blocks.num_total
