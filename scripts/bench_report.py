@@ -339,6 +339,13 @@ def targets_section(data: dict) -> list[str]:
                 ", ".join(f"{x['transport']} {x['share_of_ttft']:.1%}" for x in t["ttft"]),
                 worst < 0.05,
             )
+    if (cold := (data.get("serve") or {}).get("cold_start")) is not None:
+        add(
+            "first request after ready: TTFT <= 1.5x the median of the next ten",
+            f"{cold['ratio']:.2f}x ({cold['first_ttft_s'] * 1e3:.0f} vs "
+            f"{cold['median_next_ttft_s'] * 1e3:.0f} ms)",
+            cold["ratio"] <= cold.get("target", 1.5),
+        )
     if r := data.get("router"):
         added = r["router_added_p50_ms"]
         add("router adds < 2 ms to TTFT at p50", f"{added:.2f} ms", added < r.get("target_ms", 2.0))

@@ -110,3 +110,12 @@ def test_the_project_page_has_the_markers():
     text = (ROOT / "docs/BENCHMARKS.md").read_text()
     assert text.count("<!-- results:start -->") == 1 and text.count("<!-- results:end -->") == 1
     assert text.index("## Current results") < text.index("<!-- results:start -->")
+
+
+def test_the_cold_start_ratio_is_a_target_row(report):
+    cold = {"first_ttft_s": 0.3, "median_next_ttft_s": 0.12, "ratio": 2.5, "target": 1.5}
+    text = "\n".join(report.targets_section({"serve": {"cold_start": cold}}))
+    assert "first request after ready" in text and "2.50x (300 vs 120 ms) | no" in text
+    cold = {**cold, "first_ttft_s": 0.13, "ratio": 13 / 12}
+    text = "\n".join(report.targets_section({"serve": {"cold_start": cold}}))
+    assert "1.08x (130 vs 120 ms) | yes" in text
