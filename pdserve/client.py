@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
@@ -91,9 +92,32 @@ def _metadata(api_key: str | None):
     return (("authorization", f"Bearer {api_key}"),) if api_key else None
 
 
+def _read(path: str | None) -> bytes | None:
+    return None if path is None else Path(path).expanduser().read_bytes()
+
+
+def channel_credentials(
+    tls: bool = False,
+    ca: str | None = None,
+    client_cert: str | None = None,
+    client_key: str | None = None,
+):
+    """TLS credentials for a router's gRPC API, or None for plaintext. ``ca`` (a PEM path; the
+    system's roots without it) implies TLS; ``client_cert``/``client_key``: mutual TLS."""
+    if not (tls or ca or client_cert):
+        return None
+    return grpc.ssl_channel_credentials(_read(ca), _read(client_key), _read(client_cert))
+
+
 class Client:
-    def __init__(self, address: str, api_key: str | None = None):
-        self._channel = grpc.insecure_channel(address)
+    """``Client(address, api_key=None, tls=False, ca=None, client_cert=None, client_key=None)``:
+    plaintext gRPC unless ``tls`` or ``ca`` is given (see ``channel_credentials``)."""
+
+    def __init__(self, address: str, api_key: str | None = None, **tls):
+        creds = channel_credentials(**tls)
+        self._channel = (
+            grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
+        )
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._metadata = _metadata(api_key)
 
@@ -123,8 +147,14 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str, api_key: str | None = None):
-        self._channel = grpc.aio.insecure_channel(address)
+    """As ``Client``, on asyncio."""
+
+    def __init__(self, address: str, api_key: str | None = None, **tls):
+        creds = channel_credentials(**tls)
+        aio = grpc.aio
+        self._channel = (
+            aio.secure_channel(address, creds) if creds else aio.insecure_channel(address)
+        )
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._metadata = _metadata(api_key)
 

@@ -4,7 +4,9 @@ the router on an asyncio loop in a background thread. Tests, the demo and benchm
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -42,11 +44,24 @@ class ClusterSpec:
     http_port: int | None = None  # None: no HTTP server
     api_key: str | None = None  # clients must send it (HTTP Bearer / gRPC metadata) when set
     cluster_token: str | None = None  # router and workers authenticate each other with it
+    # Security (see docs/SECURITY.md): TLS on the client API (kv_transfer.tls.TlsFiles), mutual
+    # TLS between router and in-process workers (kv_transfer.tls.ClusterTls), request limits
+    # (router.limits.RequestLimits), and the router's exposure switches.
+    api_tls: object | None = None
+    cluster_tls: object | None = None
+    limits: object | None = None
+    allow_unauthenticated: bool = False
+    open_metrics: bool = False
     extra_env: dict = field(default_factory=dict)
 
 
 class LocalCluster:
     def __init__(self, spec: ClusterSpec):
+        from kv_transfer.auth import is_loopback
+
+        if not spec.cluster_token and not is_loopback(spec.host):
+            # Off loopback the workers refuse to serve without one: make one for this cluster.
+            spec = dataclasses.replace(spec, cluster_token=secrets.token_urlsafe(32))
         self.spec = spec
         self.model_dir = resolve_model_dir(spec.model, progress=True)
         self.prefill_workers = []  # in-process worker objects
@@ -145,7 +160,7 @@ class LocalCluster:
         for i in range(s.num_prefill):
             worker = PrefillWorker(engine("prefill"), f"prefill-{i}")
             server, address, senders = serve_prefill_worker(
-                worker, s.host, cluster_token=s.cluster_token
+                worker, s.host, cluster_token=s.cluster_token, tls=s.cluster_tls
             )
             self.prefill_workers.append(worker)
             self.prefill_addresses.append(address)
@@ -153,7 +168,11 @@ class LocalCluster:
         for i in range(s.num_decode):
             worker = DecodeWorker(engine("decode"), f"decode-{i}", s.lease_ttl_s)
             server, address, kv_server = serve_decode_worker(
-                worker, s.host, kv_transport=s.kv_transport, cluster_token=s.cluster_token
+                worker,
+                s.host,
+                kv_transport=s.kv_transport,
+                cluster_token=s.cluster_token,
+                tls=s.cluster_tls,
             )
             self.decode_workers.append(worker)
             self.decode_addresses.append(address)
@@ -214,6 +233,7 @@ class LocalCluster:
     async def _start_router(self) -> None:
         from router.app import start_router
         from router.core import RouterConfig
+        from router.security import ApiSecurity
 
         s = self.spec
         cfg = RouterConfig(
@@ -224,7 +244,10 @@ class LocalCluster:
             decode_policy=s.decode_policy,
             local_prefill_max_tokens=s.local_prefill_max_tokens,
             concurrent_reserve_headroom=s.concurrent_reserve_headroom,
+            cluster_tls=s.cluster_tls,
+            **({"limits": s.limits} if s.limits is not None else {}),
         )
+        security = ApiSecurity(s.api_tls, s.allow_unauthenticated, s.open_metrics)
         self.servers = await start_router(
             cfg,
             self.prefill_addresses,
@@ -234,6 +257,7 @@ class LocalCluster:
             s.http_port,
             s.api_key,
             s.cluster_token,
+            security,
         )
         self.router = self.servers.router
         self.address = self.servers.grpc_address

@@ -8,8 +8,11 @@ import logging
 import signal
 
 from engine.model_files import resolve_model_dir
+from kv_transfer.tls import ClusterTls, TlsFiles
 from router.app import start_router
 from router.core import RouterConfig
+from router.limits import RequestLimits
+from router.security import ApiSecurity
 
 
 def _addresses(text: str) -> list[str]:
@@ -25,7 +28,17 @@ async def _serve(args) -> None:
         decode_policy=args.decode_policy,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         concurrent_reserve_headroom=args.concurrent_reserve_headroom,
+        cluster_tls=_cluster_tls(args),
+        limits=RequestLimits(
+            max_request_bytes=args.max_request_bytes,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_tokens=args.max_tokens_limit,
+            max_stop_strings=args.max_stop_strings,
+            max_stop_string_chars=args.max_stop_string_chars,
+        ),
     )
+    tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    security = ApiSecurity(tls, args.allow_unauthenticated, args.open_metrics)
     servers = await start_router(
         cfg,
         _addresses(args.prefill),
@@ -34,6 +47,7 @@ async def _serve(args) -> None:
         args.port,
         args.http_port,
         api_key=args.api_key,
+        security=security,
     )
     print(f"READY {servers.grpc_address}", flush=True)
     stop = asyncio.Event()
@@ -42,6 +56,40 @@ async def _serve(args) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await servers.stop()
+
+
+def _cluster_tls(args) -> ClusterTls | None:
+    if not args.cluster_tls_cert:
+        return None
+    return ClusterTls(
+        args.cluster_tls_cert,
+        args.cluster_tls_key,
+        args.cluster_tls_ca,
+        args.cluster_tls_server_name,
+    )
+
+
+def _add_security_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve off loopback without an API key (only behind something that authenticates)",
+    )
+    add("--open-metrics", action="store_true", help="serve /metrics without the API key")
+    add("--tls-cert", help="PEM certificate chain: HTTPS and gRPC TLS on the client API")
+    add("--tls-key", help="PEM private key of --tls-cert")
+    add("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
+    add("--cluster-tls-cert", help="the cluster's PEM certificate (mutual TLS to the workers)")
+    add("--cluster-tls-key", help="its private key")
+    add("--cluster-tls-ca", help="the cluster CA the workers' certificates are signed by")
+    add("--cluster-tls-server-name", help="the name in the workers' certificate")
+    defaults = RequestLimits()
+    add("--max-request-bytes", type=int, default=defaults.max_request_bytes)
+    add("--max-prompt-tokens", type=int, default=None, help="default: the context")
+    add("--max-tokens-limit", type=int, default=None, help="cap on max_tokens (default: context)")
+    add("--max-stop-strings", type=int, default=defaults.max_stop_strings)
+    add("--max-stop-string-chars", type=int, default=defaults.max_stop_string_chars)
 
 
 def main() -> None:
@@ -75,6 +123,7 @@ def main() -> None:
         help="reserve and prefill at once while a decode worker keeps this share of its "
         "blocks free; -1: always reserve first",
     )
+    _add_security_args(parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(_serve(parser.parse_args()))
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from router.core import Router, RouterConfig
 from router.grpc_server import start_grpc_server
+from router.security import ApiSecurity, check_api_exposure
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 CLUSTER_TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
@@ -37,26 +38,40 @@ async def start_router(
     http_port: int | None = None,
     api_key: str | None = None,
     cluster_token: str | None = None,
+    security: ApiSecurity | None = None,
 ) -> RouterServers:
     """Build the router over the given workers and start serving. ``http_port=None`` means no
     HTTP server; 0 picks a free port. ``api_key`` (else ``cfg.api_key``, else PDSERVE_API_KEY)
     guards the public API; ``cluster_token`` (else ``cfg.cluster_token``, else
-    PDSERVE_CLUSTER_TOKEN) is sent on every call to a worker."""
+    PDSERVE_CLUSTER_TOKEN) is sent on every call to a worker. ``security``: TLS for both
+    APIs, whether /metrics needs the key, and --allow-unauthenticated. Off loopback without
+    an API key (and without allow_unauthenticated) it raises OpenBindError before binding."""
     env = os.environ.get
+    security = security or ApiSecurity()
     cfg = dataclasses.replace(
         cfg,
         api_key=api_key or cfg.api_key or env(API_KEY_ENV) or None,
         cluster_token=cluster_token or cfg.cluster_token or env(CLUSTER_TOKEN_ENV) or None,
     )
+    check_api_exposure(host, cfg.api_key, security)
+    cap = cfg.limits.max_tokens
+    if cap is not None and cfg.default_max_tokens > cap:  # the default must pass its own limit
+        cfg = dataclasses.replace(cfg, default_max_tokens=cap)
     router = Router(cfg, prefill, decode)
     await router.start()
-    grpc_server, grpc_address = await start_grpc_server(router, host, grpc_port)
+    try:
+        grpc_server, grpc_address = await start_grpc_server(router, host, grpc_port, security.tls)
+    except BaseException:
+        await router.close()
+        raise
     servers = RouterServers(router, grpc_server, grpc_address)
     if http_port is not None:
-        from router.http_server import start_http_server  # fastapi only when HTTP is served
+        from router.http_serve import start_http_server  # fastapi only when HTTP is served
 
         try:
-            servers.http_server = await start_http_server(router, host, http_port, cfg.api_key)
+            servers.http_server = await start_http_server(
+                router, host, http_port, cfg.api_key, security
+            )
         except BaseException:
             await servers.stop()
             raise

@@ -1,9 +1,10 @@
 """The optional API key of the public API: ``Authorization: Bearer <key>`` as an HTTP header
 or as gRPC metadata. Without a configured key, everything is open.
 
-On gRPC, ``Health`` and server reflection stay open (probes and tools such as grpcurl need
-no key); ``Generate`` and ``ListModels`` require it. On HTTP, every ``/v1/*`` route requires
-it; ``/health`` and ``/metrics`` stay open, as in vLLM.
+On gRPC only ``Health`` stays open (probes carry no key); every other method needs it,
+server reflection included (the schema is no secret, but an open door is one more to audit:
+``grpcurl -H 'authorization: Bearer KEY'`` sends it to reflection too). On HTTP every route
+but ``/health`` needs it (``/metrics`` optionally open): see router/http_guard.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import hmac
 import grpc
 
 OPEN_GRPC_METHODS = ("/pdserve.v1.Generation/Health",)
-OPEN_GRPC_PREFIXES = ("/grpc.reflection.",)
+OPEN_GRPC_PREFIXES: tuple[str, ...] = ()
 
 
 def bearer_ok(authorization: str | None, api_key: str) -> bool:

@@ -8,6 +8,7 @@ import grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.errors import InvalidRequestError
+from kv_transfer.tls import TlsFiles
 from kv_transfer.transport_grpc import EXCLUSIVE_PORT, bind
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
@@ -127,17 +128,22 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
 
 
-async def start_grpc_server(router: Router, host: str = "127.0.0.1", port: int = 0):
+async def start_grpc_server(
+    router: Router, host: str = "127.0.0.1", port: int = 0, tls: TlsFiles | None = None
+):
     """Start the async gRPC server for ``router``, with server reflection (grpcurl, grpcui
-    and Postman can call it without the .proto) and the API key check when one is configured;
-    returns (server, address)."""
+    and Postman can call it without the .proto), the API key check when one is configured,
+    requests capped at the router's max_request_bytes and TLS with ``tls``; returns
+    (server, address)."""
     api_key = router.cfg.api_key
+    max_bytes = router.cfg.limits.max_request_bytes
     server = grpc.aio.server(
-        interceptors=[ApiKeyInterceptor(api_key)] if api_key else None, options=EXCLUSIVE_PORT
+        interceptors=[ApiKeyInterceptor(api_key)] if api_key else None,
+        options=EXCLUSIVE_PORT + [("grpc.max_receive_message_length", max_bytes)],
     )
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(router), server)
     services = (pb.DESCRIPTOR.services_by_name["Generation"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(services, server)
-    bound = bind(server, f"{host}:{port}")
+    bound = bind(server, f"{host}:{port}", tls)
     await server.start()
     return server, f"{host}:{bound}"

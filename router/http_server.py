@@ -11,15 +11,12 @@ code}}``: 400 bad parameter (named in ``param``), 401 bad API key, 404 unknown m
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import socket
 from collections.abc import AsyncIterator
 from typing import ClassVar
 
 import grpc
-import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -323,61 +320,3 @@ def _add_error_handlers(app: FastAPI) -> None:
             ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code
         )
 
-
-# ---- serving ---------------------------------------------------------------------------
-
-
-class _EmbeddedServer(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self):
-        # The process that embeds the router owns its signals; uvicorn must not take them.
-        yield
-
-
-class HttpServer:
-    """uvicorn serving ``app`` as a task on the running loop, on a socket bound to ``host``."""
-
-    def __init__(self, app: FastAPI, host: str, port: int):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.create_server((host, port), family=family)
-        bound = self._sock.getsockname()[1]
-        self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
-        config = uvicorn.Config(
-            app,
-            log_config=None,
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            http="h11",
-            ws="none",
-            timeout_graceful_shutdown=2,
-        )
-        self._server = _EmbeddedServer(config)
-        self._task: asyncio.Task | None = None
-
-    async def start(self) -> None:
-        self._task = asyncio.ensure_future(self._server.serve(sockets=[self._sock]))
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()  # startup failed: raise why
-                raise RuntimeError("the HTTP server stopped during startup")
-            await asyncio.sleep(0.01)
-
-    async def stop(self) -> None:
-        if self._task is None:
-            return
-        self._server.should_exit = True
-        try:
-            await asyncio.wait_for(asyncio.shield(self._task), timeout=5)
-        except asyncio.TimeoutError:
-            self._server.force_exit = True
-            self._task.cancel()
-        self._sock.close()
-
-
-async def start_http_server(
-    router: Router, host: str, port: int, api_key: str | None = None
-) -> HttpServer:
-    server = HttpServer(build_app(router, api_key), host, port)
-    await server.start()
-    return server

@@ -1,5 +1,5 @@
-"""Auth: the API key on HTTP (Bearer) and gRPC (metadata), the cluster token between router and
-workers, and gRPC server reflection (open, so tools can discover the API; calls need the key).
+"""Auth: the API key on HTTP (Bearer) and gRPC (metadata), on every route but /health, the
+cluster token between router and workers, and gRPC server reflection (behind the key too).
 """
 
 from __future__ import annotations
@@ -70,9 +70,15 @@ def test_http_with_the_key_serves_through_token_guarded_workers(cluster):
         assert [m.id for m in c.models.list()] == [cluster.router.cfg.model_name]
 
 
-def test_health_and_metrics_stay_open(cluster):
+def test_only_health_stays_open(cluster):
+    """/metrics lists worker addresses and /docs the whole API: with a key set, they need it."""
     assert get(cluster.http_address, "/health")[0] == 200
-    assert get(cluster.http_address, "/metrics")[0] == 200
+    for path in ("/metrics", "/docs", "/openapi.json", "/redoc", "/no-such-route"):
+        assert get(cluster.http_address, path)[0] == 401, path
+    assert post(cluster.http_address, "/tokenize", {"prompt": "w5"})[0] == 401
+    good = {"Authorization": f"Bearer {KEY}"}
+    assert get(cluster.http_address, "/metrics", good)[0] == 200
+    assert get(cluster.http_address, "/openapi.json", good)[0] == 200
 
 
 @pytest.mark.parametrize("key", [None, "sk-wrong"])
@@ -103,9 +109,25 @@ def test_grpc_with_the_key_sync_and_async(cluster):
     assert [t for c in chunks for t in c.token_ids] == out.token_ids
 
 
+class _WithKey(grpc.StreamStreamClientInterceptor):
+    """Adds the API key to every call (what ``grpcurl -H 'authorization: Bearer KEY'`` does)."""
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        md = [*(details.metadata or ()), ("authorization", f"Bearer {KEY}")]
+        return continuation(details._replace(metadata=md), requests)
+
+
+def test_grpc_reflection_needs_the_key(cluster):
+    with grpc.insecure_channel(cluster.address) as channel:
+        with pytest.raises(grpc.RpcError) as e:
+            ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
 def test_grpc_works_through_reflection(cluster):
     """What grpcurl does: list services, fetch the schema, build messages, call Generate."""
-    with grpc.insecure_channel(cluster.address) as channel:
+    with grpc.insecure_channel(cluster.address) as plain:
+        channel = grpc.intercept_channel(plain, _WithKey())
         db = ProtoReflectionDescriptorDatabase(channel)
         services = db.get_services()
         assert "pdserve.v1.Generation" in services
