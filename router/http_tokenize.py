@@ -1,9 +1,11 @@
-"""POST /tokenize and POST /detokenize in vLLM's shapes:
+"""POST /tokenize, POST /detokenize and GET /tokenizer_info in vLLM's shapes:
 
 /tokenize    {"prompt": str} or {"messages": [...], "add_generation_prompt": bool}
              (+ "model", "add_special_tokens", "return_token_strs")
              -> {"count", "max_model_len", "tokens", "token_strs"}
 /detokenize  {"tokens": [int]} -> {"prompt": str}
+/tokenizer_info -> special tokens, chat template, max length (lm-eval's remote tokenizer
+             reads it, then tokenizes through /tokenize)
 """
 
 from __future__ import annotations
@@ -57,6 +59,18 @@ def add_tokenize_routes(api: APIRouter, router: Router, parse, bad_request) -> N
             "max_model_len": router.cfg.max_model_len,
             "tokens": ids,
             "token_strs": strs,
+        }
+
+    @api.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        tok = router.tokenizer
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": tok.bos_token or None,
+            "eos_token": tok.eos_token or None,
+            "pad_token": None,
+            "chat_template": tok.chat_template,
+            "model_max_length": router.cfg.max_model_len,
         }
 
     @api.post("/detokenize")

@@ -141,6 +141,14 @@ def test_tokenize_prompt_and_chat_as_vllm(cluster, model, tok):
     assert out["count"] < len(tok.encode_chat(messages)) and out["token_strs"][-1] == "w6"
 
 
+def test_tokenizer_info_names_the_special_tokens(cluster, tok):
+    from tests.http_utils import get
+
+    status, out = get(cluster.http_address, "/tokenizer_info")
+    assert status == 200 and out["eos_token"] == "</s>" and out["bos_token"] == "<s>"
+    assert out["chat_template"] == tok.chat_template and out["model_max_length"] == 128
+
+
 def test_detokenize_round_trips(cluster):
     status, out = post(cluster.http_address, "/detokenize", {"tokens": [5, 6, 2]})
     assert status == 200 and out == {"prompt": "w5 w6 </s>"}
