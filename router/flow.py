@@ -32,59 +32,20 @@ from dataclasses import dataclass, field
 import grpc
 
 from protos import pdserve_pb2 as pb
+from router.flow_types import (  # FlowConfig, Overloaded, ... are still imported from here
+    PREEMPTED,
+    REFUSED,
+    FlowConfig,
+    FlowTimings,
+    Overloaded,
+    Tokens,
+    WorkerFailure,
+    sequence_sampling,
+    without_prompt_logprobs,
+)
 from router.pool import WorkerHandle, WorkerPool
 
 log = logging.getLogger("pdserve.router")
-
-PREEMPTED = "preempted"
-REFUSED = "lease refused"  # the concurrent reservation was refused after the first token
-
-
-@dataclass
-class Tokens:
-    """What a request's flow yields: new tokens of sequence ``index`` and, with the last,
-    why it finished."""
-
-    ids: list[int]
-    reason: str | None = None
-    logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # one per id, when asked
-    prompt_logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # first item, if asked
-    index: int = 0
-
-
-class Overloaded(Exception):
-    """No decode worker could reserve blocks in time (429 / RESOURCE_EXHAUSTED)."""
-
-
-class WorkerFailure(Exception):
-    """A worker failed the request and retries are used up (503 / UNAVAILABLE)."""
-
-
-@dataclass
-class FlowTimings:
-    prefill_queue_s: float = 0.0
-    prefill_s: float = 0.0
-    kv_transfer_s: float = 0.0
-    decode_queue_s: float = 0.0
-    ttft_s: float = 0.0
-    kv_bytes: int = 0
-    cached_tokens: int = 0
-    preemptions: int = 0
-
-
-@dataclass
-class FlowConfig:
-    prefill_policy: object
-    decode_policy: object
-    block_size: int = 16  # only to estimate blocks for the decode policy
-    reserve_timeout_s: float = 30.0
-    max_attempts: int = 8
-    # Prompts up to this many tokens are prefilled on the decode worker (no transfer). Pick it
-    # from measured latencies: where local prefill costs less than the transfer round trip.
-    local_prefill_max_tokens: int = 0
-    # Reserve and prefill at once when a decode worker (as last polled, less the router's own
-    # reservations since) keeps this share of its blocks free after the request; < 0: never.
-    concurrent_reserve_headroom: float = 0.1
 
 
 @dataclass
@@ -153,7 +114,7 @@ class RequestFlow:
                     if item.ids and not timings.ttft_s:
                         timings.ttft_s = time.monotonic() - start
                     if item.prompt_logprobs:  # computed once: later attempts need not again
-                        sampling = _without_prompt_logprobs(sampling)
+                        sampling = without_prompt_logprobs(sampling)
                     if reason in (PREEMPTED, REFUSED):
                         if item.ids:  # generated before the preemption: already in outputs
                             item.reason = None
@@ -195,7 +156,7 @@ class RequestFlow:
         finally:
             await steps.aclose()
         for i in (i for i in range(n) if not finished[i]):
-            alone = _sequence_sampling(sampling, i)
+            alone = sequence_sampling(sampling, i)
             flow = self.run(f"{request_id}#n{i}", prompt, alone, timings, outputs[i])
             try:
                 async for item in flow:
@@ -448,19 +409,3 @@ class RequestFlow:
             )
         except grpc.aio.AioRpcError as e:
             log.warning("release of lease %s failed: %s", attempt.lease_id, e.code().name)
-
-
-def _without_prompt_logprobs(sampling: pb.SamplingParams) -> pb.SamplingParams:
-    out = pb.SamplingParams()
-    out.CopyFrom(sampling)
-    out.ClearField("prompt_logprobs")
-    return out
-
-
-def _sequence_sampling(sampling: pb.SamplingParams, i: int) -> pb.SamplingParams:
-    """Sequence i of n on its own: n = 1, seed + i (as the decode worker seeds its forks)."""
-    out = _without_prompt_logprobs(sampling)
-    out.n = 1
-    if out.HasField("seed"):
-        out.seed = sampling.seed + i
-    return out

@@ -56,3 +56,47 @@ def test_attach_with_forks_holds_the_prompt_once(worker):
     ends = [stream.items.get_nowait() for _ in range(4)]
     assert sorted(i for i, _, _ in ends) == [0, 1, 2, 3]
     assert worker.blocks.num_free == worker.blocks.num_total
+
+
+def test_forks_preempted_for_lack_of_blocks_finish_alone_with_the_same_tokens(tmp_path):
+    """A decode pool too small for four growing sequences: forks are preempted (or find no
+    block) and go around again on their own; seeded by (seed + i, position), each ends with
+    the tokens it would have had alone."""
+    from pdserve.local_cluster import ClusterSpec, LocalCluster
+    from tests.cluster_utils import assert_all_blocks_free, generate_concurrently
+
+    path, _ = tiny_llama_dir(tmp_path, num_heads=4, num_kv_heads=2, seed=4)
+    spec = ClusterSpec(model=str(path), num_blocks=64, decode_num_blocks=8, max_model_len=128)
+    kw = {"token_ids": list(range(3, 23)), "max_tokens": 40, "temperature": 1.0, "ignore_eos": True}
+    with LocalCluster(spec) as cluster:
+        import grpc
+
+        from protos import pdserve_pb2 as pb
+        from protos import pdserve_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(cluster.address) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            req = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=kw["token_ids"]),
+                sampling=pb.SamplingParams(
+                    max_tokens=40, temperature=1.0, seed=5, n=4, ignore_eos=True
+                ),
+            )
+            tokens: list[list[int]] = [[], [], [], []]
+            last = None
+            for msg in stub.Generate(req, timeout=120):
+                tokens[msg.index] += msg.token_ids
+                last = msg
+        # One at a time: each fits the pool alone.
+        alone = [generate_concurrently(cluster, [{**kw, "seed": 5 + i}])[0] for i in range(4)]
+        assert tokens == [a.token_ids for a in alone]
+        assert last.usage.completion_tokens == 160
+        assert_all_blocks_free(cluster)
+        preemptions = sum(s.num_preemptions for s in _decode_statuses(cluster))
+        assert preemptions > 0, "the pool was meant to be too small"
+
+
+def _decode_statuses(cluster):
+    from tests.cluster_utils import worker_statuses
+
+    return [s for s in worker_statuses(cluster) if s.role == "decode"]
