@@ -136,3 +136,13 @@ def test_workers_sharing_cores_run_slower_than_workers_with_their_own():
     assert alone.result.ttfts[0] == pytest.approx(
         prof.router_overhead_s + prof.prefill_seconds(300)
     )
+
+
+def test_a_step_beside_another_worker_takes_the_measured_co_run_slowdown():
+    from pdserve.planner.sim_workers import CpuShare
+
+    cpu = CpuShare(cores=2, threads=1, co_run_slowdown=1.5)
+    assert cpu.start() == 1.0  # alone
+    assert cpu.start() == 1.5  # beside one other, each on its own core
+    assert cpu.start() == pytest.approx(1.5 * 1.5)  # three on two cores, and beside others
+    assert CpuShare(None, 1, 1.5).start() == 1.0  # own hardware: no sharing at all

@@ -137,6 +137,38 @@ def measure_transfer(model_cfg, engine: EngineSettings, transport: str, tokens) 
     return out
 
 
+def background_prefill(model_dir: str, seconds: float) -> None:
+    """A second worker computing (prefill forwards on one thread) for ``seconds``."""
+    from engine.config import CacheConfig
+    from engine.llm_engine import LLMEngine
+
+    torch.set_num_threads(1)
+    engine = LLMEngine.from_model_path(model_dir, CacheConfig(16, 64), progress=False)
+    timer = WorkerTimer(engine, QUICK)
+    print("READY", flush=True)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        timer.prefill(256, 0)
+
+
+def measure_co_run_slowdown(timer: WorkerTimer, model_dir: str) -> float:
+    """A decode step's time while another worker process computes, over its time alone."""
+    import sys
+
+    batch, ctx = min(16, max(timer.grid.batches)), min(256, max(timer.grid.contexts))
+    alone = timer.decode(batch, ctx)
+    code = f"from pdserve.planner.measure import background_prefill; background_prefill({str(model_dir)!r}, 60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        proc.stdout.readline()  # READY
+        time.sleep(0.5)
+        beside = timer.decode(batch, ctx)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    return max(1.0, beside / alone)
+
+
 def measure_router_overhead(prompt_tokens: int = 256) -> float:
     from pdserve.bench.router_overhead import _measure
 
@@ -182,6 +214,12 @@ def machine_meta(engine, device: str, threads: int) -> dict:
     }
 
 
+def engine_dir(model: str):
+    from engine.model_files import resolve_model_dir
+
+    return resolve_model_dir(model, progress=False)
+
+
 def run_profile(
     cfg,
     device: str = "cpu",
@@ -215,7 +253,7 @@ def run_profile(
     settings = EngineSettings(**{**settings.__dict__, "max_model_len": engine.config.max_model_len})
     timer = WorkerTimer(engine, grid)
     total = len(grid.prefill_tokens) * len(grid.offsets) + len(grid.batches) * len(grid.contexts)
-    bar = tqdm(total=total + 2, desc="profile", unit="pt", disable=not progress)
+    bar = tqdm(total=total + 3, desc="profile", unit="pt", disable=not progress)
     prefill = []
     for n in grid.prefill_tokens:
         prefill.append(tuple(timer.prefill(n, c) for c in grid.offsets))
@@ -227,6 +265,9 @@ def run_profile(
     model_cfg = engine.config.model
     bar.set_postfix_str(f"kv transfer ({cfg.kv_transport})")
     transfer = measure_transfer(model_cfg, settings, cfg.kv_transport, grid.transfer_tokens)
+    bar.update(1)
+    bar.set_postfix_str("beside another worker")
+    co_run = 1.0 if quick else measure_co_run_slowdown(timer, str(engine_dir(cfg.model)))
     bar.update(1)
     bar.set_postfix_str("router")
     router_s = QUICK_ROUTER_OVERHEAD_S if quick or skip_router else measure_router_overhead()
@@ -260,6 +301,7 @@ def run_profile(
         transfer_bytes=tuple(float(t * kv_per_token) for t in grid.transfer_tokens),
         transfer_seconds=tuple(transfer),
         router_overhead_s=router_s,
+        co_run_slowdown=co_run,
         kv_bytes_per_token=kv_per_token,
         num_layers=model_cfg.num_layers,
         engine=settings,

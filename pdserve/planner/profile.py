@@ -103,6 +103,9 @@ class Profile:
     kv_bytes_per_token: int
     num_layers: int
     engine: EngineSettings = field(default_factory=EngineSettings)
+    # How much slower a step runs while another worker computes on the same machine (shared
+    # memory bandwidth and caches, or vCPUs that are hyperthreads); 1 on separate hardware.
+    co_run_slowdown: float = 1.0
     meta: dict = field(default_factory=dict)  # hardware, model, dtype, versions, date
 
     # ---- latencies -----------------------------------------------------------------------
@@ -168,6 +171,7 @@ class Profile:
                 kv_bytes_per_token=int(d["kv_bytes_per_token"]),
                 num_layers=int(d["num_layers"]),
                 engine=EngineSettings(**d.get("engine", {})),
+                co_run_slowdown=float(d.get("co_run_slowdown", 1.0)),
                 meta=dict(d.get("meta", {})),
             )
         except (KeyError, TypeError, ValueError) as e:

@@ -119,7 +119,8 @@ class SimCluster:
         self.clock = Clock()
         self.prefill_policy = get_policy("prefill", cfg.prefill_policy)
         self.decode_policy = get_policy("decode", cfg.decode_policy)
-        cpu = CpuShare(cfg.cpu_cores, int(profile.meta.get("threads") or 1))
+        threads = int(profile.meta.get("threads") or 1)
+        cpu = CpuShare(cfg.cpu_cores, threads, profile.co_run_slowdown)
         args = (self.clock, profile, self.engine)
         self.prefill = [
             SimPrefillWorker(

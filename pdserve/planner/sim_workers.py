@@ -56,19 +56,23 @@ class Clock:
 class CpuShare:
     """Workers that share ``cores`` CPU cores (several workers on one small machine): a step
     that starts while ``k`` workers compute, each with ``threads`` threads, runs
-    max(1, k x threads / cores) times slower (processor sharing, judged at the step's start).
-    ``cores`` None: every worker has its own hardware, as on GPUs."""
+    max(1, k x threads / cores) times slower (processor sharing, judged at the step's start),
+    and ``co_run_slowdown`` times slower again while another worker computes beside it (the
+    profile measures that: shared memory bandwidth and caches). ``cores`` None: every worker
+    has its own hardware, as on GPUs."""
 
-    def __init__(self, cores: int | None = None, threads: int = 1):
+    def __init__(self, cores: int | None = None, threads: int = 1, co_run_slowdown: float = 1.0):
         self.cores = cores
         self.threads = max(threads, 1)
+        self.co_run_slowdown = co_run_slowdown
         self.busy = 0
 
     def start(self) -> float:
         self.busy += 1
         if not self.cores:
             return 1.0
-        return max(1.0, self.busy * self.threads / self.cores)
+        shared = self.co_run_slowdown if self.busy > 1 else 1.0
+        return max(1.0, self.busy * self.threads / self.cores) * shared
 
     def end(self) -> None:
         self.busy -= 1
