@@ -39,7 +39,11 @@ class Lease:
     lease_id: str
     request_id: str
     block_ids: tuple[int, ...]  # destination blocks reserved on the decode worker
-    deadline: float  # time.monotonic() after which an uncommitted lease is dead
+    # time.monotonic() after which the lease is dead, committed or not: a commit moves it to
+    # commit time + ttl_s (the window for the Decode call to attach), so the blocks of a
+    # committed lease that nobody attaches (the router crashed, the client left) come back.
+    deadline: float
+    ttl_s: float = 30.0
     frames_received: int = 0  # kv frames accepted
     bytes_received: int = 0  # kv payload bytes accepted
     committed: threading.Event = field(default_factory=threading.Event)
@@ -51,7 +55,13 @@ class Lease:
         return self.committed.is_set()
 
     def is_expired(self, now: float) -> bool:
-        return not self.is_committed and now > self.deadline
+        return now > self.deadline
+
+    def mark_committed(self) -> None:
+        """Every frame is in: the Decode call has a fresh ``ttl_s`` to attach."""
+        self.committed_at = time.monotonic()
+        self.deadline = max(self.deadline, self.committed_at + self.ttl_s)
+        self.committed.set()
 
 
 class LeaseTable:
@@ -79,6 +89,7 @@ class LeaseTable:
             request_id=request_id,
             block_ids=tuple(int(b) for b in block_ids),
             deadline=time.monotonic() + ttl,
+            ttl_s=ttl,
         )
         with self._changed:
             if lease.lease_id in self._leases:
@@ -143,10 +154,8 @@ class LeaseTable:
             lease.deadline = time.monotonic() + ttl_s
 
     def pop_expired(self, now: float | None = None) -> list[Lease]:
-        """Remove and return uncommitted leases past their deadline.
-
-        Committed leases stay: the worker hands them to the decode loop and closes them itself.
-        """
+        """Remove and return the leases past their deadline, committed ones included (a
+        committed lease that is attached in time is closed by the worker before that)."""
         now = time.monotonic() if now is None else now
         with self._lock:
             dead = [lease for lease in self._leases.values() if lease.is_expired(now)]

@@ -86,8 +86,7 @@ class KVReceiver:
                 f"expected {h.num_frames} frames, got {lease.frames_received} "
                 f"for lease {h.lease_id}"
             )
-        lease.committed_at = time.monotonic()
-        lease.committed.set()
+        lease.mark_committed()
 
     def _write(self, h: FrameHeader, lease: Lease, kv: torch.Tensor) -> None:
         if not 0 <= h.layer < self.num_layers:

@@ -63,6 +63,32 @@ def test_unused_lease_expires_and_frees_its_blocks(tiny_model):
         assert_all_blocks_free(cluster, timeout=5)  # the engine loop expires it
 
 
+def test_committed_lease_nobody_attaches_expires_and_frees_its_blocks(tiny_model):
+    """Every frame in, then the router (or its client) is gone before Decode: the committed
+    lease has a deadline too, and the engine loop gives its blocks back."""
+    from kv_transfer.frame import encode_commit_frame
+
+    spec = ClusterSpec(model=str(tiny_model), num_blocks=64, max_model_len=128)
+    with LocalCluster(spec) as cluster:
+        stub = _decode_stub(cluster)
+        lease = stub.Reserve(pb.ReserveRequest(request_id="r1", num_tokens=40, lease_seconds=0.5))
+        kv_stub = pb_grpc.KvTransferStub(grpc.insecure_channel(cluster.decode_addresses[0]))
+        header, payload = encode_commit_frame("r1", lease.lease_id, 0)
+        ack = kv_stub.PushFrames(iter([pb.KvFrame(header=header, payload=bytes(payload))]))
+        assert ack.frames_accepted == 1 and not ack.errors
+        assert stub.Status(pb.StatusRequest()).num_leases == 1
+        assert_all_blocks_free(cluster, timeout=5)
+        assert stub.Status(pb.StatusRequest()).num_leases == 0
+        # A late Decode for it fails cleanly instead of decoding on freed blocks.
+        late = pb.DecodeRequest(
+            request_id="r1", lease_id=lease.lease_id, prompt_token_ids=[5] * 39,
+            output_token_ids=[6],
+        )  # fmt: skip
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Decode(late))
+        assert err.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 def test_released_lease_frees_its_blocks_at_once(tiny_model):
     with LocalCluster(
         ClusterSpec(model=str(tiny_model), num_blocks=64, max_model_len=128)

@@ -152,7 +152,7 @@ def test_receiver_rejects_each_malformed_frame_then_keeps_serving(receiver):
     kv = kv_for(2)
     header, payload = encode_kv_frame("req", lease.lease_id, 1, [2, 3], kv)
     payload = bytes(payload)
-    short = leases.open("req-x", [4], ttl_s=0.0)
+    short = leases.open("req-x", [4], ttl_s=0.001)
     time.sleep(0.01)
     cases = {
         "unsupported frame version": (repack(header, version=FORMAT_VERSION + 1), payload),
@@ -224,24 +224,34 @@ def test_lease_expires_after_deadline():
 
 
 def test_expired_lease_get_fails_before_pop():
-    table = LeaseTable(default_ttl_s=0.0)
+    table = LeaseTable(default_ttl_s=0.001)
     lease = table.open("req", [1])
     time.sleep(0.01)
     with pytest.raises(FrameError, match="expired"):
         table.get(lease.lease_id)
 
 
-def test_committed_lease_is_not_popped_and_close_is_idempotent():
-    table = LeaseTable(default_ttl_s=0.0)
+def test_a_committed_lease_gets_a_fresh_window_and_then_expires_too():
+    table = LeaseTable(default_ttl_s=0.05)
     lease = table.open("req", [1])
-    lease.committed.set()
-    assert table.pop_expired(now=lease.deadline + 10) == []
+    time.sleep(0.06)  # past the first deadline, then committed: the attach window starts now
+    lease.mark_committed()
+    assert lease.deadline >= lease.committed_at + 0.05
+    assert table.pop_expired(now=lease.committed_at + 0.01) == []
+    # Nobody attached (router crash, client gone): it expires like any other lease.
+    assert table.pop_expired(now=lease.deadline + 0.01) == [lease]
+    assert table.close(lease.lease_id) is None
+
+
+def test_close_is_idempotent():
+    table = LeaseTable(default_ttl_s=1.0)
+    lease = table.open("req", [1])
     assert table.close(lease.lease_id) is lease
     assert table.close(lease.lease_id) is None
 
 
 def test_extend_moves_the_deadline():
-    table = LeaseTable(default_ttl_s=0.0)
+    table = LeaseTable(default_ttl_s=0.001)
     lease = table.open("req", [1])
     table.extend(lease.lease_id, 60.0)
     assert table.pop_expired() == [] and table.get(lease.lease_id) is lease
