@@ -27,6 +27,7 @@ from router.auth import bearer_ok
 from router.core import Router
 from router.flow import Overloaded, WorkerFailure
 from router.http_tokenize import add_tokenize_routes
+from router.openai_batch import merge_prompts
 from router.openai_models import ChatCompletionRequest, CompletionRequest
 from router.openai_responses import (
     ChatResponseShape,
@@ -121,17 +122,17 @@ class OpenAIHandlers:
 
     async def completions(self, raw: bytes) -> Response:
         req = self._parse(CompletionRequest, raw)
+        tok = self.router.tokenizer
         try:
-            prompt = req.prompt_input()
-            tok = self.router.tokenizer
-            ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
-            echo = None
-            if req.echo:
-                echo = (prompt if isinstance(prompt, str) else tok.decode(ids), ids)
+            prompts = req.prompt_inputs()
+            ids = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
         except InvalidRequestError as e:
             raise _bad_request(e) from None
+        echoes = None
+        if req.echo:
+            echoes = [(p if isinstance(p, str) else tok.decode(i), i) for p, i in zip(prompts, ids)]
         shape = ResponseShape(self.router.cfg.model_name, with_logprobs=req.logprobs is not None)
-        return await self._respond(req, ids, shape, echo)
+        return await self._respond(req, ids, shape, echoes)
 
     async def chat(self, raw: bytes) -> Response:
         req = self._parse(ChatCompletionRequest, raw)
@@ -143,24 +144,27 @@ class OpenAIHandlers:
         except Exception as e:  # noqa: BLE001 - a template's raise_exception on these messages
             raise ApiError(400, f"messages: the chat template failed: {e}", "messages") from None
         shape = ChatResponseShape(self.router.cfg.model_name, with_logprobs=req.logprobs)
-        return await self._respond(req, ids, shape)
+        return await self._respond(req, [ids], shape)
 
-    async def _respond(self, req, prompt_ids: list[int], shape: ResponseShape, echo=None):
+    async def _respond(self, req, prompts: list[list[int]], shape: ResponseShape, echoes=None):
+        """Run the request's prompts (a batch on completions) and answer, whole or streamed."""
         cfg = self.router.cfg
         try:
             req.check_supported()
-            sampling = req.to_sampling(len(prompt_ids), cfg.max_model_len, cfg.default_max_tokens)
-            inp = self.router.prepare(prompt_ids, sampling)
+            inputs = []
+            for ids in prompts:
+                sampling = req.to_sampling(len(ids), cfg.max_model_len, cfg.default_max_tokens)
+                inputs.append(self.router.prepare(ids, sampling))
         except InvalidRequestError as e:
             raise _bad_request(e) from None
-        deltas = self.router.generate(inp)
+        deltas = merge_prompts([self.router.generate(inp) for inp in inputs], req.n)
         try:
             first = await deltas.__anext__()  # admission errors become a status, not a stream
         except InvalidRequestError as e:
             raise _bad_request(e) from None
         except WORKER_ERRORS as e:
             raise _worker_error(e) from None
-        builder = ResponseBuilder(shape, self.token_text, req.n, echo)
+        builder = ResponseBuilder(shape, self.token_text, req.n, echoes, len(prompts))
         if req.stream:
             events = self._stream(req, builder, first, deltas)
             return StreamingResponse(
@@ -319,4 +323,3 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(
             ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code
         )
-

@@ -20,6 +20,7 @@ UINT32 = 2**32 - 1
 INT32 = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0, le=UINT32)]
 StopString = Annotated[str, Field(min_length=1)]
+MAX_PROMPTS = 64  # prompts in one completions request
 # OpenAI parameters pdserve does not implement: accepted only at their neutral values, so a
 # user who asks for more gets a 400 instead of silence.
 NEUTRAL_VALUES = {
@@ -148,14 +149,15 @@ class CompletionRequest(_GenerateRequest):
     def logprob_counts(self) -> tuple[int | None, int | None]:
         return self.logprobs, self.logprobs if self.echo else None
 
-    def prompt_input(self) -> str | list[int]:
-        """The one prompt: text, or token ids. A batch of prompts is a 400 (n=1 only)."""
+    def prompt_inputs(self) -> list[str | list[int]]:
+        """The prompts: one text or token-id list, or a batch of them (choice k * n + i is
+        sequence i of prompt k, as in OpenAI and vLLM)."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise InvalidRequestError("prompt", f"one prompt per request, got {len(p)}")
-            p = p[0]
-        return p
+            if len(p) > MAX_PROMPTS:
+                raise InvalidRequestError("prompt", f"at most {MAX_PROMPTS} prompts, got {len(p)}")
+            return list(p)
+        return [p]
 
 
 class TextPart(BaseModel):

@@ -185,36 +185,38 @@ class ChatResponseShape(ResponseShape):
 
 class ResponseBuilder:
     """Turns a request's deltas into choices: echo first, then text and logprob records, per
-    sequence index."""
+    choice index (sequence i of prompt k is choice k * n + i)."""
 
     def __init__(
         self,
         shape: ResponseShape,
         token_text: TokenText,
         n: int = 1,
-        echo: tuple[str, list[int]] | None = None,  # the prompt's text and ids
+        echoes: list[tuple[str, list[int]]] | None = None,  # each prompt's text and ids
+        num_prompts: int = 1,
     ):
         self.shape = shape
         self.token_text = token_text
-        self.choices = [Choice(i) for i in range(n)]
-        self.echo = echo
-        self.prompt_records: list[Record] = []
+        self.n = n
+        self.choices = [Choice(i) for i in range(n * num_prompts)]
+        self.echoes = echoes
+        self.prompt_records: dict[int, list[Record]] = {}  # by prompt
         self.usage = None
         self.timings = None
 
     def add(self, delta) -> dict | None:
         """Take one delta in; returns its stream chunk's choice, or None if it adds nothing."""
-        c = self.choices[delta.index]
-        if delta.prompt_logprobs and self.echo is not None:
-            ids = self.echo[1]
-            self.prompt_records = self.token_text.records(ids, [None, *delta.prompt_logprobs])
+        c, k = self.choices[delta.index], delta.index // self.n
+        if delta.prompt_logprobs and self.echoes is not None:
+            ids = self.echoes[k][1]
+            self.prompt_records[k] = self.token_text.records(ids, [None, *delta.prompt_logprobs])
         text, records = delta.text, []
         if self.shape.with_logprobs and delta.logprobs:
             records = self.token_text.records(delta.token_ids, delta.logprobs)
-        if self.echo is not None and not c.echoed:
+        if self.echoes is not None and not c.echoed:
             c.echoed = True
-            text = self.echo[0] + text
-            records = (self.prompt_records or self._bare_prompt_records()) + records
+            text = self.echoes[k][0] + text
+            records = self._prompt_records(k) + records
         offset = c.token_offset
         c.token_offset += sum(len(r[0]) for r in records)
         c.text += text
@@ -226,7 +228,10 @@ class ResponseBuilder:
             return None
         return self.shape.delta_choice(c, text, records, offset)
 
-    def _bare_prompt_records(self) -> list[Record]:
+    def _prompt_records(self, k: int) -> list[Record]:
         if not self.shape.with_logprobs:
             return []
-        return self.token_text.records(self.echo[1], [None] * len(self.echo[1]))
+        if k in self.prompt_records:
+            return self.prompt_records[k]
+        ids = self.echoes[k][1]  # one token: no position has a logprob
+        return self.token_text.records(ids, [None] * len(ids))

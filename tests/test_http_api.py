@@ -233,7 +233,7 @@ BAD = [
     ({"prompt": 5}, "prompt"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": [5, 100000]}, "prompt"),
-    ({"prompt": ["w5", "w6"]}, "prompt"),
+    ({"prompt": ["w5"] * 65}, "prompt"),
     ({"prompt": "w5 " * 200}, "prompt"),
     ({"prompt": "w5 " * 100, "max_tokens": 100}, "max_tokens"),
     ({"prompt": None}, "prompt"),

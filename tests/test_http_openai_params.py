@@ -349,3 +349,37 @@ def test_bad_n_is_400(cluster, model, override, param):
     body = {"model": model, "prompt": "w5", "max_tokens": 2, **override}
     status, out = post(cluster.http_address, "/v1/completions", body)
     assert status == 400 and out["error"]["param"] == param, out
+
+
+# ---- a batch of prompts -----------------------------------------------------------------
+
+
+def test_a_batch_of_prompts_gives_choice_k_n_plus_i(client, model):
+    prompts = ["w5 w6", "w7 w8 w9", "w20"]
+    kw = {"model": model, "n": 2, "seed": 6, **SAMPLED}
+    out = client.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in out.choices] == list(range(6))
+    for k, p in enumerate(prompts):
+        alone = client.completions.create(prompt=p, **kw)
+        assert [c.text for c in out.choices[2 * k : 2 * k + 2]] == texts(alone)
+    assert out.usage.completion_tokens == 6 * NEW and out.usage.prompt_tokens == 2 + 3 + 1
+    chunks = list(client.completions.create(prompt=prompts, stream=True, **kw))
+    streamed = [""] * 6
+    for c in chunks:
+        for ch in c.choices:
+            streamed[ch.index] += ch.text
+    assert streamed == [c.text for c in out.choices]
+
+
+def test_a_batch_scores_each_prompt_with_echo(client, model):
+    """What lm-eval's local-completions sends with batch_size > 1."""
+    prompts = [[5, 6, 7], [9, 10]]
+    out = client.completions.create(
+        model=model, prompt=prompts, echo=True, logprobs=1, max_tokens=1, temperature=0
+    )
+    for k, c in enumerate(out.choices):
+        one = client.completions.create(
+            model=model, prompt=prompts[k], echo=True, logprobs=1, max_tokens=1, temperature=0
+        )
+        assert c.logprobs.token_logprobs == one.choices[0].logprobs.token_logprobs
+        assert len(c.logprobs.token_logprobs) == len(prompts[k]) + 1

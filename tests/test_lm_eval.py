@@ -39,12 +39,12 @@ def per_choice_loglikelihoods(results) -> list[list[float]]:
     return [[float(r[0]) for r in s["filtered_resps"]] for s in samples]
 
 
-def evaluate(model: str, model_args: dict):
+def evaluate(model: str, model_args: dict, batch_size: int = 1):
     return lm_eval.simple_evaluate(
         model=model,
         model_args=model_args,
         tasks=[task_config()],
-        batch_size=1,
+        batch_size=batch_size,
         log_samples=True,
         random_seed=0,
         numpy_random_seed=0,
@@ -67,6 +67,7 @@ def test_local_completions_loglikelihoods_equal_the_hf_backend(tmp_path):
                 "tokenized_requests": True,
                 "max_length": 128,
             },
+            batch_size=4,  # four prompts per request: a batched completions call
         )
         assert_all_blocks_free(cluster)
     reference = evaluate("hf", {"pretrained": str(path), "device": "cpu", "dtype": "float32"})
