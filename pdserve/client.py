@@ -21,7 +21,9 @@ Async::
 Input is one of ``prompt`` (text), ``token_ids`` or ``messages`` (rendered with the model's
 chat template). Sampling keywords are the fields of ``SamplingParams`` in
 ``protos/pdserve.proto`` (max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
-ignore_eos, min_tokens); ``include_timings=True`` puts the TTFT breakdown on the last chunk.
+ignore_eos, min_tokens, presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
+logprobs, prompt_logprobs, n); ``include_timings=True`` puts the TTFT breakdown on the last
+chunk. With n > 1, chunks carry ``index`` and ``Completion.sequences`` holds each sequence.
 The API key travels as metadata ``authorization: Bearer <key>``. Errors are ``grpc.RpcError``:
 INVALID_ARGUMENT (the message names the parameter), UNAUTHENTICATED, NOT_FOUND (model),
 RESOURCE_EXHAUSTED (overloaded: retry later), UNAVAILABLE (workers failed).
@@ -42,20 +44,49 @@ SAMPLING_FIELDS = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields}
 
 
 @dataclass
-class Completion:
-    request_id: str = ""
+class Sequence:
+    """One of a request's n sequences."""
+
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # with sampling.logprobs
     finish_reason: str = ""
+
+
+@dataclass
+class Completion:
+    """A request's result; ``text``, ``token_ids`` and ``finish_reason`` are sequence 0's,
+    ``sequences`` has all n."""
+
+    request_id: str = ""
     usage: pb.Usage | None = None
     timings: pb.Timings | None = None
+    prompt_logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # with echo's ask
+    sequences: list[Sequence] = field(default_factory=lambda: [Sequence()])
+
+    @property
+    def text(self) -> str:
+        return self.sequences[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.sequences[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.sequences[0].finish_reason
 
     def add(self, chunk: pb.GenerateResponse) -> None:
         self.request_id = chunk.request_id
-        self.text += chunk.text
-        self.token_ids.extend(chunk.token_ids)
-        if chunk.finish_reason:
-            self.finish_reason = chunk.finish_reason
+        while len(self.sequences) <= chunk.index:
+            self.sequences.append(Sequence())
+        seq = self.sequences[chunk.index]
+        seq.text += chunk.text
+        seq.token_ids.extend(chunk.token_ids)
+        seq.logprobs.extend(chunk.logprobs)
+        seq.finish_reason = chunk.finish_reason or seq.finish_reason
+        self.prompt_logprobs.extend(chunk.prompt_logprobs)
+        if chunk.HasField("usage"):  # the request's last message
             self.usage = chunk.usage
             self.timings = chunk.timings if chunk.HasField("timings") else None
 

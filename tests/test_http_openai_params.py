@@ -383,3 +383,25 @@ def test_a_batch_scores_each_prompt_with_echo(client, model):
         )
         assert c.logprobs.token_logprobs == one.choices[0].logprobs.token_logprobs
         assert len(c.logprobs.token_logprobs) == len(prompts[k]) + 1
+
+
+def test_grpc_client_takes_the_new_parameters(cluster):
+    from pdserve.client import Client
+
+    with Client(cluster.address) as c:
+        out = c.generate(
+            token_ids=[5, 6, 7],
+            max_tokens=4,
+            temperature=1.0,
+            seed=2,
+            n=3,
+            logprobs=2,
+            prompt_logprobs=1,
+            presence_penalty=0.5,
+            logit_bias={9: 1.0},
+            ignore_eos=True,
+        )
+        assert len(out.sequences) == 3 and out.usage.completion_tokens == 12
+        assert all(len(s.logprobs) == 4 == len(s.token_ids) for s in out.sequences)
+        assert all(len(lp.top) == 2 for s in out.sequences for lp in s.logprobs)
+        assert len(out.prompt_logprobs) == 2 and out.finish_reason == "length"
