@@ -13,6 +13,7 @@ result names the CPU, its instruction sets and the variant of each row.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -63,10 +64,20 @@ def decode_bytes(cfg, batch: int, context: int) -> float:
     return 4 * (non_embedding + embed) + kv
 
 
+ISA_LIMIT_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+# Timed repetitions (the fastest counts): decode steps, and prefills (slower, fewer).
+REPS = 5
+
+
+def _prefill_reps(reps: int) -> int:
+    return max(3, reps // 3)
+
+
 class EngineRunner:
     """Times the engine's forward directly (no scheduler), as the workers call it."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, reps: int = REPS):
+        self.reps = reps
         self.engine = engine
         self.runner = engine.runner
         self.bs = engine.config.cache.block_size
@@ -88,11 +99,11 @@ class EngineRunner:
 
     def prefill_seconds(self, n: int) -> float:
         seqs = self._batch(1, n, n)
-        return best_time(lambda: self.runner.execute(seqs), reps=3, warmup=1)
+        return best_time(lambda: self.runner.execute(seqs), _prefill_reps(self.reps), warmup=1)
 
     def decode_seconds(self, batch: int, context: int) -> float:
         seqs = self._batch(batch, context, 1)
-        return best_time(lambda: self.runner.execute(seqs), reps=5, warmup=2)
+        return best_time(lambda: self.runner.execute(seqs), reps=self.reps, warmup=2)
 
 
 def use_cpu_kernels(model, variant: str) -> None:
@@ -108,9 +119,10 @@ def use_cpu_kernels(model, variant: str) -> None:
 
 
 class HFRunner:
-    def __init__(self, model_dir):
+    def __init__(self, model_dir, reps: int = REPS):
         from transformers import AutoModelForCausalLM
 
+        self.reps = reps
         self.model = AutoModelForCausalLM.from_pretrained(
             str(model_dir), dtype=torch.float32
         ).eval()
@@ -118,7 +130,7 @@ class HFRunner:
     @torch.inference_mode()
     def prefill_seconds(self, n: int) -> float:
         ids = torch.full((1, n), 5)
-        return best_time(lambda: self.model(ids), reps=3, warmup=1)
+        return best_time(lambda: self.model(ids), _prefill_reps(self.reps), warmup=1)
 
     @torch.inference_mode()
     def decode_seconds(self, batch: int, context: int) -> float:
@@ -131,7 +143,7 @@ class HFRunner:
             self.model(step, past_key_values=cache, use_cache=True)
             cache.crop(-1)  # drop the step just added: the context stays fixed across repetitions
 
-        return best_time(one_step, reps=5, warmup=2)
+        return best_time(one_step, reps=self.reps, warmup=2)
 
 
 def run(
@@ -142,6 +154,7 @@ def run(
     contexts=(256, 1024),
     baseline: bool = True,
     cpu_kernels: tuple[str, ...] = (),
+    reps: int = REPS,
 ) -> dict:
     """``cpu_kernels``: the variants to time side by side (default: the one chosen here)."""
     if threads:
@@ -150,8 +163,8 @@ def run(
     variants = cpu_kernels or (cpu_extension.selected_variant(),)
     cfg = engine.config.model
     peak, bandwidth = gemm_peak(), read_bandwidth()
-    ours = EngineRunner(engine)
-    hf = HFRunner(model_dir) if baseline else None
+    ours = EngineRunner(engine, reps)
+    hf = HFRunner(model_dir, reps) if baseline else None
     rows = []
 
     def timed(measure, *args) -> dict[str, float]:
@@ -178,6 +191,10 @@ def run(
     return {
         **cpu_extension.describe(),
         "cpu_kernels": list(variants),
+        # torch's own kernels, oneDNN and MKL: what they were allowed (an AVX2-only emulation
+        # on an AVX-512 machine caps them with these variables).
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "isa_limits": {k: os.environ[k] for k in ISA_LIMIT_VARS if k in os.environ},
         "threads": torch.get_num_threads(),
         "huge_pages": hugepages.active(),
         "gemm_peak_gflops": peak / 1e9,
@@ -209,7 +226,8 @@ def format_report(result: dict) -> str:
     lines = [
         (
             f"CPU {result.get('cpu_model', '?')}  instruction sets {result.get('cpu_isa', '?')}  "
-            f"kernels {', '.join(result.get('cpu_kernels', []))}"
+            f"kernels {', '.join(result.get('cpu_kernels', []))}  torch "
+            f"{result.get('torch_cpu_capability', '?')} {result.get('isa_limits') or ''}"
         ),
         (
             f"threads {result['threads']}  GEMM peak {result['gemm_peak_gflops']:.1f} GFLOP/s  "
@@ -240,6 +258,7 @@ def add_parser(sub) -> None:
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--contexts", default="256,1024")
     p.add_argument("--no-baseline", action="store_true", help="skip transformers")
+    p.add_argument("--reps", type=int, default=REPS, help="timed decode steps (best counts)")
     p.add_argument(
         "--cpu-kernels",
         default="",
@@ -264,6 +283,7 @@ def _main(args) -> int:
         _ints(args.contexts),
         baseline=not args.no_baseline,
         cpu_kernels=tuple(v for v in args.cpu_kernels.split(",") if v),
+        reps=args.reps,
     )
     print(format_report(result))
     print(f"({time.time() - started:.0f} s)")
