@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from engine import hugepages
@@ -23,9 +24,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    p.add_argument(
-        "--device", type=device_name, default="auto", help="cpu, cuda[:N], or auto"
-    )
+    p.add_argument("--device", type=device_name, default="auto", help="cpu, cuda[:N], or auto")
     p.set_defaults(func=cmd_generate)
 
 
@@ -84,6 +83,12 @@ def _add_cluster_commands(sub) -> None:
         help="Ray cluster to join ('auto': the one on this machine); "
         "default: start a local Ray instance",
     )
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve the client API off loopback without an API key (only behind something "
+        "that authenticates clients)",
+    )
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("scale", help="resize the running cluster's pools")
     p.add_argument("--prefill", type=int, default=None, help="prefill workers wanted")
@@ -100,8 +105,22 @@ def _add_cluster_commands(sub) -> None:
 def cmd_serve(args) -> int:
     from pdserve.config import load_config
     from pdserve.ray_launcher import serve_forever
+    from pdserve.security_config import api_security
+    from router.security import OpenBindError, check_api_exposure
 
-    return serve_forever(load_config(args.config), args.address)
+    cfg = load_config(args.config)
+    overrides = {}
+    if not cfg.api_key and os.environ.get("PDSERVE_API_KEY"):
+        overrides["api_key"] = os.environ["PDSERVE_API_KEY"]  # the router actor may not see it
+    if args.allow_unauthenticated:
+        overrides["security"] = {**cfg.security.model_dump(), "allow_unauthenticated": True}
+    cfg = cfg.with_overrides(**overrides) if overrides else cfg
+    try:  # here, before Ray starts anything: the router would refuse the same way
+        check_api_exposure(cfg.host or "each node's IP", cfg.api_key, api_security(cfg))
+    except OpenBindError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return serve_forever(cfg, args.address)
 
 
 def cmd_scale(args) -> int:

@@ -6,6 +6,7 @@ Inside the cluster the validated model travels as a plain dict and is rebuilt wh
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 from typing import Literal
 
@@ -89,6 +90,49 @@ class AutoscalerConfig(_Strict):
     low_ratio: float = Field(0.5, gt=0, lt=1)
 
 
+class TlsSection(_Strict):
+    """The client API's certificate (PEM paths); ``client_ca``: clients need a certificate
+    signed by it (mutual TLS)."""
+
+    cert: str
+    key: str
+    client_ca: str | None = None
+
+
+class ClusterTlsSection(_Strict):
+    """Mutual TLS inside the cluster (worker gRPC, KV over grpc/flight, router to workers):
+    every process presents ``cert``/``key`` and trusts only peers signed by ``ca``."""
+
+    cert: str
+    key: str
+    ca: str
+    server_name: str | None = Field(None, description="the name the certificate was issued for")
+
+
+class SecuritySection(_Strict):
+    """See docs/SECURITY.md. Off loopback the router needs ``api_key`` unless
+    ``allow_unauthenticated``; workers always get a cluster token (the controller makes one)."""
+
+    tls: TlsSection | None = None
+    cluster_tls: ClusterTlsSection | None = None
+    allow_unauthenticated: bool = False
+    open_metrics: bool = Field(False, description="/metrics without the API key")
+    # torch_dist's data path has no authentication past its rendezvous: off loopback only when
+    # the operator says no one but the cluster reaches that network.
+    kv_private_network: bool = False
+
+
+class LimitsSection(_Strict):
+    """Per-request caps; each refusal is a 400 naming the limit by these names."""
+
+    max_request_bytes: int = Field(1 << 20, ge=1)
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_stop_strings: int = Field(16, ge=1)
+    max_stop_string_chars: int = Field(256, ge=1)
+    max_lease_seconds: float = Field(600.0, gt=0, allow_inf_nan=False)
+
+
 class ClusterConfig(_Strict):
     model: str = "embedded"
     model_name: str = "smollm2"
@@ -103,7 +147,7 @@ class ClusterConfig(_Strict):
     device: str = Field(
         "auto", description="cpu, cuda[:N], or auto: cuda where the worker's actor has a GPU"
     )
-    lease_ttl_s: float = Field(30.0, gt=0)
+    lease_ttl_s: float = Field(30.0, gt=0, allow_inf_nan=False)
     host: str | None = Field(None, description="bind address; null: each node's own IP")
     grpc_port: int = Field(50051, ge=0, le=65535)
     http_port: int | None = Field(8000, ge=0, le=65535)
@@ -116,7 +160,9 @@ class ClusterConfig(_Strict):
     worker_start_timeout_s: float = Field(600.0, gt=0)
     drain_timeout_s: float = Field(120.0, gt=0)
     api_key: str | None = None
-    cluster_token: str | None = None
+    cluster_token: str | None = None  # null: the controller makes a random one per cluster
+    security: SecuritySection = SecuritySection()
+    limits: LimitsSection = LimitsSection()
 
     @field_validator("kv_transport", mode="before")
     @classmethod
@@ -139,6 +185,23 @@ class ClusterConfig(_Strict):
 
     def with_overrides(self, **fields) -> ClusterConfig:
         return validate_config({**self.model_dump(), **fields})
+
+    @model_validator(mode="after")
+    def _lease_bounds(self) -> ClusterConfig:
+        if self.lease_ttl_s > self.limits.max_lease_seconds:
+            raise ValueError(
+                f"lease_ttl_s ({self.lease_ttl_s}) must be <= limits.max_lease_seconds "
+                f"({self.limits.max_lease_seconds})"
+            )
+        return self
+
+
+def with_cluster_token(cfg: ClusterConfig) -> ClusterConfig:
+    """``cfg`` with a cluster token: its own, else a new random one (256 bits). The controller
+    calls it once per cluster, so every worker and the router share one token."""
+    if cfg.cluster_token:
+        return cfg
+    return cfg.model_copy(update={"cluster_token": secrets.token_urlsafe(32)})
 
 
 # ---- loading ---------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import time
 
 from pdserve.autoscaler import latency_summary
 from pdserve.config import ClusterConfig
+from pdserve.security_config import api_security, cluster_tls, request_limits
 
 log = logging.getLogger("pdserve.ray")
 
@@ -109,14 +110,22 @@ def _start_worker(role: str, worker_id: str, c: ClusterConfig):
         from prefill_worker.worker import PrefillWorker
 
         worker = PrefillWorker(_engine(c), worker_id)
-        kw = supported_kwargs(serve_prefill_worker, cluster_token=c.cluster_token)
+        kw = supported_kwargs(
+            serve_prefill_worker, cluster_token=c.cluster_token, tls=cluster_tls(c)
+        )
         server, address, senders = serve_prefill_worker(worker, host, 0, **kw)
         return worker, address, [lambda: server.stop(grace=2).wait(), senders.close]
     from decode_worker.server import serve_decode_worker
     from decode_worker.worker import DecodeWorker
 
     worker = DecodeWorker(_engine(c), worker_id, c.lease_ttl_s)
-    kw = supported_kwargs(serve_decode_worker, cluster_token=c.cluster_token)
+    worker.leases.max_ttl_s = c.limits.max_lease_seconds
+    kw = supported_kwargs(
+        serve_decode_worker,
+        cluster_token=c.cluster_token,
+        kv_private_network=c.security.kv_private_network,
+        tls=cluster_tls(c),
+    )
     server, address, kv_server = serve_decode_worker(worker, host, 0, c.kv_transport, **kw)
     closers = [lambda: server.stop(grace=2).wait()]
     if kv_server is not None:
@@ -206,8 +215,12 @@ async def _start_router(c: ClusterConfig, model_dir: str):
         "concurrent_reserve_headroom": c.router.concurrent_reserve_headroom,
         "api_key": c.api_key,
         "cluster_token": c.cluster_token,
+        "cluster_tls": cluster_tls(c),
+        "limits": request_limits(c),
     }
     cfg = RouterConfig(**{k: v for k, v in opts.items() if k in fields})
     host = c.host or node_ip()
-    auth = supported_kwargs(start_router, api_key=c.api_key, cluster_token=c.cluster_token)
+    auth = supported_kwargs(
+        start_router, api_key=c.api_key, cluster_token=c.cluster_token, security=api_security(c)
+    )
     return await start_router(cfg, [], [], host, c.grpc_port, c.http_port, **auth)

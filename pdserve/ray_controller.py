@@ -24,7 +24,7 @@ import ray
 
 from engine import hugepages
 from pdserve.autoscaler import Autoscaler, PoolSignal
-from pdserve.config import ClusterConfig
+from pdserve.config import ClusterConfig, with_cluster_token
 from pdserve.ray_actors import RouterActor, WorkerActor
 
 log = logging.getLogger("pdserve.controller")
@@ -49,7 +49,9 @@ class WorkerRecord:
 
 class Controller:
     def __init__(self, cfg: dict, model_dir: str):
-        self.cfg = ClusterConfig.model_validate(cfg)
+        # One random cluster token per cluster unless the config names one: every worker and
+        # the router get it with the config, so no worker serves unauthenticated.
+        self.cfg = with_cluster_token(ClusterConfig.model_validate(cfg))
         self.model_dir = model_dir
         self.targets = {role: self.cfg.pools[role].replicas for role in ROLES}
         self.workers: dict[str, WorkerRecord] = {}
