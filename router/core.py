@@ -233,14 +233,14 @@ class Router:
         flow = self.flow.run(inp.request_id, inp.prompt_ids, inp.sampling, timings)
         try:
             async for item in flow:
-                i, tokens, reason = item.index, item.ids, item.reason
+                i, tokens, reason, logprobs = item.index, item.ids, item.reason, item.logprobs
                 if i not in running:  # stopped here by a stop string; the rest is dropped
                     continue
+                delta_text, used = texts[i].push(tokens, final=reason is not None)
+                if used is not None:
+                    reason, tokens, logprobs = "stop", tokens[:used], logprobs[:used]
                 n_out += len(tokens)
-                delta_text, stopped = texts[i].push(tokens, final=reason is not None)
-                if stopped:
-                    reason = "stop"
-                lp = {"logprobs": item.logprobs, "prompt_logprobs": item.prompt_logprobs}
+                lp = {"logprobs": logprobs, "prompt_logprobs": item.prompt_logprobs}
                 if reason is not None:
                     running.discard(i)
                 if reason is None or running:
@@ -269,15 +269,22 @@ class _StopText:
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.sent = 0
 
-    def push(self, tokens: list[int], final: bool) -> tuple[str, bool]:
-        for t in tokens:
+    def push(self, tokens: list[int], final: bool) -> tuple[str, int | None]:
+        """The text to send for ``tokens`` and, once a stop string appears, how many of them
+        it took: the tokens after the one that completes it are dropped (as vLLM, which stops
+        there), so logprobs and usage match the text."""
+        for i, t in enumerate(tokens):
+            start = max(0, len(self.detok.text) - self.hold)  # a stop may begin this far back
             self.detok.push(t)
+            idx = self._find_stop(start)
+            if idx is not None:
+                return self._emit(self.detok.text[:idx]), i + 1
         text = self.detok.text
-        for stop in self.stops:
-            idx = text.find(stop)
-            if idx >= 0:
-                return self._emit(text[:idx]), True
-        return self._emit(text if final else text[: max(self.sent, len(text) - self.hold)]), False
+        return self._emit(text if final else text[: max(self.sent, len(text) - self.hold)]), None
+
+    def _find_stop(self, start: int) -> int | None:
+        found = [i for stop in self.stops if (i := self.detok.text.find(stop, start)) >= 0]
+        return min(found, default=None)
 
     def _emit(self, upto: str) -> str:
         delta = upto[self.sent :]

@@ -405,3 +405,15 @@ def test_grpc_client_takes_the_new_parameters(cluster):
         assert all(len(s.logprobs) == 4 == len(s.token_ids) for s in out.sequences)
         assert all(len(lp.top) == 2 for s in out.sequences for lp in s.logprobs)
         assert len(out.prompt_logprobs) == 2 and out.finish_reason == "length"
+
+
+def test_a_stop_string_ends_tokens_and_logprobs_at_its_token(client, model):
+    free = client.completions.create(model=model, prompt="w9 w10 w11", **GREEDY).choices[0]
+    words = free.text.split()
+    out = client.completions.create(
+        model=model, prompt="w9 w10 w11", stop=[words[3]], logprobs=0, **GREEDY
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and words[3] not in choice.text
+    assert choice.logprobs.tokens == words[:4]  # up to the token that completed the stop
+    assert out.usage.completion_tokens == 4
