@@ -13,6 +13,7 @@ from engine.errors import InvalidRequestError
 from engine.wire import logprob_message, logprob_messages
 from kv_transfer.auth import resolve_cluster_token, worker_server
 from kv_transfer.frame import FrameError
+from kv_transfer.health import add_worker_health
 from kv_transfer.transports import TOKEN_TRANSPORTS, add_kv_servicer, start_receiver_server
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
@@ -144,6 +145,7 @@ def serve_decode_worker(
             opts["tls"] = tls
         kv_server = start_receiver_server(kv_transport, worker.receiver, host=host, **opts)
         kv_endpoint = kv_server.endpoint
+    add_worker_health(server, worker, pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name)
     pb_grpc.add_DecodeWorkerServicer_to_server(
         DecodeServicer(worker, kv_endpoint, kv_transport), server
     )

@@ -4,6 +4,7 @@ aborts deferred to that thread, and a draining flag. No networking here."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 
 from engine.llm_engine import LLMEngine
 from engine.loop import EngineThread
@@ -21,8 +22,23 @@ class EngineWorker:
         self.blocks = engine.blocks
         self.loop = EngineThread(self._step, self._fail_all, name=f"{self.worker_id}-engine")
         self._aborts: set[str] = set()
-        self.draining = False  # no new work is accepted; what runs finishes
+        self._draining = False
+        # Called with the new value whenever ``draining`` changes (health services follow it).
+        self.on_draining_change: list[Callable[[bool], None]] = []
         self.warmup_s: float | None = None  # seconds the warm-up took (None: not run yet)
+
+    @property
+    def draining(self) -> bool:
+        """No new work is accepted; what runs finishes."""
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        changed = value != self._draining
+        self._draining = value
+        if changed:
+            for callback in self.on_draining_change:
+                callback(value)
 
     @property
     def block_size(self) -> int:

@@ -15,6 +15,8 @@ import os
 
 import grpc
 
+from kv_transfer.health import HEALTH_METHODS
+
 TOKEN_KEY = "x-pdserve-token"
 TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
 
@@ -72,6 +74,8 @@ class ClusterTokenInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         metadata = dict(handler_call_details.invocation_metadata or ())
         if handler is None or token_matches(metadata.get(TOKEN_KEY), self.token):
+            return handler
+        if handler_call_details.method in HEALTH_METHODS:  # probes carry no token
             return handler
 
         def deny(request, context):

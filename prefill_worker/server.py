@@ -12,6 +12,7 @@ from engine.errors import InvalidRequestError
 from engine.request import sampling_from_message
 from engine.wire import logprob_message, logprob_messages
 from kv_transfer.auth import resolve_cluster_token, worker_server
+from kv_transfer.health import add_worker_health
 from kv_transfer.sender import TOKEN_TRANSPORTS, KVSender, TransferError, make_sender
 from prefill_worker.worker import PrefillWorker
 from protos import pdserve_pb2 as pb
@@ -137,6 +138,7 @@ def serve_prefill_worker(
     server, address = worker_server(host, port, token, max_workers, tls)
     senders = SenderPool(token, tls)
     pb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker, senders), server)
+    add_worker_health(server, worker, pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name)
     worker.start()
     server.start()
     log.info("prefill worker %s serving on %s", worker.worker_id, address)

@@ -25,6 +25,9 @@ class RouterServers:
     async def stop(self) -> None:
         if self.http_server is not None:
             await self.http_server.stop()
+        health = getattr(self.grpc_server, "pdserve_health", None)
+        if health is not None:
+            await health.stop()
         await self.grpc_server.stop(grace=1.0)
         await self.router.close()
 

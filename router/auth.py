@@ -1,7 +1,8 @@
 """The optional API key of the public API: ``Authorization: Bearer <key>`` as an HTTP header
 or as gRPC metadata. Without a configured key, everything is open.
 
-On gRPC only ``Health`` stays open (probes carry no key); every other method needs it,
+On gRPC only ``Health`` and the standard ``grpc.health.v1.Health`` stay open (probes carry
+no key); every other method needs it,
 server reflection included (the schema is no secret, but an open door is one more to audit:
 ``grpcurl -H 'authorization: Bearer KEY'`` sends it to reflection too). On HTTP every route
 but ``/health`` needs it (``/metrics`` optionally open): see router/http_guard.py.
@@ -13,7 +14,9 @@ import hmac
 
 import grpc
 
-OPEN_GRPC_METHODS = ("/pdserve.v1.Generation/Health",)
+from router.health import HEALTH_METHODS
+
+OPEN_GRPC_METHODS = ("/pdserve.v1.Generation/Health", *HEALTH_METHODS)
 OPEN_GRPC_PREFIXES: tuple[str, ...] = ()
 
 

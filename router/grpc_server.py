@@ -1,4 +1,5 @@
-"""The client API over gRPC (async): Generate (server streaming), ListModels, Health."""
+"""The client API over gRPC (async): Generate (server streaming), ListModels, Health, and the
+standard grpc.health.v1 service (router/health.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from protos import pdserve_pb2_grpc as pb_grpc
 from router.auth import ApiKeyInterceptor
 from router.core import Router
 from router.flow import Overloaded, WorkerFailure
+from router.health import GENERATION_SERVICE, HEALTH_SERVICE, RouterHealth
 from router.tokenize import detokenize, tokenize
 
 log = logging.getLogger("pdserve.router")
@@ -142,8 +144,12 @@ async def start_grpc_server(
         options=EXCLUSIVE_PORT + [("grpc.max_receive_message_length", max_bytes)],
     )
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(router), server)
-    services = (pb.DESCRIPTOR.services_by_name["Generation"].full_name, reflection.SERVICE_NAME)
+    health = RouterHealth(router)
+    health.add_to(server)
+    services = (GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(services, server)
     bound = bind(server, f"{host}:{port}", tls)
     await server.start()
+    await health.start()
+    server.pdserve_health = health  # stopped with the server (RouterServers.stop)
     return server, f"{host}:{bound}"
