@@ -417,3 +417,23 @@ def test_a_stop_string_ends_tokens_and_logprobs_at_its_token(client, model):
     assert choice.finish_reason == "stop" and words[3] not in choice.text
     assert choice.logprobs.tokens == words[:4]  # up to the token that completed the stop
     assert out.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"logit_bias": {"50": 8}, "extra_body": {"ignore_eos": True, "repetition_penalty": 1.5}},
+        {"logit_bias": {"50": 8}, "presence_penalty": 1.0, "frequency_penalty": 0.5},
+        {"n": 2, "best_of": 2, "seed": 1, "temperature": 1.0},
+        {"logprobs": 3, "echo": True},
+    ],
+    ids=["repetition+bias", "presence+frequency", "n+best_of", "logprobs+echo"],
+)
+def test_each_parameter_streams_what_the_whole_response_holds(client, model, kw):
+    body = {"model": model, "prompt": "w5 w6 w5", **{**GREEDY, **kw}}
+    whole = client.completions.create(**body)
+    streamed = [""] * len(whole.choices)
+    for chunk in client.completions.create(stream=True, **body):
+        for ch in chunk.choices:
+            streamed[ch.index] += ch.text
+    assert streamed == [c.text for c in whole.choices]
