@@ -36,14 +36,16 @@ from pdserve.planner.sim import SimConfig, Split, simulate
 from pdserve.planner.workload import TraceRequest
 
 # (split, workload, SLO). Rates: LOW and NEAR x the simulated capacity (highest rate at 90%).
+# SLOs suit this VM: a 1,300-token document alone takes 2-4 s to prefill on one thread.
 SETUPS = [
-    ("1P1D", "mixed", SLO(3.0, 0.15)),
-    ("1P2D", "chat", SLO(1.0, 0.1)),
-    ("colo2", "mixed", SLO(3.0, 0.15)),
+    ("1P1D", "mixed", SLO(10.0, 0.2)),
+    ("1P2D", "chat", SLO(2.0, 0.15)),
+    ("colo2", "mixed", SLO(10.0, 0.2)),
 ]
 LOW, NEAR = 0.4, 0.85
 # (workload, SLO, share of the recommended split's simulated capacity to run at)
-RECOMMEND = [("longdoc", SLO(4.0, 0.15), 0.9), ("chat", SLO(1.0, 0.1), 0.9)]
+RECOMMEND = [("longdoc", SLO(12.0, 0.2), 0.9), ("chat", SLO(2.0, 0.15), 0.9)]
+FALLBACK_RATE = 0.1  # when the simulation holds no rate at 90%
 METRICS = ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "goodput")
 
 
@@ -110,7 +112,8 @@ def fidelity(profile, seed: int, scale: float, cores: int) -> list[dict]:
     rows = []
     for label, workload, slo in SETUPS:
         split = Split.parse(label)
-        cap = sim_capacity(profile, split, workload, slo, cores)
+        cap = sim_capacity(profile, split, workload, slo, cores) or FALLBACK_RATE / LOW
+        print(f"{label} {workload}: simulated capacity {cap:.3g} req/s", flush=True)
         for rate in (round(LOW * cap, 2), round(NEAR * cap, 2)):
             n = max(30, int(rate * 60 * scale))
             started = time.time()
@@ -157,7 +160,7 @@ def recommendation(profile, seed: int, max_workers: int, scale: float, cores: in
         # Only splits of exactly max_workers are run for real, so only they compete here.
         first = plan(profile, wl, 0.1, slo, max_workers, base, curve_points=2)
         sized = [r for r in first.results if r.split.workers == max_workers]
-        rate = round(share * recommend(sized, 0.1)[0].capacity, 2)
+        rate = round(share * recommend(sized, 0.1)[0].capacity, 2) or FALLBACK_RATE
         p = plan(profile, wl, rate, slo, max_workers, base, curve_points=2)
         chosen, _ = recommend([r for r in p.results if r.split.workers == max_workers], rate)
         splits = [s for s in candidate_splits(max_workers) if s.workers == max_workers]
