@@ -260,7 +260,7 @@ class DecodeWorker(EngineWorker):
         if stream is None:
             return
         stream.items.put((stream.index(req), reason, None))
-        if req is stream.req and req.fork_first:  # ended before its forks were made
+        if req is stream.req and len(stream.seqs) < stream.n:  # ended before it forked
             for i in range(len(stream.seqs), stream.n):  # the router runs each on its own
                 stream.items.put((i, PREEMPTED, None))
 

@@ -100,3 +100,20 @@ def _decode_statuses(cluster):
     from tests.cluster_utils import worker_statuses
 
     return [s for s in worker_statuses(cluster) if s.role == "decode"]
+
+
+def test_a_request_that_ends_before_it_forks_ends_every_sequence(worker):
+    """Colocated n > 1 aborted (or preempted) before its first token: the forks never made
+    end too, so the stream closes and the router can run them alone."""
+    sampling = pb.SamplingParams(max_tokens=4, n=3, temperature=1.0, seed=1)
+    stream = worker.submit_local("q", [5, 6, 7], [], sampling)
+    worker.abort("q")
+    with worker.loop.lock:
+        worker._apply_aborts()
+    ends = [stream.items.get_nowait() for _ in range(3)]
+    assert [(i, reason) for i, reason, _ in ends] == [
+        (0, "abort"),
+        (1, "preempted"),
+        (2, "preempted"),
+    ]
+    assert stream.items.empty() and worker.blocks.num_free == worker.blocks.num_total
