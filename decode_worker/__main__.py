@@ -14,6 +14,7 @@ hugepages.request()  # before anything imports torch: its allocator reads it onc
 from decode_worker.server import serve_decode_worker
 from decode_worker.worker import DecodeWorker
 from engine.args import add_engine_args, engine_from_args
+from kv_transfer.tls import add_cluster_tls_args, cluster_tls_from_args
 
 
 def main() -> None:
@@ -24,6 +25,7 @@ def main() -> None:
     parser.add_argument("--kv-transport", default="grpc", choices=["grpc", "flight", "torch_dist"])
     parser.add_argument("--lease-ttl", type=float, default=30.0)
     parser.add_argument("--worker-id", default=None)
+    add_cluster_tls_args(parser)
     parser.add_argument(
         "--kv-private-network",
         action="store_true",
@@ -35,7 +37,12 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     worker = DecodeWorker(engine_from_args(args), args.worker_id, args.lease_ttl)
     server, address, kv_server = serve_decode_worker(
-        worker, args.host, args.port, args.kv_transport, kv_private_network=args.kv_private_network
+        worker,
+        args.host,
+        args.port,
+        args.kv_transport,
+        kv_private_network=args.kv_private_network,
+        tls=cluster_tls_from_args(args),
     )
     print(f"READY {address}", flush=True)
     done = threading.Event()

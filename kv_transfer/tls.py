@@ -83,3 +83,25 @@ def add_port(server, address: str, tls: TlsFiles | ClusterTls | None) -> int:
     if bound == 0:
         raise OSError(f"cannot bind {address}")
     return bound
+
+
+def add_cluster_tls_args(parser) -> None:
+    """``--cluster-tls-cert/-key/-ca/-server-name`` on a process's argparse parser."""
+    add = parser.add_argument
+    add("--cluster-tls-cert", help="the cluster's PEM certificate (mutual TLS between processes)")
+    add("--cluster-tls-key", help="its private key")
+    add("--cluster-tls-ca", help="the cluster CA every peer's certificate is signed by")
+    add("--cluster-tls-server-name", help="the name in the peers' certificate")
+
+
+def cluster_tls_from_args(args) -> ClusterTls | None:
+    if not args.cluster_tls_cert:
+        return None
+    if not (args.cluster_tls_key and args.cluster_tls_ca):
+        raise SystemExit("--cluster-tls-cert needs --cluster-tls-key and --cluster-tls-ca")
+    return ClusterTls(
+        args.cluster_tls_cert,
+        args.cluster_tls_key,
+        args.cluster_tls_ca,
+        args.cluster_tls_server_name,
+    )

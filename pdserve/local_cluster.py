@@ -208,6 +208,12 @@ class LocalCluster:
         ]
         if module == "decode_worker":
             cmd += ["--kv-transport", s.kv_transport, "--lease-ttl", str(s.lease_ttl_s)]
+        tls = s.cluster_tls
+        if tls is not None:
+            cmd += ["--cluster-tls-cert", tls.cert, "--cluster-tls-key", tls.key]
+            cmd += ["--cluster-tls-ca", tls.ca]
+            if tls.server_name:
+                cmd += ["--cluster-tls-server-name", tls.server_name]
         return cmd
 
     def _start_processes(self) -> None:

@@ -12,6 +12,7 @@ from engine import hugepages
 hugepages.request()  # before anything imports torch: its allocator reads it once
 
 from engine.args import add_engine_args, engine_from_args
+from kv_transfer.tls import add_cluster_tls_args, cluster_tls_from_args
 from prefill_worker.server import serve_prefill_worker
 from prefill_worker.worker import PrefillWorker
 
@@ -22,10 +23,13 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--worker-id", default=None)
+    add_cluster_tls_args(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     worker = PrefillWorker(engine_from_args(args), args.worker_id)
-    server, address, senders = serve_prefill_worker(worker, args.host, args.port)
+    server, address, senders = serve_prefill_worker(
+        worker, args.host, args.port, tls=cluster_tls_from_args(args)
+    )
     print(f"READY {address}", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

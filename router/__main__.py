@@ -8,11 +8,11 @@ import logging
 import signal
 
 from engine.model_files import resolve_model_dir
-from kv_transfer.tls import ClusterTls, TlsFiles
+from kv_transfer.tls import TlsFiles, add_cluster_tls_args, cluster_tls_from_args
 from router.app import start_router
 from router.core import RouterConfig
 from router.limits import RequestLimits
-from router.security import ApiSecurity
+from router.security import ApiSecurity, OpenBindError
 
 
 def _addresses(text: str) -> list[str]:
@@ -28,7 +28,7 @@ async def _serve(args) -> None:
         decode_policy=args.decode_policy,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         concurrent_reserve_headroom=args.concurrent_reserve_headroom,
-        cluster_tls=_cluster_tls(args),
+        cluster_tls=cluster_tls_from_args(args),
         limits=RequestLimits(
             max_request_bytes=args.max_request_bytes,
             max_prompt_tokens=args.max_prompt_tokens,
@@ -58,17 +58,6 @@ async def _serve(args) -> None:
     await servers.stop()
 
 
-def _cluster_tls(args) -> ClusterTls | None:
-    if not args.cluster_tls_cert:
-        return None
-    return ClusterTls(
-        args.cluster_tls_cert,
-        args.cluster_tls_key,
-        args.cluster_tls_ca,
-        args.cluster_tls_server_name,
-    )
-
-
 def _add_security_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add(
@@ -80,10 +69,7 @@ def _add_security_args(parser: argparse.ArgumentParser) -> None:
     add("--tls-cert", help="PEM certificate chain: HTTPS and gRPC TLS on the client API")
     add("--tls-key", help="PEM private key of --tls-cert")
     add("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
-    add("--cluster-tls-cert", help="the cluster's PEM certificate (mutual TLS to the workers)")
-    add("--cluster-tls-key", help="its private key")
-    add("--cluster-tls-ca", help="the cluster CA the workers' certificates are signed by")
-    add("--cluster-tls-server-name", help="the name in the workers' certificate")
+    add_cluster_tls_args(parser)
     defaults = RequestLimits()
     add("--max-request-bytes", type=int, default=defaults.max_request_bytes)
     add("--max-prompt-tokens", type=int, default=None, help="default: the context")
@@ -125,7 +111,10 @@ def main() -> None:
     )
     _add_security_args(parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(_serve(parser.parse_args()))
+    try:
+        asyncio.run(_serve(parser.parse_args()))
+    except OpenBindError as e:  # the reason, not a traceback
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import socket
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -188,3 +191,13 @@ def test_a_worker_off_loopback_without_a_token_refuses_before_binding(monkeypatc
     assert port_is_free(port)
     server, _ = worker_server("127.0.0.1", 0, None)  # loopback: fine
     server.stop(None)
+
+
+def test_python_m_router_off_loopback_without_a_key_exits_with_the_reason(cluster):
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
+    cmd = [sys.executable, "-m", "router", "--model", str(cluster.model_dir), "--prefill", "x"]
+    cmd += ["--decode", "y", "--host", "0.0.0.0", "--port", str(free_port())]
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode != 0
+    assert "refusing to serve the client API on 0.0.0.0 without an API key" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -139,3 +139,27 @@ def test_blocks_free_after_the_tls_requests(cluster, certs):
 def test_tls_files_that_cannot_be_read_are_named(tmp_path):
     with pytest.raises(ValueError, match="(cert|key): cannot read"):
         TlsFiles(str(tmp_path / "nope.pem"), str(tmp_path / "nope.key")).server_credentials()
+
+
+def test_worker_processes_serve_mutual_tls_from_their_flags(tmp_path_factory, certs):
+    """python -m prefill_worker / decode_worker with --cluster-tls-*: the same cluster, as
+    separate processes (what a launcher outside Ray runs)."""
+    path, _ = tiny_llama_dir(tmp_path_factory.mktemp("tlsp"), num_heads=4, num_kv_heads=2, seed=4)
+    clu = certs["cluster"]
+    spec = ClusterSpec(
+        model=str(path),
+        num_blocks=64,
+        max_model_len=64,
+        cluster_token=TOKEN,
+        separate_processes=True,
+        cluster_tls=ClusterTls(clu.cert, clu.key, clu.ca),
+    )
+    with LocalCluster(spec) as c, Client(c.address) as client:
+        out = client.generate(token_ids=[5, 6, 7], max_tokens=3, ignore_eos=True)
+        assert len(out.token_ids) == 3
+        plain = grpc.insecure_channel(c.decode_addresses[0])
+        with plain, pytest.raises(grpc.RpcError):
+            pb_grpc.DecodeWorkerStub(plain).Status(
+                pb.StatusRequest(), metadata=((TOKEN_KEY, TOKEN),), timeout=10
+            )
+        assert_all_blocks_free_tls(c, clu)
