@@ -70,3 +70,27 @@ def test_requests_that_do_not_ask_get_no_logprobs(tiny, make_engine):
     engine = make_engine(tiny[0])
     [req] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
     assert req.output_logprobs == [] and req.prompt_logprobs is None
+
+
+def test_only_requests_that_ask_pay_for_prompt_logprobs(tiny, make_engine):
+    """The LM head sees one row per sampling sequence, plus the prompt positions of the
+    requests that asked for prompt logprobs (and no others)."""
+    engine = make_engine(tiny[0])
+    rows = []
+    head = engine.runner.model.compute_logits
+
+    def counting(hidden):
+        rows.append(hidden.shape[0])
+        return head(hidden)
+
+    engine.runner.model.compute_logits = counting
+    prompt = list(range(3, 30))
+    engine.generate([prompt], SamplingParams(max_tokens=2))
+    assert rows == [1, 1]
+    rows.clear()
+    engine.add_request(prompt, SamplingParams(max_tokens=2, prompt_logprobs=1))
+    engine.add_request(list(range(40, 60)), SamplingParams(max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+    # Prefill step: the asked prompt positions, then both last rows; decode step: both rows.
+    assert rows == [len(prompt) - 1, 2, 2]
