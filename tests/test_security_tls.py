@@ -163,3 +163,44 @@ def test_worker_processes_serve_mutual_tls_from_their_flags(tmp_path_factory, ce
                 pb.StatusRequest(), metadata=((TOKEN_KEY, TOKEN),), timeout=10
             )
         assert_all_blocks_free_tls(c, clu)
+
+
+def test_mutual_tls_on_the_client_api_needs_a_client_certificate(tmp_path_factory, certs):
+    """With client_ca the router's gRPC and HTTPS ports take only clients holding a
+    certificate signed by it (a router without workers is enough: Health answers)."""
+    import asyncio
+
+    from router.app import start_router
+    from router.core import RouterConfig
+    from router.security import ApiSecurity
+
+    path, _ = tiny_llama_dir(tmp_path_factory.mktemp("mtls"), num_heads=4, num_kv_heads=2, seed=6)
+    api, client_cert = certs["api"], certs["cluster"]  # clients hold a cluster-CA certificate
+    security = ApiSecurity(TlsFiles(api.cert, api.key, client_ca=client_cert.ca))
+
+    async def run():
+        servers = await start_router(
+            RouterConfig(model_dir=str(path)), [], [], "127.0.0.1", 0, 0, KEY, security=security
+        )
+        try:
+            return await asyncio.to_thread(check, servers.grpc_address, servers.http_address)
+        finally:
+            await servers.stop()
+
+    def check(grpc_address, http_address):
+        mine = {"ca": api.ca, "client_cert": client_cert.cert, "client_key": client_cert.key}
+        with Client(grpc_address, api_key=KEY, **mine) as client:
+            assert not client.health().ready  # answered: no workers yet
+        with Client(grpc_address, api_key=KEY, ca=api.ca) as client:
+            with pytest.raises(grpc.RpcError) as e:
+                client.health()
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        ctx = ssl.create_default_context(cafile=api.ca)
+        with pytest.raises((httpx.HTTPError, ssl.SSLError, OSError)):
+            httpx.get(f"https://{http_address}/health", verify=ctx, timeout=10)
+        ctx.load_cert_chain(client_cert.cert, client_cert.key)
+        assert (
+            httpx.get(f"https://{http_address}/health", verify=ctx, timeout=10).status_code == 503
+        )
+
+    asyncio.run(run())
