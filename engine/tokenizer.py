@@ -7,6 +7,7 @@ The router tokenizes too and must not import torch, so this reads ``tokenizer.js
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,6 +52,17 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str:
         return self._tok.id_to_token(token_id) or ""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes: a byte-level BPE token (GPT-2's alphabet) or a byte-fallback
+        token (``<0xNN>``) may hold part of a character, which its decoded text cannot show."""
+        piece = self.id_to_token(token_id)
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+            return bytes([int(piece[3:5], 16)])
+        table = _bytes_of_unicode()
+        if type(self._tok.decoder).__name__ == "ByteLevel" and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
@@ -103,6 +115,20 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self.ids)
         self.text += delta
         return delta
+
+
+@functools.cache
+def _bytes_of_unicode() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the printable character standing for each byte."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def _read_json(path: Path) -> dict:

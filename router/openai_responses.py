@@ -12,12 +12,19 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.tokenizer import Tokenizer
 from protos import pdserve_pb2 as pb
 
-# One position: (token text, its logprob or None, [(alternative text, logprob)] or None).
-Record = tuple[str, float | None, list[tuple[str, float]] | None]
+
+class Token(NamedTuple):
+    text: str  # decoded alone, as logprobs name tokens
+    raw: bytes  # its own bytes (part of a character, for some tokens): chat's ``bytes``
+
+
+# One position: (token, its logprob or None, [(alternative, logprob)] or None).
+Record = tuple[Token, float | None, list[tuple[Token, float]] | None]
 
 
 def usage_body(usage: pb.Usage) -> dict:
@@ -48,17 +55,18 @@ def timings_body(t) -> dict:
 
 
 class TokenText:
-    """Each token's own text (decoded alone, special tokens kept), cached per id."""
+    """Each token's own text (decoded alone, special tokens kept) and bytes, cached per id."""
 
     def __init__(self, tokenizer: Tokenizer):
         self._tok = tokenizer
-        self._cache: dict[int, str] = {}
+        self._cache: dict[int, Token] = {}
 
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._cache[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
-        return text
+    def __call__(self, token_id: int) -> Token:
+        token = self._cache.get(token_id)
+        if token is None:
+            text = self._tok.decode([token_id], skip_special_tokens=False)
+            token = self._cache[token_id] = Token(text, self._tok.token_bytes(token_id))
+        return token
 
     def records(self, ids, entries) -> list[Record]:
         """``entries``: a ``pb.TokenLogprobs`` per id, or None where a position has none."""
@@ -115,11 +123,13 @@ class ResponseShape:
         offsets = []
         for token, _, _ in records:
             offsets.append(offset)
-            offset += len(token)
+            offset += len(token.text)
         return {
-            "tokens": [r[0] for r in records],
+            "tokens": [r[0].text for r in records],
             "token_logprobs": [r[1] for r in records],
-            "top_logprobs": [None if r[2] is None else dict(r[2]) for r in records],
+            "top_logprobs": [
+                None if r[2] is None else {t.text: lp for t, lp in r[2]} for r in records
+            ],
             "text_offset": offsets,
         }
 
@@ -154,8 +164,8 @@ class ChatResponseShape(ResponseShape):
         if not self.with_logprobs:
             return None
 
-        def one(token: str, logprob: float) -> dict:
-            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+        def one(token: Token, logprob: float) -> dict:
+            return {"token": token.text, "logprob": logprob, "bytes": list(token.raw)}
 
         content = [
             {**one(token, lp), "top_logprobs": [one(t, v) for t, v in top or ()]}
@@ -218,7 +228,7 @@ class ResponseBuilder:
             text = self.echoes[k][0] + text
             records = self._prompt_records(k) + records
         offset = c.token_offset
-        c.token_offset += sum(len(r[0]) for r in records)
+        c.token_offset += sum(len(r[0].text) for r in records)
         c.text += text
         c.records += records
         c.finish_reason = delta.finish_reason or c.finish_reason

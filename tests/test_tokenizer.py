@@ -7,7 +7,10 @@ import pytest
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.conftest import needs_embedded, write_word_tokenizer
 
-TEXTS = ["Héllo wörld, 日本語のテキスト 🎉 and   spaces\n\nnew lines", "The capital of France is Paris."]
+TEXTS = [
+    "Héllo wörld, 日本語のテキスト 🎉 and   spaces\n\nnew lines",
+    "The capital of France is Paris.",
+]
 
 
 def _streamed(tok: Tokenizer, ids: list[int]) -> tuple[str, list[str]]:
@@ -34,3 +37,26 @@ def test_word_level_stream_equals_one_shot_decode(tmp_path):
     ids = [5, 6, 2, 100, 7]
     streamed, _ = _streamed(tok, ids)
     assert streamed == tok.decode(ids) == "w5 w6 w100 w7"
+
+
+def test_token_bytes_hold_partial_characters(tmp_path):
+    """A byte-level BPE token may be half a character: its bytes (chat logprobs' ``bytes``)
+    come from the token itself, and they concatenate to the text's UTF-8."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from engine.tokenizer import Tokenizer
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    hf.train_from_iterator(["héllo wörld " * 3, "naïve café"], trainer)
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path)
+    text = "café ñ"
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert any(tok.decode([i]).endswith("\ufffd") for i in ids)  # a split character
