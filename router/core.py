@@ -23,6 +23,9 @@ from router.policies import get_policy
 from router.pool import WorkerPool
 
 MAX_REQUEST_ID_LEN = 256
+# Prompt logprobs travel in one message (the first token's): this many entries stay under
+# gRPC's default 4 MiB (about 10 bytes each).
+MAX_PROMPT_LOGPROB_ENTRIES = 300_000
 
 log = logging.getLogger("pdserve.router")
 
@@ -183,6 +186,15 @@ class Router:
             raise InvalidRequestError("prompt", f"token ids must be < {vocab}")
         if any(t >= vocab for t, _ in params.logit_bias):
             raise InvalidRequestError("logit_bias", f"token ids must be < {vocab}")
+        if params.prompt_logprobs is not None:
+            entries = len(prompt_ids) * (params.prompt_logprobs + 1)
+            if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+                raise InvalidRequestError(
+                    "logprobs",
+                    f"prompt logprobs (echo) of {len(prompt_ids)} positions x "
+                    f"{params.prompt_logprobs + 1} exceed {MAX_PROMPT_LOGPROB_ENTRIES} entries "
+                    "(they travel in one message); ask for fewer top logprobs",
+                )
         if len(prompt_ids) + params.max_tokens > self.cfg.max_model_len:
             param = "prompt" if len(prompt_ids) >= self.cfg.max_model_len else "max_tokens"
             raise InvalidRequestError(

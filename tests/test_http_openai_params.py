@@ -430,10 +430,21 @@ def test_a_stop_string_ends_tokens_and_logprobs_at_its_token(client, model):
     ids=["repetition+bias", "presence+frequency", "n+best_of", "logprobs+echo"],
 )
 def test_each_parameter_streams_what_the_whole_response_holds(client, model, kw):
-    body = {"model": model, "prompt": "w5 w6 w5", **{**GREEDY, **kw}}
+    body = {"model": model, "prompt": "w5 w6 w5", **GREEDY, **kw}
     whole = client.completions.create(**body)
     streamed = [""] * len(whole.choices)
     for chunk in client.completions.create(stream=True, **body):
         for ch in chunk.choices:
             streamed[ch.index] += ch.text
     assert streamed == [c.text for c in whole.choices]
+
+
+def test_prompt_logprobs_too_big_for_one_message_are_400(cluster, model, monkeypatch):
+    import router.core
+
+    monkeypatch.setattr(router.core, "MAX_PROMPT_LOGPROB_ENTRIES", 10)
+    body = {"model": model, "prompt": "w5 w6 w7 w8", "echo": True, "logprobs": 2, "max_tokens": 1}
+    status, out = post(cluster.http_address, "/v1/completions", body)
+    assert status == 400 and out["error"]["param"] == "logprobs", out
+    body["logprobs"] = 1  # 4 x 2 entries fit
+    assert post(cluster.http_address, "/v1/completions", body)[0] == 200
