@@ -15,6 +15,7 @@ import logging
 import queue
 import time
 
+from decode_worker.stop_strings import StopStrings
 from engine.block_manager import NoFreeBlocksError
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
@@ -57,6 +58,7 @@ class DecodeWorker(EngineWorker):
         self.leases = LeaseTable(lease_ttl_s)
         self.receiver = KVReceiver(engine.runner.kv_caches, self.leases)
         self._streams: dict[str, _Stream] = {}
+        self.stop_strings = StopStrings(engine.tokenizer)
 
     # ---- reservations ------------------------------------------------------------------
     def reserve(
@@ -151,7 +153,8 @@ class DecodeWorker(EngineWorker):
             req.block_table = list(lease.block_ids)
             self._streams[request_id] = stream
             for seq in [req, *self._fork(stream, req, forks)]:
-                status = self.scheduler.check_stop(seq)  # a prefill's token may end it already
+                # A prefill's token may end it already.
+                status = self.scheduler.check_stop(seq) or self._stop_string(stream, seq)
                 if status is not None:
                     self._finish(seq, status)
                 else:
@@ -224,9 +227,19 @@ class DecodeWorker(EngineWorker):
                     stream.items.put((stream.index(req), req.output_token_ids[-1], logprob))
                 if req.is_finished:
                     self._end_stream(req, req.status.finish_reason)
-                elif req.fork_first and stream is not None:
+                    continue
+                if req.fork_first and stream is not None:
                     self._fork_after_prefill(stream, req)
+                if self._stop_string(stream, req) is not None:
+                    self._finish(req, RequestStatus.FINISHED_STOPPED)
         return True
+
+    def _stop_string(self, stream: _Stream | None, req: Request) -> RequestStatus | None:
+        """FINISHED_STOPPED when a sequence of an n > 1 request reached a stop string (see
+        decode_worker/stop_strings.py); with n = 1 the router cancels the call itself."""
+        if stream is None or stream.n == 1 or not self.stop_strings.hit(req):
+            return None
+        return RequestStatus.FINISHED_STOPPED
 
     def _fork_after_prefill(self, stream: _Stream, req: Request) -> None:
         """A request with n > 1 prefilled here: its forks start from the tokens the sampler
@@ -236,7 +249,7 @@ class DecodeWorker(EngineWorker):
         for seq in self._fork(stream, req, [t for t, _ in first]):
             i = stream.index(seq)
             stream.items.put((i, seq.output_token_ids[-1], first[i - 1][1]))
-            status = self.scheduler.check_stop(seq)
+            status = self.scheduler.check_stop(seq) or self._stop_string(stream, seq)
             if status is not None:
                 self._finish(seq, status)
             else:
@@ -257,6 +270,7 @@ class DecodeWorker(EngineWorker):
     def _end_stream(self, req: Request, reason: str) -> None:
         stream = self._streams.pop(req.request_id, None)
         self.engine.sampler.release(req.request_id)
+        self.stop_strings.forget(req.request_id)
         if stream is None:
             return
         stream.items.put((stream.index(req), reason, None))

@@ -117,3 +117,30 @@ def test_a_request_that_ends_before_it_forks_ends_every_sequence(worker):
         (2, "preempted"),
     ]
     assert stream.items.empty() and worker.blocks.num_free == worker.blocks.num_total
+
+
+def test_a_stop_string_ends_its_sequence_on_the_decode_worker(worker):
+    """n > 1: the worker ends each sequence at the token that completes a stop string, rather
+    than running it to max_tokens (the router cannot cancel one sequence of a stream)."""
+    from engine.request import SamplingParams
+
+    prompt = [5, 6, 7]
+    [ref] = worker.engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))
+    out = ref.output_token_ids
+    j = next(j for j in range(2, 10) if out[j] >= 3 and out[j] not in out[:j])
+    sampling = pb.SamplingParams(max_tokens=10, n=2, ignore_eos=True, stop=[f"w{out[j]}"])
+    worker.start()
+    try:
+        stream = worker.submit_local("s", prompt, [], sampling)
+        tokens, reasons = {0: [], 1: []}, {}
+        while len(reasons) < 2:
+            i, item, _ = stream.items.get(timeout=30)
+            if isinstance(item, str):
+                reasons[i] = item
+            else:
+                tokens[i].append(item)
+    finally:
+        worker.stop()
+    assert reasons == {0: "stop", 1: "stop"}
+    assert tokens == {0: out[: j + 1], 1: out[: j + 1]}
+    assert worker.blocks.num_free == worker.blocks.num_total
