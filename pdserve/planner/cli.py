@@ -188,6 +188,7 @@ def cmd_plan(args) -> int:
         args.max_workers,
         base,
         progress=lambda label: print(f"  simulated {label}", file=sys.stderr),
+        unit_max=args.unit_max,
     )
     print(format_plan(result))
     if args.out:
