@@ -27,50 +27,35 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import grpc
 
 from protos import pdserve_pb2 as pb
+from router.flow_attempt import (
+    Attempt,
+    stream_tokens,
+    transfer_done,
+    wait_first_chunk_or_lost_transfer,
+)
 from router.flow_types import (  # FlowConfig, Overloaded, ... are still imported from here
     PREEMPTED,
     REFUSED,
+    WORKER_LOST,
     FlowConfig,
     FlowTimings,
     Overloaded,
     Tokens,
     WorkerFailure,
+    WorkerLost,
+    lost_or_raise,
     sequence_sampling,
     without_prompt_logprobs,
 )
-from router.pool import WorkerHandle, WorkerPool
+from router.pool import WorkerPool
 
 log = logging.getLogger("pdserve.router")
 
-
-@dataclass
-class _Attempt:
-    decode: WorkerHandle
-    destination: pb.KvDestination
-    # -> pb.ReserveResponse; raises AioRpcError if refused. None until it is sent.
-    reservation: asyncio.Future | None
-    calls: list = field(default_factory=list)
-    transfer: asyncio.Future | None = None
-    attached: bool = False
-
-    @property
-    def lease_id(self) -> str:
-        return self.destination.lease_id
-
-    async def lease(self) -> pb.ReserveResponse | None:
-        """The reservation's answer once it is in; None if it was refused, failed or never
-        sent."""
-        if self.reservation is None:
-            return None
-        try:
-            return await asyncio.shield(self.reservation)
-        except grpc.aio.AioRpcError:
-            return None
+RESERVE_CALL_TIMEOUT_S = 5.0  # one Reserve call; the reservation as a whole has its own limit
 
 
 class RequestFlow:
@@ -123,9 +108,13 @@ class RequestFlow:
                     yield item
                     if reason:
                         return
+            except WorkerLost as lost:
+                # Migration: the tokens streamed so far stay (outputs), the next attempt
+                # prefills prompt + outputs elsewhere, and the client's stream goes on.
+                reason = self._migrate(request_id, lost, timings)
             finally:
                 await steps.aclose()
-            if reason != REFUSED:
+            if reason not in (REFUSED, WORKER_LOST):
                 timings.preemptions += 1
             why = reason or "attempt ended early"
             log.info("%s: %s after %d tokens; prefilling again", request_id, why, len(outputs))
@@ -153,6 +142,8 @@ class RequestFlow:
                     timings.preemptions += 1
                 finished[item.index] = finished[item.index] or item.reason is not None
                 yield item
+        except WorkerLost as lost:  # every unfinished sequence goes around on its own
+            self._migrate(request_id, lost, timings)
         finally:
             await steps.aclose()
         for i in (i for i in range(n) if not finished[i]):
@@ -164,6 +155,18 @@ class RequestFlow:
                     yield item
             finally:
                 await flow.aclose()
+
+    def _migrate(self, request_id: str, lost: WorkerLost, timings: FlowTimings) -> str:
+        """Count a lost attempt, keep new work off its worker until the next polls, and say
+        why the request goes around again (WorkerFailure once migrations are used up)."""
+        lost.worker.mark_failed()
+        timings.migrations += 1
+        if timings.migrations > self.cfg.max_migrations:
+            raise WorkerFailure(
+                f"{request_id}: {lost} (after {self.cfg.max_migrations} migrations)"
+            ) from lost
+        log.warning("%s: %s; migrating", request_id, lost)
+        return WORKER_LOST
 
     def prefill_locally(self, num_tokens: int) -> bool:
         """Colocated pool (no prefill worker up), or a prompt too short to be worth a transfer."""
@@ -200,12 +203,12 @@ class RequestFlow:
             w.inflight_requests += 1
             call = w.stub.Decode(req)
             try:
-                async for item in self._stream_tokens(call, outputs, timings):
+                async for item in stream_tokens(call, outputs, timings):
                     yield item
                 return
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # draining: try the next one
-                    raise
+                    raise lost_or_raise(w, e) from e
             finally:
                 w.inflight_requests -= 1
                 call.cancel()
@@ -224,7 +227,7 @@ class RequestFlow:
             try:
                 reserve = functools.partial(self._send_reservation, attempt, request_id, num_tokens)
                 return attempt, await self._prefill(attempt, *args, after_send=reserve)
-            except grpc.aio.AioRpcError:
+            except (grpc.aio.AioRpcError, WorkerLost):
                 # A refused lease fails the prefill's transfer, which may end the prefill
                 # before its first token: that is the refusal, not a prefill failure.
                 if attempt.reservation is None or await attempt.lease() is not None:
@@ -244,7 +247,7 @@ class RequestFlow:
             await self._cleanup(attempt)
             raise
 
-    def _plan_concurrent(self, num_tokens: int) -> _Attempt | None:
+    def _plan_concurrent(self, num_tokens: int) -> Attempt | None:
         """A decode worker that had room to spare at the last poll, and the lease the router
         names there (not yet reserved); None where none has."""
         headroom = self.cfg.concurrent_reserve_headroom
@@ -264,10 +267,10 @@ class RequestFlow:
                 block_size=st.block_size,
                 num_blocks=num_blocks,
             )
-            return _Attempt(w, dest, None)
+            return Attempt(w, dest, None)
         return None
 
-    def _send_reservation(self, attempt: _Attempt, request_id: str, num_tokens: int) -> None:
+    def _send_reservation(self, attempt: Attempt, request_id: str, num_tokens: int) -> None:
         """Reserve the planned lease without waiting for the answer (sent just after the
         Prefill, so the prefill worker starts first)."""
         w = attempt.decode
@@ -279,7 +282,7 @@ class RequestFlow:
         w.served_requests += 1
         attempt.reservation = asyncio.ensure_future(reserve)
 
-    async def _reserve(self, request_id: str, num_tokens: int) -> _Attempt:
+    async def _reserve(self, request_id: str, num_tokens: int) -> Attempt:
         """Decode first: never prefill into a pool that has no room. Waits, then 429."""
         deadline = time.monotonic() + self.cfg.reserve_timeout_s
         num_blocks = -(-num_tokens // self.cfg.block_size)
@@ -288,7 +291,8 @@ class RequestFlow:
             for w in self.cfg.decode_policy(self.decode.routable(), num_blocks):
                 try:
                     lease = await w.stub.Reserve(
-                        pb.ReserveRequest(request_id=request_id, num_tokens=num_tokens)
+                        pb.ReserveRequest(request_id=request_id, num_tokens=num_tokens),
+                        timeout=RESERVE_CALL_TIMEOUT_S,  # a hung worker: try the next one
                     )
                 except grpc.aio.AioRpcError as e:
                     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -305,7 +309,7 @@ class RequestFlow:
                 )
                 done = asyncio.get_running_loop().create_future()
                 done.set_result(lease)
-                return _Attempt(w, dest, done)
+                return Attempt(w, dest, done)
             if time.monotonic() > deadline:
                 raise Overloaded(f"no decode worker could hold {num_tokens} tokens of KV")
             await asyncio.sleep(delay)
@@ -334,27 +338,23 @@ class RequestFlow:
         try:
             call = p.stub.Prefill(req)
             attempt.calls.append(call)
+            attempt.prefill = p
             if after_send is not None:
                 after_send()
             event = await call.read()
+        except grpc.aio.AioRpcError as e:
+            raise lost_or_raise(p, e) from e
         finally:
             p.inflight_tokens -= n_tokens
             p.inflight_requests -= 1
         if event is grpc.aio.EOF or not event.HasField("first_token"):
-            raise WorkerFailure(f"prefill worker {p.address} ended without a token")
+            raise WorkerLost(p, "the prefill ended without a first token")
         ft = event.first_token
         timings.prefill_queue_s += ft.queue_s
         timings.prefill_s += ft.prefill_s
         timings.cached_tokens = max(timings.cached_tokens, ft.cached_tokens)
-        attempt.transfer = asyncio.ensure_future(self._transfer_done(call, timings))
+        attempt.transfer = asyncio.ensure_future(transfer_done(call, timings))
         return ft
-
-    @staticmethod
-    async def _transfer_done(call, timings: FlowTimings) -> None:
-        event = await call.read()
-        if event is not grpc.aio.EOF and event.HasField("transfer_done"):
-            timings.kv_transfer_s += event.transfer_done.exposed_s
-            timings.kv_bytes += event.transfer_done.bytes
 
     async def _decode(self, attempt, request_id, prompt, outputs, sampling, timings, forks=()):
         if await attempt.lease() is None:  # a concurrent reservation, refused
@@ -370,35 +370,21 @@ class RequestFlow:
         )
         call = attempt.decode.stub.Decode(req)
         attempt.calls.append(call)
-        async for item in self._stream_tokens(call, outputs, timings, attempt.transfer):
-            # A chunk proves the decode worker took the lease's blocks; a Decode cancelled
-            # before one may never have reached it, so cleanup releases (a no-op if it did).
-            attempt.attached = True
-            yield item
+        try:
+            await wait_first_chunk_or_lost_transfer(call, attempt)
+            async for item in stream_tokens(call, outputs, timings, attempt.transfer):
+                # A chunk proves the decode worker took the lease's blocks; a Decode cancelled
+                # before one may never have reached it, so cleanup releases (a no-op if it did).
+                attempt.attached = True
+                yield item
+        except grpc.aio.AioRpcError as e:
+            raise lost_or_raise(attempt.decode, e) from e
 
-    @staticmethod
-    async def _stream_tokens(call, outputs, timings, transfer=None):
-        first = True
-        async for chunk in call:
-            if first:
-                timings.decode_queue_s += chunk.decode_queue_s
-                first = False
-                if transfer is not None:
-                    # Decoding starts only after the commit, so TransferDone is (nearly) in.
-                    await asyncio.wait([transfer], timeout=1.0)
-            if chunk.index == 0:  # the others' are kept by _run_n
-                outputs.extend(chunk.token_ids)
-            yield Tokens(
-                list(chunk.token_ids),
-                chunk.finish_reason or None,
-                list(chunk.logprobs),
-                list(chunk.prompt_logprobs),
-                chunk.index,
-            )
-
-    async def _cleanup(self, attempt: _Attempt) -> None:
+    async def _cleanup(self, attempt: Attempt) -> None:
         for call in attempt.calls:
             call.cancel()
+        for waiter in attempt.waiters:
+            waiter.cancel()
         if attempt.transfer is not None and not attempt.transfer.done():
             attempt.transfer.cancel()
         if attempt.attached or await attempt.lease() is None:  # taken over, or never held

@@ -5,10 +5,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import grpc
+
 from protos import pdserve_pb2 as pb
 
 PREEMPTED = "preempted"
 REFUSED = "lease refused"  # the concurrent reservation was refused after the first token
+WORKER_LOST = "worker lost"  # a worker died, was cut off or failed the attempt mid-way
+
+# A worker call ending with one of these lost its worker (killed, restarted, drained, cut
+# off) or its KV transfer: the request goes around again elsewhere with its tokens kept.
+# INVALID_ARGUMENT, NOT_FOUND, UNAUTHENTICATED and the like are the request's own and end it.
+LOST_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.INTERNAL,
+    }
+)
 
 
 @dataclass
@@ -31,6 +48,24 @@ class WorkerFailure(Exception):
     """A worker failed the request and retries are used up (503 / UNAVAILABLE)."""
 
 
+class WorkerLost(Exception):
+    """A worker call of an attempt failed with one of LOST_CODES (see ``RequestFlow.run``)."""
+
+    def __init__(self, worker, error: grpc.aio.AioRpcError | str):
+        self.worker = worker  # router.pool.WorkerHandle
+        self.error = error
+        detail = error if isinstance(error, str) else f"{error.code().name}: {error.details()}"
+        super().__init__(f"{worker.role} worker {worker.address}: {detail}")
+
+
+def lost_or_raise(worker, error: grpc.aio.AioRpcError) -> WorkerLost:
+    """The WorkerLost for a failed call of ``worker``, or ``error`` re-raised when it is the
+    request's own."""
+    if error.code() in LOST_CODES:
+        return WorkerLost(worker, error)
+    raise error
+
+
 @dataclass
 class FlowTimings:
     prefill_queue_s: float = 0.0
@@ -41,6 +76,7 @@ class FlowTimings:
     kv_bytes: int = 0
     cached_tokens: int = 0
     preemptions: int = 0
+    migrations: int = 0  # attempts lost to a failed worker and retried
 
 
 @dataclass
@@ -50,6 +86,9 @@ class FlowConfig:
     block_size: int = 16  # only to estimate blocks for the decode policy
     reserve_timeout_s: float = 30.0
     max_attempts: int = 8
+    # Attempts lost to a failed worker (killed, drained, transfer broken) that are retried
+    # elsewhere, with the tokens streamed so far; past it the client gets an error.
+    max_migrations: int = 3
     # Prompts up to this many tokens are prefilled on the decode worker (no transfer). Pick it
     # from measured latencies: where local prefill costs less than the transfer round trip.
     local_prefill_max_tokens: int = 0

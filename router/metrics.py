@@ -90,6 +90,12 @@ class Metrics:
         self.rejected = Counter(
             P + "request_rejected", "Requests refused as overloaded (429).", m, registry=r
         ).labels(model_name)
+        self.migrations = Counter(
+            P + "request_migrations",
+            "Attempts lost to a failed worker and continued on another (finished requests).",
+            m,
+            registry=r,
+        ).labels(model_name)
         r.register(PoolCollector(router))
 
     def track(self) -> RequestTracker:
@@ -133,6 +139,7 @@ class RequestTracker:
         m.prompt_tokens.inc(usage.prompt_tokens)
         m.generation_tokens.inc(usage.completion_tokens)
         m.success.labels(m.model_name, delta.finish_reason).inc()
+        m.migrations.inc(getattr(t, "migrations", 0))
 
 
 class PoolCollector:

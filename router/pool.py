@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -15,6 +16,8 @@ from protos import pdserve_pb2_grpc as pb_grpc
 log = logging.getLogger("pdserve.router")
 
 CLUSTER_TOKEN_KEY = "x-pdserve-token"  # the workers check it (kv_transfer.auth)
+
+SUSPECT_S = 1.0  # how long a worker whose call failed stays out of routing
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 8 * 2**20),
@@ -38,10 +41,16 @@ class WorkerHandle:
     free_blocks: int = 0
     total_blocks: int = 0
     last_status: pb.WorkerStatus | None = field(default=None, repr=False)
+    # A call here just failed as if the worker were lost: keep new work away until then
+    # (monotonic), so a retry does not land on it before the next poll notices.
+    suspect_until: float = 0.0
 
     @property
     def routable(self) -> bool:
-        return self.healthy and not self.draining
+        return self.healthy and not self.draining and time.monotonic() >= self.suspect_until
+
+    def mark_failed(self, seconds: float = SUSPECT_S) -> None:
+        self.suspect_until = time.monotonic() + seconds
 
 
 class _TokenStub:

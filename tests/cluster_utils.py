@@ -24,7 +24,8 @@ def generate_concurrently(cluster: LocalCluster, requests: list[dict]) -> list[C
     return asyncio.run(_run_all(cluster.address, requests))
 
 
-def worker_statuses(cluster: LocalCluster) -> list[pb.WorkerStatus]:
+def worker_statuses(cluster: LocalCluster, dead=()) -> list[pb.WorkerStatus]:
+    """Every live worker's status (``dead``: addresses of workers killed on purpose)."""
     import grpc
 
     token = getattr(cluster.spec, "cluster_token", None)
@@ -35,18 +36,18 @@ def worker_statuses(cluster: LocalCluster) -> list[pb.WorkerStatus]:
         ("decode", cluster.decode_addresses),
     ):
         stub_cls = pb_grpc.PrefillWorkerStub if role == "prefill" else pb_grpc.DecodeWorkerStub
-        for address in addresses:
+        for address in (a for a in addresses if a not in dead):
             with grpc.insecure_channel(address) as ch:
                 out.append(stub_cls(ch).Status(pb.StatusRequest(), timeout=5, metadata=metadata))
     return out
 
 
-def assert_all_blocks_free(cluster: LocalCluster, timeout: float = 10.0) -> None:
-    """Every block on every worker is free again and no lease is open (frees after a commit
-    are asynchronous, so poll briefly)."""
+def assert_all_blocks_free(cluster: LocalCluster, timeout: float = 10.0, dead=()) -> None:
+    """Every block on every live worker is free again and no lease is open (frees after a
+    commit are asynchronous, so poll briefly); ``dead``: workers killed on purpose."""
     deadline = time.monotonic() + timeout
     while True:
-        statuses = worker_statuses(cluster)
+        statuses = worker_statuses(cluster, dead)
         busy = [
             s
             for s in statuses
