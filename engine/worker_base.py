@@ -84,7 +84,16 @@ class EngineWorker:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "draining": self.draining,
+            "cpu_kernels": self._cpu_kernels(),
         }
+
+    def _cpu_kernels(self) -> str:
+        """Which build of the CPU extension runs this worker's kernels ("" on a GPU)."""
+        if self.engine.runner.device.type != "cpu":
+            return ""
+        from kernels import cpu_extension
+
+        return cpu_extension.selected_variant()
 
     def _step(self) -> bool:
         raise NotImplementedError

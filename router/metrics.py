@@ -174,6 +174,11 @@ class PoolCollector:
         preempt = CounterMetricFamily(
             P + "num_preemptions", "Decode preemptions.", labels=["worker"]
         )
+        kernels = GaugeMetricFamily(
+            P + "cpu_kernel_info",
+            "1 per worker, labelled with its CPU kernel build (avx512 | avx2 | torch).",
+            labels=["pool", "worker", "variant"],
+        )
         for pool in (self.router.prefill, self.router.decode):
             workers = list(pool.workers.values())
             statuses = [(w, w.last_status) for w in workers if w.last_status is not None]
@@ -185,6 +190,8 @@ class PoolCollector:
                 usage.add_metric(
                     [pool.role, w.address], 1 - s.num_free_blocks / total if total else 0.0
                 )
+                if s.cpu_kernels:
+                    kernels.add_metric([pool.role, w.address, s.cpu_kernels], 1)
                 if pool.role == "prefill":
                     hits.add_metric([w.address], s.prefix_hit_tokens)
                     queries.add_metric([w.address], s.prefix_query_tokens)
@@ -193,4 +200,4 @@ class PoolCollector:
         inflight = GaugeMetricFamily(
             P + "num_requests_inflight", "Requests in the router.", value=self.router.inflight
         )
-        return [running, waiting, ready, usage, hits, queries, preempt, inflight]
+        return [running, waiting, ready, usage, hits, queries, preempt, kernels, inflight]

@@ -8,6 +8,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kernels import cpu_extension
 from pdserve.client import Client
 from pdserve.local_cluster import ClusterSpec, LocalCluster
 from tests.cluster_utils import assert_all_blocks_free
@@ -112,6 +113,9 @@ def test_pool_and_worker_gauges(cluster):
         for address in addresses:
             usage = value(samples, "kv_cache_usage_perc", pool=pool, worker=address)
             assert 0.0 <= usage <= 1.0
+            variant = cpu_extension.selected_variant()  # in-process workers share it
+            labels = {"pool": pool, "worker": address, "variant": variant}
+            assert value(samples, "cpu_kernel_info", **labels) == 1
     assert ("pdserve:num_preemptions_total", (("worker", cluster.decode_addresses[0]),)) in samples
 
 
