@@ -137,3 +137,36 @@ def test_plan_needs_an_slo(tiny_profile, capsys):
             ]
         )
     assert "--slo-ttft" in capsys.readouterr().err
+
+
+def test_plan_past_unit_max_replicates_units(tiny_profile, tmp_path):
+    out = tmp_path / "plan"
+    argv = [
+        "plan",
+        "--profile",
+        str(tiny_profile),
+        "--workload",
+        "20-60/4-16",
+        "--rate",
+        "80",
+        "--slo-ttft",
+        "0.05",
+        "--max-workers",
+        "4",
+        "--unit-max",
+        "2",
+        "--out",
+        str(out),
+        "--duration",
+        "3",
+        "--max-requests",
+        "200",
+    ]
+    assert main(argv) == 0
+    data = json.loads((out / "plan.json").read_text())
+    assert {s["split"] for s in data["splits"]} == {"1P1D", "colo1", "colo2"}
+    assert {s["split"]: s["replicas"] for s in data["splits"]} == {
+        "1P1D": 2,
+        "colo1": 4,
+        "colo2": 2,
+    }
