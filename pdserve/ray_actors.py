@@ -154,6 +154,12 @@ class RouterActor:
     def router(self):
         return self.servers.router
 
+    def warm_up(self) -> float:
+        """One request down the router's own paths once its pools are ready (router/warmup.py)."""
+        from router.warmup import warm_up_router
+
+        return self._run(warm_up_router(self.servers), timeout=300)
+
     def add_worker(self, role: str, address: str) -> None:
         self._run(self.router.add_worker(role, address))
 

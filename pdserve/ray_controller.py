@@ -76,6 +76,7 @@ class Controller:
         errors = [e for errs in results for e in errs]
         if errors:
             raise RuntimeError("; ".join(errors))
+        await self.router.warm_up.remote()  # before the driver prints ready
         self._loops = [asyncio.ensure_future(self._health_loop())]
         if self.cfg.autoscaler.enabled:
             self._loops.append(asyncio.ensure_future(self._autoscale_loop()))

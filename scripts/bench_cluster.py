@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pdserve.local_cluster import ClusterSpec, LocalCluster
+from router.warmup import warm_up_router
 
 
 def main() -> int:
@@ -62,6 +63,7 @@ def main() -> int:
             print("no HTTP API in this checkout's router", file=sys.stderr)
             return 3
         url = address if address.startswith("http") else f"http://{address}"
+        cluster.run(warm_up_router(cluster.servers), timeout=300)  # as `pdserve serve` does
         print(f"URL {url}", flush=True)
         stop.wait()
     return 0

@@ -8,6 +8,7 @@ from decode_worker.worker import DecodeWorker
 from engine.request import SamplingParams
 from engine.warmup import WARMUP_DECODE_STEPS, warm_up, warmup_prompts
 from prefill_worker.worker import PrefillWorker
+from tests.cluster_utils import assert_all_blocks_free
 from tests.conftest import tiny_llama_dir
 
 
@@ -80,3 +81,41 @@ def test_workers_warm_up_before_their_engine_thread_starts(tiny_dir, make_engine
         assert status["num_running"] == status["num_waiting"] == 0
     finally:
         worker.stop()
+
+
+def test_router_warm_up_sends_one_request_down_the_flow_and_one_over_http(tiny_dir):
+    from pdserve.local_cluster import ClusterSpec, LocalCluster
+    from router.warmup import warm_up_router
+
+    spec = ClusterSpec(model=str(tiny_dir), num_blocks=64, max_model_len=128, http_port=0)
+    with LocalCluster(spec) as cluster:
+        router = cluster.servers.router
+        success = router.metrics.success
+        before = sum(
+            s.value for m in success.collect() for s in m.samples if s.name.endswith("_total")
+        )
+        assert cluster.run(warm_up_router(cluster.servers), timeout=120) > 0
+        after = sum(
+            s.value for m in success.collect() for s in m.samples if s.name.endswith("_total")
+        )
+        assert after - before == 2  # through the flow, and through the HTTP front door
+        served = [w.served_requests for w in router.prefill.workers.values()]
+        assert sum(served) == 2
+        assert_all_blocks_free(cluster)
+
+
+def test_router_warm_up_without_ready_workers_gives_up_quietly(tiny_dir):
+    import asyncio
+
+    from router.app import start_router
+    from router.core import RouterConfig
+    from router.warmup import warm_up_router
+
+    async def scenario() -> float:
+        servers = await start_router(RouterConfig(str(tiny_dir)), [], [])
+        try:
+            return await warm_up_router(servers, ready_timeout_s=0.2)
+        finally:
+            await servers.stop()
+
+    assert asyncio.run(scenario()) == 0.0
