@@ -188,6 +188,19 @@ def _vector_math_flags() -> list[str]:
     return ["-lmvec"] if is_glibc and platform.machine() in ("x86_64", "AMD64") else []
 
 
+def _build_directory(variant: str) -> Path:
+    """A build folder per checkout and variant: two checkouts of this repository on one machine
+    (a CI clone beside a working tree) would otherwise rebuild each other's objects in torch's
+    one shared folder, and a process could load a module built from the other's sources."""
+    import hashlib
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    checkout = hashlib.sha1(str(_CSRC.resolve()).encode()).hexdigest()[:10]
+    path = Path(root) / f"pdserve-{checkout}" / variant
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _build(variant: Variant):
     try:
         from torch.utils.cpp_extension import load as load_extension
@@ -195,6 +208,7 @@ def _build(variant: Variant):
         module = load_extension(
             name=f"pdserve_cpu_kernels_{variant.name}",
             sources=[str(_CSRC / name) for name in _SOURCES],
+            build_directory=str(_build_directory(variant.name)),
             # Tuned for no CPU in particular: the build must run, and run well, on every CPU
             # with the variant's flags.
             extra_cflags=["-O3", "-mtune=generic", *variant.cflags, "-fopenmp"],
