@@ -125,7 +125,7 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `req in running` must not compare every field
 class Request:
     request_id: str
     prompt_token_ids: list[int]
