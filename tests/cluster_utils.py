@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
 
 from pdserve.client import AsyncClient, Completion
-from pdserve.local_cluster import LocalCluster
+from pdserve.local_cluster import ClusterSpec, LocalCluster
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 
@@ -62,3 +64,23 @@ def assert_all_blocks_free(cluster: LocalCluster, timeout: float = 10.0, dead=()
         if time.monotonic() > deadline:
             raise AssertionError(f"blocks not returned: {busy}")
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def http_cluster(model_path) -> Iterator[LocalCluster]:
+    """A 1P1D in-process cluster of a tiny model with the HTTP API; every block back after."""
+    spec = ClusterSpec(model=str(model_path), num_blocks=256, max_model_len=128, http_port=0)
+    with LocalCluster(spec) as c:
+        yield c
+        assert_all_blocks_free(c)
+
+
+@contextlib.contextmanager
+def openai_client(cluster: LocalCluster):
+    """The official client against ``cluster``'s HTTP API, without retries (a test sees every
+    error as it is)."""
+    import openai
+
+    base_url = f"http://{cluster.http_address}/v1"
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as c:
+        yield c

@@ -14,9 +14,8 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from engine.tokenizer import Tokenizer
-from pdserve.local_cluster import ClusterSpec, LocalCluster
 from router.app import start_router
-from tests.cluster_utils import assert_all_blocks_free
+from tests.cluster_utils import assert_all_blocks_free, http_cluster, openai_client
 from tests.conftest import tiny_llama_dir
 from tests.http_utils import get, open_stream, post, sse_events
 
@@ -32,17 +31,13 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(model_path):
-    spec = ClusterSpec(model=str(model_path), num_blocks=256, max_model_len=128, http_port=0)
-    with LocalCluster(spec) as c:
+    with http_cluster(model_path) as c:
         yield c
-        assert_all_blocks_free(c)
 
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    with openai.OpenAI(
-        base_url=f"http://{cluster.http_address}/v1", api_key="unused", max_retries=0
-    ) as c:
+    with openai_client(cluster) as c:
         yield c
 
 

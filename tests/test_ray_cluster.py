@@ -67,6 +67,17 @@ def pdserve_actors() -> list[str]:
     ]
 
 
+def start_serve(config, *args: str) -> subprocess.Popen:
+    """`pdserve serve --config CONFIG ARGS...` with its output on a pipe (_read_until_ready)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "serve", "--config", str(config), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+
+
 def _read_until_ready(proc: subprocess.Popen, lines: list[str]) -> dict:
     addresses = {}
     for line in proc.stdout:
@@ -86,13 +97,7 @@ def test_serve_matches_engine_and_leaves_no_actors(
     config = tmp_path / "cluster.yaml"
     config.write_text(yaml.safe_dump(tiny_config(tiny_model).model_dump()))
     cli = [sys.executable, "-m", "pdserve.cli"]
-    proc = subprocess.Popen(
-        [*cli, "serve", "--config", str(config), "--address", ray_address],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO_ROOT,
-    )
+    proc = start_serve(config, "--address", ray_address)
     lines: list[str] = []
     try:
         addresses = _read_until_ready(proc, lines)

@@ -50,18 +50,12 @@ def test_serve_on_the_embedded_default_answers_health_completions_and_openai(tmp
     import yaml
 
     from pdserve.config import load_config
-    from tests.test_ray_cluster import _read_until_ready
+    from tests.test_ray_cluster import _read_until_ready, start_serve
 
     config = tmp_path / "local.yaml"
     cfg = load_config(None).with_overrides(grpc_port=0, http_port=0)
     config.write_text(yaml.safe_dump(cfg.model_dump()))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "serve", "--config", str(config)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO_ROOT,
-    )
+    proc = start_serve(config)
     lines: list[str] = []
     try:
         url = "http://" + _read_until_ready(proc, lines)["http"]
