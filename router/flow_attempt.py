@@ -52,11 +52,10 @@ async def wait_first_chunk_or_lost_transfer(call, attempt: Attempt) -> None:
     that dies after its first token fails the attempt now, not at the lease's deadline.
     (The decode worker's initial metadata comes with its first chunk, or with its error.)"""
     transfer = attempt.transfer
-    if transfer is None or transfer.done():
-        return raise_if_transfer_lost(attempt)
-    first_chunk = asyncio.ensure_future(call.initial_metadata())
-    attempt.waiters.append(first_chunk)  # cancelled with the attempt if still waiting
-    await asyncio.wait([first_chunk, transfer], return_when=asyncio.FIRST_COMPLETED)
+    if transfer is not None and not transfer.done():
+        first_chunk = asyncio.ensure_future(call.initial_metadata())
+        attempt.waiters.append(first_chunk)  # cancelled with the attempt if still waiting
+        await asyncio.wait([first_chunk, transfer], return_when=asyncio.FIRST_COMPLETED)
     raise_if_transfer_lost(attempt)
 
 
