@@ -103,8 +103,8 @@ def _add_cluster_commands(sub) -> None:
 
 
 def cmd_serve(args) -> int:
+    from pdserve.cluster.ray_launcher import serve_forever
     from pdserve.config import load_config
-    from pdserve.ray_launcher import serve_forever
     from pdserve.security_config import api_security
     from router.security import OpenBindError, check_api_exposure
 
@@ -126,7 +126,7 @@ def cmd_serve(args) -> int:
 def cmd_scale(args) -> int:
     import ray
 
-    from pdserve.ray_launcher import find_controller, format_status
+    from pdserve.cluster.ray_launcher import find_controller, format_status
 
     if args.prefill is None and args.decode is None:
         print("error: give --prefill N and/or --decode M", file=sys.stderr)
@@ -146,7 +146,7 @@ def cmd_status(args) -> int:
 
     import ray
 
-    from pdserve.ray_launcher import find_controller, format_status
+    from pdserve.cluster.ray_launcher import find_controller, format_status
 
     st = ray.get(find_controller(args.address).status.remote())
     print(json.dumps(st, indent=2) if args.json else format_status(st))

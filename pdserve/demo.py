@@ -3,7 +3,7 @@ requests through prefill -> KV transfer -> decode, and a table of where each one
 
 The same launch path as ``pdserve serve`` (cluster_configs/local.yaml), on free ports, stopped
 again at the end. Right after ready it measures the first request's TTFT against the median of
-the next ten (pdserve/bench/cold_start.py: the workers warm up before they report ready). TTFT
+the next ten (pdserve/bench/loadgen/cold_start.py: the workers warm up before they report ready). TTFT
 is split into prefill queue, prefill, KV transfer (the part not hidden behind prefill compute)
 and decode queue, as the router measured them.
 """
@@ -40,7 +40,7 @@ class StreamedRequest:
 
 
 def run_demo(cfg: ClusterConfig, max_tokens: int = 48) -> int:
-    from pdserve.ray_launcher import launch
+    from pdserve.cluster.ray_launcher import launch
 
     # Free ports and this machine only: the demo must not clash with a running `serve`.
     cfg = cfg.with_overrides(grpc_port=0, http_port=None, host="127.0.0.1")
@@ -63,7 +63,7 @@ def run_demo(cfg: ClusterConfig, max_tokens: int = 48) -> int:
 async def _cold_start(address: str):
     """Eleven same-size greedy requests, one at a time, before anything else reaches the
     cluster."""
-    from pdserve.bench.cold_start import (
+    from pdserve.bench.loadgen.cold_start import (
         PROBE_MAX_TOKENS,
         Stopwatch,
         measure_cold_start,

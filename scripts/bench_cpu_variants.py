@@ -24,7 +24,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import cpu_extension
-from pdserve.bench.limits import read_bandwidth
+from pdserve.bench.micro.limits import read_bandwidth
 
 HIDDEN, INTER, LAYERS = 576, 1536, 30
 SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # [N, K]

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from pdserve.bench.transfer import own_stack_ratio
+from pdserve.bench.micro.transfer import own_stack_ratio
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 NAMES = ("transfer", "engine", "router", "serve", "sweep")

@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pdserve.bench.metrics import SLO, BenchResult
-from pdserve.bench.serve import ServeConfig, run_benchmark
-from pdserve.local_cluster import ClusterSpec, LocalCluster
+from pdserve.bench.loadgen.metrics import SLO, BenchResult
+from pdserve.bench.loadgen.serve import ServeConfig, run_benchmark
+from pdserve.cluster.local import ClusterSpec, LocalCluster
 from pdserve.planner.profile import load_profile
 from pdserve.planner.sim import SimConfig, Split, simulate
 from pdserve.planner.workload import TraceRequest
@@ -98,7 +98,7 @@ def sim_capacity(profile, split: Split, workload: str, slo: SLO, cores: int) -> 
 
 def sends_of(res: BenchResult, rate: float, seed: int, n: int):
     """Send offsets come from the same seeded Poisson schedule the load generator used."""
-    from pdserve.bench.serve import poisson_schedule
+    from pdserve.bench.loadgen.serve import poisson_schedule
 
     offsets = poisson_schedule(n, rate, seed)
     return list(zip(offsets.tolist(), res.input_lens, res.output_lens, strict=False))

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 
 from pdserve.client import AsyncClient, Completion
-from pdserve.local_cluster import ClusterSpec, LocalCluster
+from pdserve.cluster.local import ClusterSpec, LocalCluster
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from pdserve.client import AsyncClient, Client
-from pdserve.local_cluster import ClusterSpec, LocalCluster
+from pdserve.cluster.local import ClusterSpec, LocalCluster
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from router.auth import bearer_ok

@@ -8,7 +8,7 @@ import torch
 
 from engine.linear import Linear
 from kernels import cpu_extension
-from pdserve.bench import engine as bench_engine
+from pdserve.bench.micro import engine as bench_engine
 from tests.conftest import tiny_llama_dir
 
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from pdserve.bench import main as bench_main
-from pdserve.bench.metrics import SLO, RequestRecord, compute_result, format_result
-from pdserve.bench.serve import apply_sse_line, poisson_schedule
-from pdserve.bench.sweep import SweepPoint, goodput_of
+from pdserve.bench.loadgen.metrics import SLO, RequestRecord, compute_result, format_result
+from pdserve.bench.loadgen.serve import apply_sse_line, poisson_schedule
+from pdserve.bench.loadgen.sweep import SweepPoint, goodput_of
 
 CHUNKS = 4  # tokens the fake server streams per request (fewer if max_tokens is smaller)
 
@@ -373,8 +373,8 @@ def test_bench_compare_interleaves_servers_rate_by_rate(fake_server, tmp_path, c
 
 
 def test_compare_rotates_the_order_and_checks_its_arguments():
-    from pdserve.bench.compare import System, parse_system, run_order
-    from pdserve.bench.serve import BenchError
+    from pdserve.bench.loadgen.compare import System, parse_system, run_order
+    from pdserve.bench.loadgen.serve import BenchError
 
     systems = [System(n, f"http://{n}") for n in "abc"]
     assert [[s.name for s in run_order(systems, i)] for i in range(4)] == [

@@ -7,14 +7,14 @@ import json
 import pytest
 
 from pdserve.bench import main as bench_main
-from pdserve.bench.transfer import (
+from pdserve.bench.micro.transfer import (
     TRANSPORT_NAMES,
     KVShape,
     format_report,
     measure_ttft_share,
     run_transfer_bench,
 )
-from pdserve.bench.transfer_limits import (
+from pdserve.bench.micro.transfer_limits import (
     MiB,
     flight_stack_seconds,
     grpc_stack_seconds,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pdserve.bench.workloads import (
+from pdserve.bench.loadgen.workloads import (
     CHAT_MAX_TOKENS,
     DOC_MAX_TOKENS,
     get_workload,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.local_cluster import ClusterSpec, LocalCluster
+from pdserve.cluster.local import ClusterSpec, LocalCluster
 from tests.cluster_utils import assert_all_blocks_free, generate_concurrently, worker_statuses
 from tests.conftest import tiny_llama_dir
 from tests.test_disagg import engine_reference, mixed_prompts

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from pdserve import ray_controller
-from pdserve.ray_controller import Controller, WorkerRecord
+from pdserve.cluster import ray_controller
+from pdserve.cluster.ray_controller import Controller, WorkerRecord
 from tests.ray_utils import tiny_config
 
 

@@ -62,7 +62,7 @@ def test_forks_preempted_for_lack_of_blocks_finish_alone_with_the_same_tokens(tm
     """A decode pool too small for four growing sequences: forks are preempted (or find no
     block) and go around again on their own; seeded by (seed + i, position), each ends with
     the tokens it would have had alone."""
-    from pdserve.local_cluster import ClusterSpec, LocalCluster
+    from pdserve.cluster.local import ClusterSpec, LocalCluster
     from tests.cluster_utils import assert_all_blocks_free, generate_concurrently
 
     path, _ = tiny_llama_dir(tmp_path, num_heads=4, num_kv_heads=2, seed=4)

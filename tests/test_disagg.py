@@ -14,7 +14,7 @@ import torch
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
-from pdserve.local_cluster import ClusterSpec, LocalCluster
+from pdserve.cluster.local import ClusterSpec, LocalCluster
 from tests.cluster_utils import assert_all_blocks_free, generate_concurrently, worker_statuses
 from tests.conftest import tiny_llama_dir
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import ops
-from pdserve.local_cluster import ClusterSpec, LocalCluster
+from pdserve.cluster.local import ClusterSpec, LocalCluster
 from tests.cluster_utils import assert_all_blocks_free, generate_concurrently
 from tests.test_disagg import NEW_TOKENS, engine_reference, mixed_prompts, tiny_model  # noqa: F401
 

@@ -12,7 +12,7 @@ import pytest
 
 from kv_transfer.frame import encode_kv_frame
 from pdserve.client import AsyncClient, Client
-from pdserve.local_cluster import ClusterSpec, LocalCluster
+from pdserve.cluster.local import ClusterSpec, LocalCluster
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from tests.cluster_utils import assert_all_blocks_free, generate_concurrently, worker_statuses

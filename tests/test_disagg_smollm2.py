@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.request import SamplingParams
-from pdserve.local_cluster import ClusterSpec, LocalCluster
+from pdserve.cluster.local import ClusterSpec, LocalCluster
 from tests.cluster_utils import assert_all_blocks_free, generate_concurrently
 from tests.conftest import needs_embedded
 

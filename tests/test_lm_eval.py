@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.local_cluster import ClusterSpec, LocalCluster
+from pdserve.cluster.local import ClusterSpec, LocalCluster
 from tests.cluster_utils import assert_all_blocks_free
 from tests.conftest import tiny_llama_dir
 

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kernels import cpu_extension
 from pdserve.client import Client
-from pdserve.local_cluster import ClusterSpec, LocalCluster
+from pdserve.cluster.local import ClusterSpec, LocalCluster
 from tests.cluster_utils import assert_all_blocks_free
 from tests.conftest import tiny_llama_dir
 from tests.http_utils import get, post

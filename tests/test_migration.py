@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from pdserve.client import AsyncClient
-from pdserve.local_cluster import ClusterSpec, LocalCluster
+from pdserve.cluster.local import ClusterSpec, LocalCluster
 from tests.cluster_utils import assert_all_blocks_free
 from tests.conftest import tiny_llama_dir
 from tests.test_disagg import engine_reference, mixed_prompts

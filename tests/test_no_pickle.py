@@ -13,7 +13,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_PLANE = ["router", "prefill_worker", "decode_worker", "kv_transfer", "protos", "engine"]
-DATA_PLANE_FILES = ["pdserve/client.py", "pdserve/local_cluster.py", "pdserve/ray_actors.py"]
+DATA_PLANE_FILES = [
+    "pdserve/client.py",
+    "pdserve/cluster/local.py",
+    "pdserve/cluster/ray_actors.py",
+]
 BANNED_MODULES = {"pickle", "cPickle", "_pickle", "cloudpickle", "dill", "marshal", "shelve"}
 BANNED_CALLS = {"eval", "exec", "__import__"}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.metrics import SLO
+from pdserve.bench.loadgen.metrics import SLO
 from pdserve.planner.analytic import Hardware, ModelShape, analytic_profile
 from pdserve.planner.profile import EngineSettings, Profile, Table2D, interp
 from pdserve.planner.sim import SimCluster, SimConfig, Split, simulate

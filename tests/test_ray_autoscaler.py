@@ -3,7 +3,7 @@ cool-down. (The controller driving a real pool is in test_ray_cluster.py.)"""
 
 from __future__ import annotations
 
-from pdserve.autoscaler import Autoscaler, PoolSignal, latency_summary
+from pdserve.cluster.autoscaler import Autoscaler, PoolSignal, latency_summary
 from pdserve.config import AutoscalerConfig
 
 CFG = AutoscalerConfig(

@@ -16,9 +16,9 @@ import ray
 import yaml
 
 from engine import hugepages
+from pdserve.cluster.ray_controller import NAMESPACE
+from pdserve.cluster.ray_launcher import format_status, launch
 from pdserve.config import REPO_ROOT
-from pdserve.ray_controller import NAMESPACE
-from pdserve.ray_launcher import format_status, launch
 from tests.conftest import tiny_llama_dir
 from tests.ray_utils import (
     SteadyStream,

@@ -8,8 +8,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from pdserve.ray_controller import NAMESPACE
-from pdserve.ray_launcher import launch
+from pdserve.cluster.ray_controller import NAMESPACE
+from pdserve.cluster.ray_launcher import launch
 from tests.conftest import tiny_llama_dir
 from tests.ray_utils import engine_reference, generate, make_prompts, tiny_config
 

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from pdserve.cli import main
+from pdserve.cluster.ray_controller import Controller
 from pdserve.config import CONFIG_DIR, ConfigError, load_config, validate_config, with_cluster_token
-from pdserve.ray_controller import Controller
 from pdserve.security_config import api_security, cluster_tls, request_limits
 
 

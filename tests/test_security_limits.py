@@ -17,7 +17,7 @@ import pytest
 from kv_transfer.auth import OpenBindError, is_loopback, worker_server
 from kv_transfer.lease import LeaseTable
 from pdserve.client import Client
-from pdserve.local_cluster import ClusterSpec, LocalCluster
+from pdserve.cluster.local import ClusterSpec, LocalCluster
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from router.app import start_router

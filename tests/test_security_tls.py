@@ -16,7 +16,7 @@ import pytest
 from kv_transfer.auth import TOKEN_KEY
 from kv_transfer.tls import ClusterTls, TlsFiles
 from pdserve.client import Client
-from pdserve.local_cluster import ClusterSpec, LocalCluster
+from pdserve.cluster.local import ClusterSpec, LocalCluster
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from tests.conftest import tiny_llama_dir

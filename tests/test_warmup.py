@@ -84,7 +84,7 @@ def test_workers_warm_up_before_their_engine_thread_starts(tiny_dir, make_engine
 
 
 def test_router_warm_up_sends_one_request_down_the_flow_and_one_over_http(tiny_dir):
-    from pdserve.local_cluster import ClusterSpec, LocalCluster
+    from pdserve.cluster.local import ClusterSpec, LocalCluster
     from router.warmup import warm_up_router
 
     spec = ClusterSpec(model=str(tiny_dir), num_blocks=64, max_model_len=128, http_port=0)

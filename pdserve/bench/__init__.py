@@ -2,7 +2,7 @@
 
 Each benchmark is a module with ``add_parser(sub)`` that adds its subcommand and sets
 ``func``. ``register`` adds every module listed in BENCH_MODULES that exists, so a new one
-(e.g. ``pdserve/bench/engine.py``) joins by defining ``add_parser`` and being listed here; a
+(e.g. ``pdserve/bench/micro/engine.py``) joins by defining ``add_parser`` and being listed here; a
 listed module that is not there yet is skipped. Callers may also pass extra registrars.
 """
 
@@ -11,7 +11,14 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterable
 
-BENCH_MODULES = ("serve", "sweep", "compare", "transfer", "engine", "router_overhead")
+BENCH_MODULES = (
+    "loadgen.serve",
+    "loadgen.sweep",
+    "loadgen.compare",
+    "micro.transfer",
+    "micro.engine",
+    "micro.router_overhead",
+)
 
 
 def _available_modules() -> list:

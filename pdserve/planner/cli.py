@@ -161,7 +161,7 @@ def _plan_inputs(args, parser_error):
 
 
 def cmd_plan(args) -> int:
-    from pdserve.bench.metrics import SLO
+    from pdserve.bench.loadgen.metrics import SLO
     from pdserve.planner.report import format_plan, write_report
     from pdserve.planner.search import plan
     from pdserve.planner.sim import SimConfig, Split

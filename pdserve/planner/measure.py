@@ -6,7 +6,7 @@
   and context per sequence, so the scheduler's own cost per step is in the figure;
 - KV transfer: one request's KV pushed and committed over the configured transport, over sizes;
 - router: the time to first token through the router with instant fake workers
-  (pdserve.bench.router_overhead), which is what the router adds to a request's TTFT.
+  (pdserve.bench.micro.router_overhead), which is what the router adds to a request's TTFT.
 
 Each figure is the fastest of a few repeats (a shared machine disturbs upward only).
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.bench.limits import best_time
+from pdserve.bench.micro.limits import best_time
 from pdserve.planner.profile import EngineSettings, Profile, Table2D, monotone
 
 QUICK_ROUTER_OVERHEAD_S = 2e-3  # --quick does not spawn the router; BENCHMARKS.md run 5
@@ -125,7 +125,7 @@ class WorkerTimer:
 
 
 def measure_transfer(model_cfg, engine: EngineSettings, transport: str, tokens) -> list[float]:
-    from pdserve.bench.transfer import KVShape, measure_transport
+    from pdserve.bench.micro.transfer import KVShape, measure_transport
 
     out = []
     for n in tokens:
@@ -170,7 +170,7 @@ def measure_co_run_slowdown(timer: WorkerTimer, model_dir: str) -> float:
 
 
 def measure_router_overhead(prompt_tokens: int = 256) -> float:
-    from pdserve.bench.router_overhead import _measure
+    from pdserve.bench.micro.router_overhead import _measure
 
     summary = asyncio.run(_measure(40, prompt_tokens))
     return max(r["routed_p50_ms"] for r in summary["rows"]) / 1e3

@@ -8,7 +8,7 @@ with its tokens appended. Colocated (no prefill workers), or prompts up to
 ``local_prefill_max_tokens``: the decode worker prefills in its own batch. The router's policies
 are router/policies.py's, called on the simulated workers.
 
-The result is a ``BenchResult`` from pdserve.bench.metrics.compute_result over the same
+The result is a ``BenchResult`` from pdserve.bench.loadgen.metrics.compute_result over the same
 ``RequestRecord``s a real run produces, so real and simulated metrics share one definition.
 """
 
@@ -18,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from pdserve.bench.metrics import SLO, BenchResult, RequestRecord, compute_result
+from pdserve.bench.loadgen.metrics import SLO, BenchResult, RequestRecord, compute_result
 from pdserve.planner.profile import EngineSettings, Profile
 from pdserve.planner.sim_workers import Clock, CpuShare, SimDecodeWorker, SimPrefillWorker
 from pdserve.planner.workload import TraceRequest

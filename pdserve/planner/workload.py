@@ -40,7 +40,7 @@ class LengthDist:
         return p, o
 
 
-# Token lengths. chat / longdoc / mixed are the shapes of pdserve.bench.workloads on SmolLM2's
+# Token lengths. chat / longdoc / mixed are the shapes of pdserve.bench.loadgen.workloads on SmolLM2's
 # tokenizer (chat template included); longprompt and longoutput are the two extremes.
 NAMED: dict[str, list[tuple[float, LengthDist]]] = {
     "chat": [(1.0, LengthDist((40, 60), (64, 200)))],

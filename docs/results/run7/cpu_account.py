@@ -10,8 +10,8 @@ import time
 import torch
 
 from kv_transfer import KVReceiver, LeaseTable, make_sender, start_receiver_server
-from pdserve.bench.transfer import KVShape, _push_once
-from pdserve.bench.transfer_limits import (
+from pdserve.bench.micro.transfer import KVShape, _push_once
+from pdserve.bench.micro.transfer_limits import (
     flight_stack_seconds,
     grpc_stack_seconds,
     loopback_seconds,

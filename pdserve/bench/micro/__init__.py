@@ -1,0 +1,1 @@
+"""Microbenchmarks of this project's internals: engine, KV transfer, router overhead."""

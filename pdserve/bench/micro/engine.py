@@ -1,0 +1,293 @@
+"""``pdserve bench engine``: prefill MFU and decode MBU of the engine against this machine's
+measured GEMM peak and read bandwidth, beside ``transformers`` on the same workloads and threads.
+
+Useful prefill FLOPs = 2 x non-embedding params x tokens + causal attention + the LM head for
+the last token only. Decode bytes = every weight the step reads (LM head included, embedding
+rows excluded) + the KV cache of every sequence.
+
+``--cpu-kernels avx512,avx2,torch`` times each CPU kernel variant on the same engine, workload
+by workload (interleaved: a shared machine's slow spells fall on every variant alike); every
+result names the CPU, its instruction sets and the variant of each row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from engine import hugepages
+from kernels import cpu_extension
+from pdserve.bench.micro.limits import best_time, gemm_peak, read_bandwidth
+
+
+@dataclass
+class Row:
+    kind: str  # "prefill" | "decode"
+    batch: int
+    tokens: int  # prompt length (prefill) or context length (decode)
+    seconds: float  # per prefill, or per decode step
+    hf_seconds: float
+    ratio: float  # MFU (prefill) or MBU (decode)
+    hf_ratio: float
+    cpu_kernels: str = ""  # the extension's variant: avx512 | avx2 | torch
+
+    @property
+    def speedup(self) -> float:
+        return self.hf_seconds / self.seconds
+
+
+def model_costs(cfg):
+    embed = cfg.vocab_size * cfg.hidden_size
+    per_layer = (
+        cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size)
+        + cfg.q_size * cfg.hidden_size
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+        + 2 * cfg.hidden_size
+    )
+    non_embedding = cfg.num_layers * per_layer + cfg.hidden_size
+    return embed, non_embedding
+
+
+def prefill_flops(cfg, n: int) -> float:
+    embed, non_embedding = model_costs(cfg)
+    attention = 2 * 2 * (n * (n + 1) / 2) * cfg.q_size * cfg.num_layers  # QK^T and PV, causal
+    return 2 * non_embedding * n + attention + 2 * embed
+
+
+def decode_bytes(cfg, batch: int, context: int) -> float:
+    embed, non_embedding = model_costs(cfg)
+    kv = batch * context * cfg.kv_bytes_per_token
+    return 4 * (non_embedding + embed) + kv
+
+
+ISA_LIMIT_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+# Timed repetitions (the fastest counts): decode steps, and prefills (slower, fewer).
+REPS = 5
+
+
+def _prefill_reps(reps: int) -> int:
+    return max(3, reps // 3)
+
+
+class EngineRunner:
+    """Times the engine's forward directly (no scheduler), as the workers call it."""
+
+    def __init__(self, engine, reps: int = REPS):
+        self.reps = reps
+        self.engine = engine
+        self.runner = engine.runner
+        self.bs = engine.config.cache.block_size
+
+    def _batch(self, batch: int, context: int, new: int):
+        from engine.request import Request
+        from engine.scheduler import ScheduledSequence
+
+        seqs = []
+        next_block = 0
+        for i in range(batch):
+            req = Request(f"b{i}", [5 + i % 100] * context)
+            n_blocks = -(-(context + 1) // self.bs)
+            req.block_table = list(range(next_block, next_block + n_blocks))
+            next_block += n_blocks
+            req.num_computed_tokens = context - new
+            seqs.append(ScheduledSequence(req, new, True))
+        return seqs
+
+    def prefill_seconds(self, n: int) -> float:
+        seqs = self._batch(1, n, n)
+        return best_time(lambda: self.runner.execute(seqs), _prefill_reps(self.reps), warmup=1)
+
+    def decode_seconds(self, batch: int, context: int) -> float:
+        seqs = self._batch(batch, context, 1)
+        return best_time(lambda: self.runner.execute(seqs), reps=self.reps, warmup=2)
+
+
+def use_cpu_kernels(model, variant: str) -> None:
+    """Run the model's CPU layers on ``variant`` (a build of the extension, or ``torch``) from
+    now on: the skinny tiles and the C++ layers are rebuilt from that build."""
+    from engine.linear import Linear
+
+    cpu_extension.use(variant)
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.skinny = None
+    model.pack_weights_for_cpu()
+
+
+class HFRunner:
+    def __init__(self, model_dir, reps: int = REPS):
+        from transformers import AutoModelForCausalLM
+
+        self.reps = reps
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32
+        ).eval()
+
+    @torch.inference_mode()
+    def prefill_seconds(self, n: int) -> float:
+        ids = torch.full((1, n), 5)
+        return best_time(lambda: self.model(ids), _prefill_reps(self.reps), warmup=1)
+
+    @torch.inference_mode()
+    def decode_seconds(self, batch: int, context: int) -> float:
+        ids = torch.full((batch, context), 5)
+        out = self.model(ids, use_cache=True)
+        step = torch.full((batch, 1), 6)
+
+        def one_step():
+            cache = out.past_key_values
+            self.model(step, past_key_values=cache, use_cache=True)
+            cache.crop(-1)  # drop the step just added: the context stays fixed across repetitions
+
+        return best_time(one_step, reps=self.reps, warmup=2)
+
+
+def run(
+    model: str = "embedded",
+    threads: int = 0,
+    prompt_lens=(128, 512, 1024),
+    batches=(1, 8, 32),
+    contexts=(256, 1024),
+    baseline: bool = True,
+    cpu_kernels: tuple[str, ...] = (),
+    reps: int = REPS,
+) -> dict:
+    """``cpu_kernels``: the variants to time side by side (default: the one chosen here)."""
+    if threads:
+        torch.set_num_threads(threads)
+    model_dir, engine = _engine(model, prompt_lens, batches, contexts)
+    variants = cpu_kernels or (cpu_extension.selected_variant(),)
+    cfg = engine.config.model
+    peak, bandwidth = gemm_peak(), read_bandwidth()
+    ours = EngineRunner(engine, reps)
+    hf = HFRunner(model_dir, reps) if baseline else None
+    rows = []
+
+    def timed(measure, *args) -> dict[str, float]:
+        """Seconds of ``measure(*args)`` under each variant in turn."""
+        out = {}
+        for v in variants:
+            if len(variants) > 1:
+                use_cpu_kernels(engine.runner.model, v)
+            out[v] = measure(*args)
+        return out
+
+    for n in prompt_lens:
+        t_hf = hf.prefill_seconds(n) if hf else float("nan")
+        flops = prefill_flops(cfg, n)
+        for v, t in timed(ours.prefill_seconds, n).items():
+            rows.append(Row("prefill", 1, n, t, t_hf, flops / t / peak, flops / t_hf / peak, v))
+    for b in batches:
+        for c in contexts:
+            t_hf = hf.decode_seconds(b, c) if hf else float("nan")
+            nbytes = decode_bytes(cfg, b, c)
+            for v, t in timed(ours.decode_seconds, b, c).items():
+                mbu, hf_mbu = nbytes / t / bandwidth, nbytes / t_hf / bandwidth
+                rows.append(Row("decode", b, c, t, t_hf, mbu, hf_mbu, v))
+    return {
+        **cpu_extension.describe(),
+        "cpu_kernels": list(variants),
+        # torch's own kernels, oneDNN and MKL: what they were allowed (an AVX2-only emulation
+        # on an AVX-512 machine caps them with these variables).
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "isa_limits": {k: os.environ[k] for k in ISA_LIMIT_VARS if k in os.environ},
+        "threads": torch.get_num_threads(),
+        "huge_pages": hugepages.active(),
+        "gemm_peak_gflops": peak / 1e9,
+        "read_bandwidth_gbs": bandwidth / 1e9,
+        "rows": [{**asdict(r), "speedup": r.speedup} for r in rows],
+    }
+
+
+def _engine(model: str, prompt_lens, batches, contexts):
+    """The model's directory and an engine with blocks for the largest workload."""
+    from engine.config import CacheConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.model_files import resolve_model_dir
+
+    model_dir = resolve_model_dir(model)
+    max_ctx = max(max(prompt_lens), max(contexts)) + 16
+    # Enough blocks for the largest decode batch and for the longest prompt.
+    blocks = max(max(batches) * (max(contexts) // 16 + 2), max(prompt_lens) // 16 + 2) + 8
+    return model_dir, LLMEngine.from_model_path(
+        model_dir,
+        CacheConfig(16, blocks),
+        SchedulerConfig(max_ctx),
+        max_model_len=max_ctx + 16,
+        progress=False,
+    )
+
+
+def format_report(result: dict) -> str:
+    lines = [
+        (
+            f"CPU {result.get('cpu_model', '?')}  instruction sets {result.get('cpu_isa', '?')}  "
+            f"kernels {', '.join(result.get('cpu_kernels', []))}  torch "
+            f"{result.get('torch_cpu_capability', '?')} {result.get('isa_limits') or ''}"
+        ),
+        (
+            f"threads {result['threads']}  GEMM peak {result['gemm_peak_gflops']:.1f} GFLOP/s  "
+            f"read bandwidth {result['read_bandwidth_gbs']:.1f} GB/s  "
+            f"huge pages {'on' if result.get('huge_pages') else 'off'}"
+        ),
+        (
+            f"{'phase':<8}{'batch':>6}{'tokens':>8}{'kernels':>9}{'pdserve ms':>12}{'hf ms':>10}"
+            f"{'ratio':>8}{'hf ratio':>10}{'speedup':>9}   ratio = MFU (prefill) / MBU (decode)"
+        ),
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"{r['kind']:<8}{r['batch']:>6}{r['tokens']:>8}{r.get('cpu_kernels', ''):>9}"
+            f"{r['seconds'] * 1e3:>12.1f}{r['hf_seconds'] * 1e3:>10.1f}{r['ratio']:>8.2f}"
+            f"{r['hf_ratio']:>10.2f}{r['speedup']:>8.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "engine", help="prefill MFU / decode MBU vs measured limits and transformers"
+    )
+    p.add_argument("--model", default="embedded")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    p.add_argument("--prompt-lens", default="128,512,1024")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--contexts", default="256,1024")
+    p.add_argument("--no-baseline", action="store_true", help="skip transformers")
+    p.add_argument("--reps", type=int, default=REPS, help="timed decode steps (best counts)")
+    p.add_argument(
+        "--cpu-kernels",
+        default="",
+        help="CPU kernel variants to time side by side, e.g. avx512,avx2,torch "
+        "(default: the one chosen for this CPU)",
+    )
+    p.add_argument("--json", default=None, help="write the results here")
+    p.set_defaults(func=_main)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def _main(args) -> int:
+    started = time.time()
+    result = run(
+        args.model,
+        args.threads,
+        _ints(args.prompt_lens),
+        _ints(args.batches),
+        _ints(args.contexts),
+        baseline=not args.no_baseline,
+        cpu_kernels=tuple(v for v in args.cpu_kernels.split(",") if v),
+        reps=args.reps,
+    )
+    print(format_report(result))
+    print(f"({time.time() - started:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

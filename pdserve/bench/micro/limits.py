@@ -1,0 +1,33 @@
+"""This machine's limits, measured in the same run as the figures that are divided by them."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def best_time(fn, reps: int = 5, warmup: int = 2) -> float:
+    """Fastest of ``reps`` runs: on a shared machine the minimum is the least disturbed."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def read_bandwidth(num_bytes: int = 2 * 2**30) -> float:
+    """Streaming read bandwidth (bytes/s): a sum over a buffer well beyond the caches (this
+    machine reports a large shared L3, so the buffer is 2 GiB)."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    return num_bytes / best_time(lambda: x.sum(), reps=7)
+
+
+def gemm_peak(n: int = 2048) -> float:
+    """fp32 GEMM FLOP/s at the current thread count (square n x n x n, best of several)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    return 2 * n**3 / best_time(lambda: torch.mm(a, b, out=out), reps=7)
