@@ -12,7 +12,7 @@ from engine.errors import InvalidRequestError
 from engine.loader import load_config, load_model, resolve_model_dir
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.request import Request, RequestStatus, SamplingParams, check_token_ids
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -74,10 +74,10 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         ids = self._encode(prompt)
+        sampling = sampling or SamplingParams()
+        check_token_ids(self.config.model.vocab_size, ids, sampling)  # refused alone, not mid-batch
         request_id = request_id or f"req-{next(self._ids)}"
-        req = Request(
-            request_id, ids, sampling or SamplingParams(), eos_token_ids=self.eos_token_ids
-        )
+        req = Request(request_id, ids, sampling, eos_token_ids=self.eos_token_ids)
         self.scheduler.add(req)
         self.requests[request_id] = req
         if self.tokenizer is not None:

@@ -116,6 +116,25 @@ def _optional_count(k: int | None) -> bool:
     return k is None or (isinstance(k, int) and 0 <= k <= MAX_LOGPROBS)
 
 
+def check_token_ids(vocab_size: int, prompt, sampling: SamplingParams, outputs=()) -> None:
+    """Every token id a request carries, against the model's vocabulary: an id past it would
+    index the logits or the embedding out of bounds in the middle of a batch, failing every
+    request in it. Checked at the router and again where a worker admits a request, so one bad
+    request is refused alone. Raises ``InvalidRequestError`` naming the parameter."""
+    fields = (
+        ("prompt", prompt),
+        ("output_token_ids", outputs),
+        ("stop_token_ids", sampling.stop_token_ids),
+        ("logit_bias", (t for t, _ in sampling.logit_bias)),
+    )
+    for param, ids in fields:
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                param, f"token id {bad} is outside the vocabulary [0, {vocab_size})"
+            )
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """One position's log-probability of its token, and the ``top`` alternatives as

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from engine.llm_engine import LLMEngine
 from engine.loop import EngineThread
-from engine.request import Request, SamplingParams
+from engine.request import Request, SamplingParams, check_token_ids
 from engine.warmup import warm_up
 
 
@@ -65,7 +65,10 @@ class EngineWorker:
         self, request_id: str, prompt: list[int], outputs: list[int], sampling: SamplingParams
     ) -> Request:
         """A request arriving over RPC: its prompt, tokens generated before (a re-prefill after
-        preemption, or a prefilled first token) and this model's EOS ids."""
+        preemption, or a prefilled first token) and this model's EOS ids. Every token id is
+        checked against the vocabulary here, at admission, so a bad one is refused alone
+        instead of failing the batch it would join."""
+        check_token_ids(self.engine.config.model.vocab_size, prompt, sampling, outputs)
         return Request(
             request_id,
             list(prompt),

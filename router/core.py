@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
-from engine.request import SamplingParams, sampling_from_message
+from engine.request import SamplingParams, check_token_ids, sampling_from_message
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from protos import pdserve_pb2 as pb
 from router.flow import FlowConfig, FlowTimings, Overloaded, RequestFlow
@@ -46,7 +46,7 @@ class RouterConfig:
     concurrent_reserve_headroom: float = 0.1  # see FlowConfig; < 0 turns it off
     api_key: str | None = None  # clients must send it (HTTP Bearer, gRPC metadata) when set
     cluster_token: str | None = None  # sent to workers as x-pdserve-token when set
-    cluster_tls: object | None = None  # kv_transfer.tls.ClusterTls: mutual TLS to workers
+    cluster_tls: object | None = None  # grpc_plumbing.tls.ClusterTls: mutual TLS to workers
     limits: RequestLimits = field(default_factory=RequestLimits)  # caps, named in their 400s
 
 
@@ -181,11 +181,8 @@ class Router:
             )
         if not prompt_ids:
             raise InvalidRequestError("prompt", "must not be empty")
-        vocab = self.tokenizer.vocab_size
-        if any(t >= vocab for t in prompt_ids):
-            raise InvalidRequestError("prompt", f"token ids must be < {vocab}")
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise InvalidRequestError("logit_bias", f"token ids must be < {vocab}")
+        # prompt, stop_token_ids, logit_bias: every id-keyed parameter, named in its 400
+        check_token_ids(self.tokenizer.vocab_size, prompt_ids, params)
         if params.prompt_logprobs is not None:
             entries = len(prompt_ids) * (params.prompt_logprobs + 1)
             if entries > MAX_PROMPT_LOGPROB_ENTRIES:
