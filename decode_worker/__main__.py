@@ -14,7 +14,8 @@ hugepages.request()  # before anything imports torch: its allocator reads it onc
 from decode_worker.server import serve_decode_worker
 from decode_worker.worker import DecodeWorker
 from engine.args import add_engine_args, engine_from_args
-from kv_transfer.tls import add_cluster_tls_args, cluster_tls_from_args
+from grpc_plumbing.tls import add_cluster_tls_args, cluster_tls_from_args
+from kv_transfer.transports import WORKER_TRANSPORTS
 
 
 def main() -> None:
@@ -22,7 +23,7 @@ def main() -> None:
     add_engine_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--kv-transport", default="grpc", choices=["grpc", "flight", "torch_dist"])
+    parser.add_argument("--kv-transport", default="grpc", choices=WORKER_TRANSPORTS)
     parser.add_argument("--lease-ttl", type=float, default=30.0)
     parser.add_argument("--worker-id", default=None)
     add_cluster_tls_args(parser)

@@ -11,10 +11,12 @@ import grpc
 from decode_worker.worker import DecodeWorker, ReservationError
 from engine.errors import InvalidRequestError
 from engine.wire import logprob_message, logprob_messages
-from kv_transfer.auth import resolve_cluster_token, worker_server
+from grpc_plumbing.auth import resolve_cluster_token
+from grpc_plumbing.server import worker_server
 from kv_transfer.frame import FrameError
 from kv_transfer.health import add_worker_health
-from kv_transfer.transports import TOKEN_TRANSPORTS, add_kv_servicer, start_receiver_server
+from kv_transfer.sender import start_receiver_server
+from kv_transfer.transports import TOKEN_TRANSPORTS, add_kv_servicer
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 
@@ -130,7 +132,7 @@ def serve_decode_worker(
     With a cluster token (argument or PDSERVE_CLUSTER_TOKEN), every call, KV streams included,
     must carry it; without one the worker binds loopback only. torch_dist KV listens off
     loopback only with ``kv_private_network`` (its data path is not authenticated). ``tls``
-    (kv_transfer.tls.ClusterTls): mutual TLS on the worker API and gRPC/Flight KV."""
+    (grpc_plumbing.tls.ClusterTls): mutual TLS on the worker API and gRPC/Flight KV."""
     token = resolve_cluster_token(cluster_token)
     server, address = worker_server(host, port, token, max_workers, tls)
     kv_server = None

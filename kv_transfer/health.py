@@ -3,15 +3,12 @@
 What Kubernetes' gRPC probes and ``grpc-health-probe`` speak. A worker's server starts only
 after its warm-up, so it answers SERVING from the first call it can take; it turns NOT_SERVING
 while draining (no new work: routing and probes stop sending), and on shutdown. Probes carry
-no cluster token, so the token check lets these two methods through (kv_transfer/auth.py).
+no cluster token, so the token check lets these two methods through (grpc_plumbing/auth.py).
 """
 
 from __future__ import annotations
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-# Full method names that stay open to callers without the cluster token.
-HEALTH_METHODS = frozenset(f"/{health.SERVICE_NAME}/{method}" for method in ("Check", "Watch"))
 
 
 def add_worker_health(server, worker, service_name: str) -> health.HealthServicer:

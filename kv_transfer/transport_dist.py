@@ -38,7 +38,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from kv_transfer.auth import OpenBindError, is_loopback
+from grpc_plumbing.auth import OpenBindError, is_loopback
 from kv_transfer.frame import MAX_FRAME_BYTES, MAX_HEADER_BYTES, FrameError
 from kv_transfer.sender import Channel, Link, ReceiverServer
 

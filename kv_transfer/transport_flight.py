@@ -28,10 +28,10 @@ import msgpack
 import pyarrow as pa
 from pyarrow import flight
 
-from kv_transfer.auth import TOKEN_KEY, require_token_off_loopback, token_matches
+from grpc_plumbing.auth import TOKEN_KEY, require_token_off_loopback, token_matches
+from grpc_plumbing.tls import read_pem
 from kv_transfer.frame import FrameError
 from kv_transfer.sender import Channel, Link, ReceiverServer
-from kv_transfer.tls import read_pem
 
 log = logging.getLogger("pdserve.kv")
 

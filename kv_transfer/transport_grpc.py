@@ -13,15 +13,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from kv_transfer.auth import TOKEN_KEY, require_token_off_loopback, token_matches
+from grpc_plumbing.auth import TOKEN_KEY, require_token_off_loopback, token_matches
+from grpc_plumbing.server import EXCLUSIVE_PORT, bind, message_options
+from grpc_plumbing.tls import ClusterTls
 from kv_transfer.frame import FrameError
 from kv_transfer.sender import Channel, Link, ReceiverServer
-from kv_transfer.tls import ClusterTls, add_port
 from protos import pdserve_pb2, pdserve_pb2_grpc
 
 log = logging.getLogger("pdserve.kv")
 
-MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # frames stay under 4 MiB; this is headroom, not a target
 MAX_QUEUED_FRAMES = 8  # per stream: ~28 MiB in flight at most
 MAX_REPORTED_ERRORS = 32
 SERVICE = "pdserve.v1.KvTransfer"
@@ -104,26 +104,6 @@ def split_kv_frame(data: bytes) -> WireFrame:
     except ValueError as e:
         return WireFrame(error=f"malformed KvFrame message: {e}")
     return WireFrame(fields[1], fields[2])
-
-
-def message_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_receive_message_length", max_bytes),
-        ("grpc.max_send_message_length", max_bytes),
-    ]
-
-
-# gRPC servers set SO_REUSEPORT by default: a second server on a taken port then binds too and
-# silently splits its traffic (two workers behind one address; a stopped server still
-# "answering"). Every pdserve server turns it off, so a taken port is an error.
-EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
-
-
-def bind(server, address: str, tls=None) -> int:
-    """``server.add_insecure_port`` (``add_secure_port`` with a kv_transfer.tls config) that
-    raises OSError naming the address when it cannot bind (taken, or not this host's),
-    whichever way this gRPC version reports it."""
-    return add_port(server, address, tls)
 
 
 class KvTransferServicer(pdserve_pb2_grpc.KvTransferServicer):

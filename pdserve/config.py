@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from engine.config import check_device_name
 from engine.errors import PdserveError
+from kv_transfer.transports import WORKER_TRANSPORTS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "cluster_configs"
@@ -137,7 +138,7 @@ class ClusterConfig(_Strict):
     model: str = "embedded"
     model_name: str = "smollm2"
     pools: Pools = Pools()
-    kv_transport: Literal["grpc", "flight", "torch_dist"] = "grpc"
+    kv_transport: Literal[WORKER_TRANSPORTS] = "grpc"
     block_size: int = Field(16, ge=1)
     num_blocks: int = Field(2048, ge=1)
     max_model_len: int = Field(2048, ge=2)

@@ -3,7 +3,7 @@ dataclasses inside a process; pydantic stays at the edge)."""
 
 from __future__ import annotations
 
-from kv_transfer.tls import ClusterTls, TlsFiles
+from grpc_plumbing.tls import ClusterTls, TlsFiles
 from pdserve.config import ClusterConfig
 
 

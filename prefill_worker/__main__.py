@@ -12,7 +12,7 @@ from engine import hugepages
 hugepages.request()  # before anything imports torch: its allocator reads it once
 
 from engine.args import add_engine_args, engine_from_args
-from kv_transfer.tls import add_cluster_tls_args, cluster_tls_from_args
+from grpc_plumbing.tls import add_cluster_tls_args, cluster_tls_from_args
 from prefill_worker.server import serve_prefill_worker
 from prefill_worker.worker import PrefillWorker
 

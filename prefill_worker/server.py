@@ -11,9 +11,11 @@ import grpc
 from engine.errors import InvalidRequestError
 from engine.request import sampling_from_message
 from engine.wire import logprob_message, logprob_messages
-from kv_transfer.auth import resolve_cluster_token, worker_server
+from grpc_plumbing.auth import resolve_cluster_token
+from grpc_plumbing.server import worker_server
 from kv_transfer.health import add_worker_health
-from kv_transfer.sender import TOKEN_TRANSPORTS, KVSender, TransferError, make_sender
+from kv_transfer.sender import KVSender, TransferError, make_sender
+from kv_transfer.transports import TLS_TRANSPORTS, TOKEN_TRANSPORTS
 from prefill_worker.worker import PrefillWorker
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
@@ -27,7 +29,7 @@ class SenderPool:
     def __init__(self, cluster_token: str | None = None, tls=None):
         self._senders: dict[tuple[str, str], KVSender] = {}
         self._token = cluster_token
-        self._tls = tls  # kv_transfer.tls.ClusterTls for gRPC and Flight KV
+        self._tls = tls  # grpc_plumbing.tls.ClusterTls for gRPC and Flight KV
         self._lock = threading.Lock()
 
     def get(self, transport: str, endpoint: str) -> KVSender:
@@ -37,7 +39,7 @@ class SenderPool:
                 # Every socket transport carries the cluster token (torch_dist at its rendezvous).
                 use_token = self._token and transport in TOKEN_TRANSPORTS
                 opts = {"token": self._token} if use_token else {}
-                if self._tls is not None and transport in ("grpc", "flight"):
+                if self._tls is not None and transport in TLS_TRANSPORTS:
                     opts["tls"] = self._tls
                 sender = make_sender(transport, endpoint, **opts)
                 self._senders[(transport, endpoint)] = sender
@@ -133,7 +135,7 @@ def serve_prefill_worker(
     """Start the worker's engine thread and gRPC server; returns (server, address, senders).
     With a cluster token (argument or PDSERVE_CLUSTER_TOKEN), callers must send it, and KV
     streams carry it; without one the worker binds loopback only. ``tls``
-    (kv_transfer.tls.ClusterTls): mutual TLS on the worker API and on gRPC/Flight KV."""
+    (grpc_plumbing.tls.ClusterTls): mutual TLS on the worker API and on gRPC/Flight KV."""
     token = resolve_cluster_token(cluster_token)
     server, address = worker_server(host, port, token, max_workers, tls)
     senders = SenderPool(token, tls)

@@ -8,7 +8,7 @@ import logging
 import signal
 
 from engine.model_files import resolve_model_dir
-from kv_transfer.tls import TlsFiles, add_cluster_tls_args, cluster_tls_from_args
+from grpc_plumbing.tls import TlsFiles, add_cluster_tls_args, cluster_tls_from_args
 from router.app import start_router
 from router.core import RouterConfig
 from router.limits import RequestLimits

@@ -6,12 +6,12 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from grpc_plumbing.auth import resolve_cluster_token
 from router.core import Router, RouterConfig
 from router.grpc_server import start_grpc_server
 from router.security import ApiSecurity, check_api_exposure
 
 API_KEY_ENV = "PDSERVE_API_KEY"
-CLUSTER_TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
 
 
 @dataclass
@@ -54,7 +54,7 @@ async def start_router(
     cfg = dataclasses.replace(
         cfg,
         api_key=api_key or cfg.api_key or env(API_KEY_ENV) or None,
-        cluster_token=cluster_token or cfg.cluster_token or env(CLUSTER_TOKEN_ENV) or None,
+        cluster_token=resolve_cluster_token(cluster_token or cfg.cluster_token),
     )
     check_api_exposure(host, cfg.api_key, security)
     cap = cfg.limits.max_tokens

@@ -14,7 +14,7 @@ import hmac
 
 import grpc
 
-from router.health import HEALTH_METHODS
+from grpc_plumbing.auth import HEALTH_METHODS
 
 OPEN_GRPC_METHODS = ("/pdserve.v1.Generation/Health", *HEALTH_METHODS)
 OPEN_GRPC_PREFIXES: tuple[str, ...] = ()

@@ -9,8 +9,8 @@ import grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.errors import InvalidRequestError
-from kv_transfer.tls import TlsFiles
-from kv_transfer.transport_grpc import EXCLUSIVE_PORT, bind
+from grpc_plumbing.server import EXCLUSIVE_PORT, bind
+from grpc_plumbing.tls import TlsFiles
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from router.auth import ApiKeyInterceptor

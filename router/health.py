@@ -17,7 +17,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from protos import pdserve_pb2 as pb
 
 HEALTH_SERVICE = health.SERVICE_NAME
-HEALTH_METHODS = tuple(f"/{HEALTH_SERVICE}/{m}" for m in ("Check", "Watch"))
 GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 POLL_S = 0.5
 

@@ -10,7 +10,7 @@ import ssl
 
 import uvicorn
 
-from kv_transfer.tls import TlsFiles
+from grpc_plumbing.tls import TlsFiles
 from router.core import Router
 from router.http_guard import ApiGuard
 from router.security import ApiSecurity

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kv_transfer.auth import OpenBindError, is_loopback
-from kv_transfer.tls import TlsFiles
+from grpc_plumbing.auth import OpenBindError, is_loopback
+from grpc_plumbing.tls import TlsFiles
 
 
 @dataclass(frozen=True)

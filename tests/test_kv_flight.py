@@ -10,7 +10,10 @@ import pytest
 import torch
 from pyarrow import flight
 
-from kv_transfer import KVReceiver, LeaseTable, TransferError, encode_kv_frame, make_sender
+from kv_transfer.frame import encode_kv_frame
+from kv_transfer.lease import LeaseTable
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.sender import TransferError, make_sender
 from kv_transfer.transport_flight import SCHEMA, FlightReceiverServer
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")

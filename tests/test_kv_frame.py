@@ -10,17 +10,17 @@ import msgpack
 import pytest
 import torch
 
-from kv_transfer import (
+from kv_transfer.frame import (
     FORMAT_VERSION,
     MAX_FRAME_BYTES,
     FrameError,
-    KVReceiver,
-    LeaseTable,
+    checksum,
     decode_frame,
     encode_commit_frame,
     encode_kv_frame,
 )
-from kv_transfer.frame import checksum
+from kv_transfer.lease import LeaseTable
+from kv_transfer.receiver import KVReceiver
 
 # decode_frame views protobuf bytes without copying; torch warns once about read-only buffers.
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")

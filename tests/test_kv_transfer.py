@@ -8,17 +8,12 @@ import time
 import pytest
 import torch
 
-from kv_transfer import (
-    MAX_FRAME_BYTES,
-    TRANSPORTS,
-    KVReceiver,
-    LeaseTable,
-    TransferError,
-    encode_kv_frame,
-    make_sender,
-    start_receiver_server,
-)
+from kv_transfer.frame import MAX_FRAME_BYTES, encode_kv_frame
+from kv_transfer.lease import LeaseTable
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.sender import TransferError, make_sender, start_receiver_server
 from kv_transfer.transport_grpc import serialize_kv_frame, split_kv_frame
+from kv_transfer.transports import TRANSPORTS
 from protos import pdserve_pb2
 
 # decode_frame views protobuf bytes without copying; torch warns once about read-only buffers.

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from kv_transfer.auth import worker_server
+from grpc_plumbing.server import worker_server
 from kv_transfer.transport_grpc import GrpcReceiverServer
 
 

@@ -14,7 +14,8 @@ import sys
 import grpc
 import pytest
 
-from kv_transfer.auth import OpenBindError, is_loopback, worker_server
+from grpc_plumbing.auth import OpenBindError, is_loopback
+from grpc_plumbing.server import worker_server
 from kv_transfer.lease import LeaseTable
 from pdserve.client import Client
 from pdserve.cluster.local import ClusterSpec, LocalCluster

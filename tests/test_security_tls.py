@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from kv_transfer.auth import TOKEN_KEY
-from kv_transfer.tls import ClusterTls, TlsFiles
+from grpc_plumbing.auth import TOKEN_KEY
+from grpc_plumbing.tls import ClusterTls, TlsFiles
 from pdserve.client import Client
 from pdserve.cluster.local import ClusterSpec, LocalCluster
 from protos import pdserve_pb2 as pb

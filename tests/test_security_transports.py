@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv_transfer import KVReceiver, LeaseTable, TransferError, make_sender, start_receiver_server
-from kv_transfer.auth import OpenBindError
+from grpc_plumbing.auth import OpenBindError
+from kv_transfer.lease import LeaseTable
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.sender import TransferError, make_sender, start_receiver_server
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 

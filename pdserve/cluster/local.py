@@ -44,8 +44,8 @@ class ClusterSpec:
     http_port: int | None = None  # None: no HTTP server
     api_key: str | None = None  # clients must send it (HTTP Bearer / gRPC metadata) when set
     cluster_token: str | None = None  # router and workers authenticate each other with it
-    # Security (see docs/SECURITY.md): TLS on the client API (kv_transfer.tls.TlsFiles), mutual
-    # TLS between router and in-process workers (kv_transfer.tls.ClusterTls), request limits
+    # Security (see docs/SECURITY.md): TLS on the client API (grpc_plumbing.tls.TlsFiles), mutual
+    # TLS between router and in-process workers (grpc_plumbing.tls.ClusterTls), request limits
     # (router.limits.RequestLimits), and the router's exposure switches.
     api_tls: object | None = None
     cluster_tls: object | None = None
@@ -57,7 +57,7 @@ class ClusterSpec:
 
 class LocalCluster:
     def __init__(self, spec: ClusterSpec):
-        from kv_transfer.auth import is_loopback
+        from grpc_plumbing.auth import is_loopback
 
         if not spec.cluster_token and not is_loopback(spec.host):
             # Off loopback the workers refuse to serve without one: make one for this cluster.

@@ -1,6 +1,6 @@
 """CPU seconds (process user + sys) and wall per 45 MiB push: the limits and each transport.
 
-    python docs/results/run7/cpu_account.py   (from the repository root)
+python docs/results/run7/cpu_account.py   (from the repository root)
 """
 
 import itertools
@@ -9,7 +9,9 @@ import time
 
 import torch
 
-from kv_transfer import KVReceiver, LeaseTable, make_sender, start_receiver_server
+from kv_transfer.lease import LeaseTable
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.sender import make_sender, start_receiver_server
 from pdserve.bench.micro.transfer import KVShape, _push_once
 from pdserve.bench.micro.transfer_limits import (
     flight_stack_seconds,

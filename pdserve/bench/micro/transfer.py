@@ -134,7 +134,9 @@ def _blocks_equal(src, dst, src_ids) -> bool:
 def measure_transport(
     name: str, shape: KVShape, repeats: int, loopback_best: float, seed: int = 0
 ) -> TransportResult:
-    from kv_transfer import KVReceiver, LeaseTable, make_sender, start_receiver_server
+    from kv_transfer.lease import LeaseTable
+    from kv_transfer.receiver import KVReceiver
+    from kv_transfer.sender import make_sender, start_receiver_server
 
     torch.manual_seed(seed)
     src, dst = shape.make_cache(), shape.make_cache(zero=True)

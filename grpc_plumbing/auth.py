@@ -14,11 +14,13 @@ import ipaddress
 import os
 
 import grpc
+from grpc_health.v1 import health
 
-from kv_transfer.health import HEALTH_METHODS
-
-TOKEN_KEY = "x-pdserve-token"
+TOKEN_KEY = "x-pdserve-token"  # the gRPC metadata key (lower case, as gRPC requires)
 TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
+
+# The standard health service's methods: open without the token, since probes carry none.
+HEALTH_METHODS = frozenset(f"/{health.SERVICE_NAME}/{method}" for method in ("Check", "Watch"))
 
 
 class OpenBindError(RuntimeError):
@@ -91,22 +93,3 @@ class ClusterTokenInterceptor(grpc.ServerInterceptor):
 
 def server_interceptors(token: str | None) -> list[grpc.ServerInterceptor]:
     return [ClusterTokenInterceptor(token)] if token else []
-
-
-def worker_server(host: str, port: int, token: str | None, max_workers: int = 64, tls=None):
-    """A worker's sync gRPC server, bound to ``host:port`` only, with KV-sized message limits
-    and the cluster-token check (and mutual TLS with a kv_transfer.tls.ClusterTls); returns
-    (server, "host:port" actually bound). Without a token it binds loopback only
-    (OpenBindError otherwise)."""
-    from concurrent import futures
-
-    require_token_off_loopback(host, token, "worker gRPC API")
-
-    from kv_transfer.transport_grpc import EXCLUSIVE_PORT, bind, message_options
-
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers),
-        options=message_options() + EXCLUSIVE_PORT,
-        interceptors=server_interceptors(token),
-    )
-    return server, f"{host}:{bind(server, f'{host}:{port}', tls)}"

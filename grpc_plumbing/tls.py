@@ -71,20 +71,6 @@ class ClusterTls:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
 
-def add_port(server, address: str, tls: TlsFiles | ClusterTls | None) -> int:
-    """Bind ``server`` to ``address``, with TLS when configured; OSError when it cannot."""
-    try:
-        if tls is None:
-            bound = server.add_insecure_port(address)
-        else:
-            bound = server.add_secure_port(address, tls.server_credentials())
-    except RuntimeError as e:
-        raise OSError(f"cannot bind {address}: {e}") from e
-    if bound == 0:
-        raise OSError(f"cannot bind {address}")
-    return bound
-
-
 def add_cluster_tls_args(parser) -> None:
     """``--cluster-tls-cert/-key/-ca/-server-name`` on a process's argparse parser."""
     add = parser.add_argument
