@@ -246,6 +246,39 @@ class _Pump:
             self._task.cancel()
 
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up; nobody reads it
+
+
+async def _unless_client_leaves(request: Request, answer) -> Response:
+    """Await the handler's ``answer``, cancelling it if the client hangs up first. A whole
+    (non-streaming) response is built before anything is sent, so nothing else would notice
+    the hang-up: the request would decode to its end for nobody, holding KV on both pools.
+    The handler runs in a plain task cancelled once, so its cleanup (aborting the worker calls,
+    releasing a lease over gRPC) runs to its end. A streamed answer returns at its first
+    token; from there StreamingResponse watches the connection itself."""
+    work = asyncio.ensure_future(answer)
+    hang_up = asyncio.ensure_future(_hang_up(request))
+    try:
+        await asyncio.wait([work, hang_up], return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is stopping
+        work.cancel()
+        raise
+    finally:
+        hang_up.cancel()
+    if not work.done():
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)  # its cleanup, to the end
+        log.info("client left before its response; request cancelled")
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return work.result()
+
+
+async def _hang_up(request: Request) -> None:
+    """Returns once the client has disconnected (the body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def build_app(router: Router, api_key: str | None = None) -> FastAPI:
     """The FastAPI app for ``router``; with ``api_key``, /v1/* requires ``Bearer <api_key>``."""
     app = FastAPI(title="pdserve", summary="OpenAI-compatible API of a pdserve cluster")
@@ -263,11 +296,11 @@ def build_app(router: Router, api_key: str | None = None) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        return await handlers.completions(await request.body())
+        return await _unless_client_leaves(request, handlers.completions(await request.body()))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await handlers.chat(await request.body())
+        return await _unless_client_leaves(request, handlers.chat(await request.body()))
 
     @v1.get("/models")
     async def models() -> dict:
