@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -25,18 +26,9 @@ import torch
 
 from kernels.kv_blocks import gather_kv_blocks
 from kv_transfer.frame import MAX_FRAME_BYTES, dtype_name, encode_commit_frame, encode_kv_frame
+from kv_transfer.transports import TRANSPORTS
 
 log = logging.getLogger("pdserve.kv")
-
-TRANSPORTS = {
-    "local": "kv_transfer.transport_local",
-    "grpc": "kv_transfer.transport_grpc",
-    "flight": "kv_transfer.transport_flight",
-    "torch_dist": "kv_transfer.transport_dist",
-}
-# Transports whose servers check the cluster token (their senders and servers take ``token``):
-# every one that crosses a socket (torch_dist at its rendezvous).
-TOKEN_TRANSPORTS = frozenset({"grpc", "flight", "torch_dist"})
 
 
 class TransferError(Exception):
@@ -75,6 +67,9 @@ class Link(ABC):
     """A sender's connection to one receiver endpoint, shared by all its streams."""
 
     idle_interval_s: float | None = None  # call on_idle when the sender thread idles this long
+    # True once the link cannot carry another stream (torch_dist: a half-sent message or a
+    # dead peer desynchronizes the pair for good); the sender then connects a new one.
+    broken: bool = False
 
     def on_idle(self) -> None:
         """Keep the link alive (torch_dist pings; a silent gloo pair times out)."""
@@ -217,9 +212,12 @@ class KVStream:
 class KVSender:
     """Streams to one destination endpoint; reuse it across requests."""
 
-    def __init__(self, link: Link, endpoint: str):
+    def __init__(self, link: Link, endpoint: str, connect: Callable[[], Link] | None = None):
         self.endpoint = endpoint
         self._link = link
+        self._connect = connect  # makes a new link to the endpoint once this one broke
+        self._link_lock = threading.Lock()
+        self.reconnects = 0  # broken links replaced
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"kv-send {endpoint}", daemon=True)
         self._thread.start()
@@ -228,7 +226,22 @@ class KVSender:
     def open_stream(self, request_id: str, lease_id: str) -> KVStream:
         if self._closed:
             raise RuntimeError(f"sender to {self.endpoint} is closed")
-        return KVStream(self, request_id, lease_id, self._link.open_channel(request_id, lease_id))
+        link = self._usable_link()
+        return KVStream(self, request_id, lease_id, link.open_channel(request_id, lease_id))
+
+    def _usable_link(self) -> Link:
+        """The link, replaced first when it broke (its peer died or restarted): a broken link
+        is evicted on the next use instead of failing every later stream. While the peer is
+        still gone the connect raises (ConnectionError, OSError, RuntimeError), and the next
+        stream tries again."""
+        with self._link_lock:
+            if self._link.broken and self._connect is not None:
+                log.warning("kv link to %s is broken; reconnecting", self.endpoint)
+                fresh = self._connect()
+                old, self._link = self._link, fresh
+                self.reconnects += 1
+                _close_quietly(old)
+            return self._link
 
     def close(self) -> None:
         """Finish queued work, stop the sender thread and close the link."""
@@ -237,7 +250,8 @@ class KVSender:
         self._closed = True
         self._jobs.put(None)
         self._thread.join()
-        self._link.close()
+        with self._link_lock:
+            self._link.close()
 
     def _submit(self, stream: KVStream, job) -> None:
         self._jobs.put((stream, job))
@@ -255,11 +269,22 @@ class KVSender:
             stream._run(job)
 
     def _ping(self) -> None:
+        link = self._link
+        if link.broken:
+            return  # nothing to keep alive; the next stream reconnects
         try:
-            self._link.on_idle()
+            link.on_idle()
         # The next stream on this link fails and reports it; nobody waits on a ping.
         except Exception as e:  # noqa: BLE001
             log.warning("kv link to %s failed while idle: %s", self.endpoint, e)
+
+
+def _close_quietly(link: Link) -> None:
+    try:
+        link.close()
+    # A broken link's peer may be gone: there is nobody to say goodbye to.
+    except Exception as e:  # noqa: BLE001
+        log.info("closing a broken kv link: %s: %s", type(e).__name__, e)
 
 
 def _transport(name: str):
@@ -269,8 +294,14 @@ def _transport(name: str):
 
 
 def make_sender(transport: str, endpoint: str, **opts) -> KVSender:
-    """Connect to a receiver server's ``endpoint`` over the named transport."""
-    return KVSender(_transport(transport).connect(endpoint, **opts), endpoint)
+    """Connect to a receiver server's ``endpoint`` over the named transport; the sender
+    reconnects the same way when the link breaks."""
+    module = _transport(transport)
+
+    def connect() -> Link:
+        return module.connect(endpoint, **opts)
+
+    return KVSender(connect(), endpoint, connect)
 
 
 def start_receiver_server(
