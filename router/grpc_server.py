@@ -17,6 +17,7 @@ from router.auth import ApiKeyInterceptor
 from router.core import Router
 from router.flow import Overloaded, WorkerFailure
 from router.health import GENERATION_SERVICE, HEALTH_SERVICE, RouterHealth
+from router.limits import RETRY_AFTER_S
 from router.tokenize import detokenize, tokenize
 
 log = logging.getLogger("pdserve.router")
@@ -80,7 +81,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except InvalidRequestError as e:  # admission: a request id already in flight
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Overloaded as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            retry = (("retry-after", str(RETRY_AFTER_S)),)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), retry)
         except WorkerFailure as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except grpc.aio.AioRpcError as e:

@@ -27,6 +27,7 @@ from router.auth import bearer_ok
 from router.core import Router
 from router.flow import Overloaded, WorkerFailure
 from router.http_tokenize import add_tokenize_routes
+from router.limits import RETRY_AFTER_S
 from router.openai_batch import merge_prompts
 from router.openai_models import ChatCompletionRequest, CompletionRequest
 from router.openai_responses import (
@@ -52,10 +53,16 @@ ERROR_TYPES = {
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {
@@ -90,7 +97,8 @@ def _validation_error(e: ValidationError) -> ApiError:
 
 def _worker_error(e: Exception) -> ApiError:
     if isinstance(e, Overloaded):
-        return ApiError(429, f"overloaded: {e}", code="overloaded")
+        retry = {"Retry-After": str(RETRY_AFTER_S)}
+        return ApiError(429, f"overloaded: {e}", code="overloaded", headers=retry)
     if isinstance(e, grpc.aio.AioRpcError):
         log.warning("request failed at a worker: %s %s", e.code().name, e.details())
         return ApiError(503, f"worker error: {e.details()}")
@@ -342,7 +350,7 @@ def _add_operational_routes(app: FastAPI, router: Router) -> None:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> JSONResponse:

@@ -13,6 +13,11 @@ from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 
+# What a 429 / RESOURCE_EXHAUSTED tells the client to wait before trying again, in whole
+# seconds (HTTP's Retry-After; gRPC's retry-after trailing metadata): about the time a tiny
+# cluster's batch takes to turn over, short enough that a polite client keeps the pool busy.
+RETRY_AFTER_S = 1
+
 
 @dataclass(frozen=True)
 class RequestLimits:
