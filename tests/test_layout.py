@@ -10,7 +10,20 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("name", ["engine", "kernels", "pdserve"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "engine",
+        "kernels",
+        "kv_transfer",
+        "prefill_worker",
+        "decode_worker",
+        "router",
+        "pdserve",
+        "protos",
+        "grpc_plumbing",
+    ],
+)
 def test_own_package_is_imported(name):
     module = importlib.import_module(name)
     assert Path(module.__file__).resolve().parent == ROOT / name
