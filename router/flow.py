@@ -205,6 +205,7 @@ class RequestFlow:
             try:
                 async for item in stream_tokens(call, outputs, timings):
                     yield item
+                w.mark_succeeded()
                 return
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # draining: try the next one
@@ -353,7 +354,7 @@ class RequestFlow:
         timings.prefill_queue_s += ft.queue_s
         timings.prefill_s += ft.prefill_s
         timings.cached_tokens = max(timings.cached_tokens, ft.cached_tokens)
-        attempt.transfer = asyncio.ensure_future(transfer_done(call, timings))
+        attempt.transfer = asyncio.ensure_future(transfer_done(call, timings, p))
         return ft
 
     async def _decode(self, attempt, request_id, prompt, outputs, sampling, timings, forks=()):
@@ -377,6 +378,7 @@ class RequestFlow:
                 # before one may never have reached it, so cleanup releases (a no-op if it did).
                 attempt.attached = True
                 yield item
+            attempt.decode.mark_succeeded()
         except grpc.aio.AioRpcError as e:
             raise lost_or_raise(attempt.decode, e) from e
 

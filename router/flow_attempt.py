@@ -40,11 +40,12 @@ class Attempt:
             return None
 
 
-async def transfer_done(call, timings: FlowTimings) -> None:
+async def transfer_done(call, timings: FlowTimings, prefill: WorkerHandle) -> None:
     event = await call.read()
     if event is not grpc.aio.EOF and event.HasField("transfer_done"):
         timings.kv_transfer_s += event.transfer_done.exposed_s
         timings.kv_bytes += event.transfer_done.bytes
+        prefill.mark_succeeded()  # prefilled and delivered: its circuit breaker closes
 
 
 async def wait_first_chunk_or_lost_transfer(call, attempt: Attempt) -> None:

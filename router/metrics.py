@@ -179,8 +179,21 @@ class PoolCollector:
             "1 per worker, labelled with its CPU kernel build (avx512 | avx2 | torch).",
             labels=["pool", "worker", "variant"],
         )
+        circuit_open = GaugeMetricFamily(
+            P + "num_workers_circuit_open",
+            "Workers out of routing after failing attempts in a row (circuit breaker), per pool.",
+            labels=["pool"],
+        )
+        circuit_trips = CounterMetricFamily(
+            P + "worker_circuit_trips",
+            "Times a worker's circuit breaker opened.",
+            labels=["pool", "worker"],
+        )
         for pool in (self.router.prefill, self.router.decode):
             workers = list(pool.workers.values())
+            circuit_open.add_metric([pool.role], sum(w.circuit == "open" for w in workers))
+            for w in workers:
+                circuit_trips.add_metric([pool.role, w.address], w.circuit_trips)
             statuses = [(w, w.last_status) for w in workers if w.last_status is not None]
             running.add_metric([pool.role], sum(s.num_running for _, s in statuses))
             waiting.add_metric([pool.role], sum(s.num_waiting for _, s in statuses))
@@ -200,4 +213,5 @@ class PoolCollector:
         inflight = GaugeMetricFamily(
             P + "num_requests_inflight", "Requests in the router.", value=self.router.inflight
         )
-        return [running, waiting, ready, usage, hits, queries, preempt, kernels, inflight]
+        breaker = [circuit_open, circuit_trips]
+        return [running, waiting, ready, usage, hits, queries, preempt, kernels, inflight, *breaker]

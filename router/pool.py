@@ -10,19 +10,29 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from grpc_plumbing.auth import TOKEN_KEY
+from grpc_plumbing.server import message_options
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger("pdserve.router")
 
-CLUSTER_TOKEN_KEY = "x-pdserve-token"  # the workers check it (kv_transfer.auth)
-
 SUSPECT_S = 1.0  # how long a worker whose call failed stays out of routing
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 8 * 2**20),
-    ("grpc.max_send_message_length", 8 * 2**20),
-]
+
+@dataclass(frozen=True)
+class BreakerSettings:
+    """A worker's circuit breaker: after ``failures`` failed attempts in a row it leaves
+    routing for ``cooldown_s``; then it is half-open (routable again), and its next outcome
+    decides: a success closes the circuit, a failure opens it for another cool-down."""
+
+    failures: int = 3
+    cooldown_s: float = 10.0
+
+
+BREAKER = BreakerSettings()
+
+CHANNEL_OPTIONS = message_options()  # the workers' limits (grpc_plumbing.server)
 
 
 @dataclass
@@ -44,13 +54,46 @@ class WorkerHandle:
     # A call here just failed as if the worker were lost: keep new work away until then
     # (monotonic), so a retry does not land on it before the next poll notices.
     suspect_until: float = 0.0
+    breaker: BreakerSettings = BREAKER
+    consecutive_failures: int = 0  # failed attempts since the last success
+    circuit_open_until: float = 0.0  # monotonic; the breaker keeps work away until then
+    circuit_trips: int = 0  # times the breaker opened
 
     @property
     def routable(self) -> bool:
-        return self.healthy and not self.draining and time.monotonic() >= self.suspect_until
+        now = time.monotonic()
+        out_until = max(self.suspect_until, self.circuit_open_until)
+        return self.healthy and not self.draining and now >= out_until
+
+    @property
+    def circuit(self) -> str:
+        """ "closed" (routing as usual), "open" (cooling down) or "half_open" (on probation)."""
+        if self.consecutive_failures < self.breaker.failures:
+            return "closed"
+        return "open" if time.monotonic() < self.circuit_open_until else "half_open"
 
     def mark_failed(self, seconds: float = SUSPECT_S) -> None:
-        self.suspect_until = time.monotonic() + seconds
+        """An attempt failed here as if the worker were lost; the breaker counts it."""
+        now = time.monotonic()
+        self.suspect_until = now + seconds
+        self.consecutive_failures += 1
+        if self.consecutive_failures >= self.breaker.failures:  # the Nth, or a failed probe
+            self.circuit_open_until = now + self.breaker.cooldown_s
+            self.circuit_trips += 1
+            log.warning(
+                "%s worker %s failed %d attempts in a row: out of routing for %.1f s",
+                self.role,
+                self.address,
+                self.consecutive_failures,
+                self.breaker.cooldown_s,
+            )
+
+    def mark_succeeded(self) -> None:
+        """An attempt's step here went through: the breaker closes (or stays closed)."""
+        if self.consecutive_failures >= self.breaker.failures:
+            log.info("%s worker %s is back: circuit closed", self.role, self.address)
+        self.consecutive_failures = 0
+        self.circuit_open_until = 0.0
 
 
 class _TokenStub:
@@ -65,11 +108,12 @@ class _TokenStub:
 
 
 class WorkerPool:
-    def __init__(self, role: str, cluster_token: str | None = None, tls=None):
+    def __init__(self, role: str, cluster_token: str | None = None, tls=None, breaker=BREAKER):
         self.role = role
+        self.breaker = breaker  # BreakerSettings for every worker added
         self.workers: dict[str, WorkerHandle] = {}
-        self._metadata = ((CLUSTER_TOKEN_KEY, cluster_token),) if cluster_token else None
-        self._tls = tls  # kv_transfer.tls.ClusterTls: mutual TLS to the workers
+        self._metadata = ((TOKEN_KEY, cluster_token),) if cluster_token else None
+        self._tls = tls  # grpc_plumbing.tls.ClusterTls: mutual TLS to the workers
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if self._tls is None:
@@ -85,7 +129,7 @@ class WorkerPool:
         stub = stub_cls(channel)
         if self._metadata is not None:
             stub = _TokenStub(stub, self._metadata)
-        handle = WorkerHandle(address, self.role, channel, stub)
+        handle = WorkerHandle(address, self.role, channel, stub, breaker=self.breaker)
         self.workers[address] = handle
         return handle
 
