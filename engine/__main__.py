@@ -2,6 +2,10 @@
 
 import sys
 
-from pdserve.cli import main
+from engine import hugepages
 
-sys.exit(main(["generate", *sys.argv[1:]]))
+hugepages.request()  # before anything imports torch: its allocator reads it once
+
+from engine.generate import main
+
+sys.exit(main())

@@ -10,46 +10,8 @@ from engine import hugepages
 
 hugepages.request()  # before anything imports torch: its allocator reads it once
 
-from engine.args import device_name  # noqa: E402
 from engine.errors import PdserveError
-
-
-def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="complete one prompt with the local engine")
-    p.add_argument("prompt", help="the user message (or raw text with --raw)")
-    p.add_argument("--model", default="embedded", help="HF folder, .gguf file, or 'embedded'")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    p.add_argument("--device", type=device_name, default="auto", help="cpu, cuda[:N], or auto")
-    p.set_defaults(func=cmd_generate)
-
-
-def cmd_generate(args) -> int:
-    from engine.llm_engine import LLMEngine
-    from engine.request import SamplingParams
-
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-    )
-    engine = LLMEngine.from_model_path(args.model, device=args.device)
-    prompt = args.prompt
-    if not args.raw and engine.tokenizer is not None and engine.tokenizer.chat_template:
-        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-    request_id = engine.add_request(prompt, params)
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id == request_id:
-                print(out.new_text, end="", flush=True)
-    print()
-    return 0
+from engine.generate import add_generate_parser
 
 
 def _add_demo(sub) -> None:
@@ -156,7 +118,7 @@ def cmd_status(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_generate(sub)
+    add_generate_parser(sub)
     _add_demo(sub)
     _add_cluster_commands(sub)
     from pdserve.bench import register as add_bench
