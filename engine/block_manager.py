@@ -15,6 +15,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """The blocks that hold ``num_tokens`` tokens (a partly filled last one counts). Torch-free:
+    the router sizes its reservations with it too."""
+    return -(-num_tokens // block_size)
+
+
 def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     """Hash of a full block chained to its prefix: equal hashes mean equal prefixes."""
     h = hashlib.blake2b(parent or b"", digest_size=16)
@@ -60,7 +66,7 @@ class BlockManager:
         return 1.0 - self.num_free / self.num_total
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free

@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.block_manager import blocks_for
 from kernels import ops
 from kernels.metadata import AttentionMetadata
 
@@ -55,7 +56,7 @@ def matmul_flops(device: str, dtype: torch.dtype) -> float:
 
 
 def make_batch(query_lens, seq_lens, block_size, device, dtype):
-    needed = [-(-s // block_size) for s in seq_lens]
+    needed = [blocks_for(s, block_size) for s in seq_lens]
     order = torch.randperm(sum(needed)).tolist()
     tables, at = [], 0
     for n in needed:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.block_manager import blocks_for
 from kernels import ops
 from kernels.metadata import AttentionMetadata
 from kernels.reference import paged_attention_ref, store_kv_ref
@@ -39,7 +40,7 @@ def build_inputs(case: KernelCase, device: str = "cpu") -> dict:
     """Random query/key/value, caches filled with noise (the "earlier context"), metadata."""
     gen = torch.Generator().manual_seed(case.seed)
     bs = case.block_size
-    needed = [-(-s // bs) for s in case.seq_lens]
+    needed = [blocks_for(s, bs) for s in case.seq_lens]
     num_blocks = sum(needed) + 3  # spare blocks nobody owns: reading one would be a bug
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables, at = [], 0

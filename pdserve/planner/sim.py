@@ -18,6 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+from engine.block_manager import blocks_for
 from pdserve.bench.loadgen.metrics import SLO, BenchResult, RequestRecord, compute_result
 from pdserve.planner.profile import EngineSettings, Profile
 from pdserve.planner.sim_workers import Clock, CpuShare, SimDecodeWorker, SimPrefillWorker
@@ -159,14 +160,14 @@ class SimCluster:
             self.clock.at(self.clock.now + self.cfg.reserve_timeout_s, self._reserve_timeout, req)
 
     def _local(self, req: _Req) -> None:
-        blocks = -(-req.num_tokens // self.engine.block_size)
+        blocks = blocks_for(req.num_tokens, self.engine.block_size)
         w = self.decode_policy(self.decode, blocks)[0]
         w.served_requests += 1
         t = req.trace
         w.submit_local(req, req.attempt_id, t.prompt_tokens, req.outputs, t.output_tokens)
 
     def _reserve_and_prefill(self, req: _Req) -> bool:
-        blocks = -(-req.num_tokens // self.engine.block_size)
+        blocks = blocks_for(req.num_tokens, self.engine.block_size)
         for w in self.decode_policy(self.decode, blocks):
             lease = w.reserve(req.num_tokens)
             if lease is not None:

@@ -83,6 +83,7 @@ class EngineRunner:
         self.bs = engine.config.cache.block_size
 
     def _batch(self, batch: int, context: int, new: int):
+        from engine.block_manager import blocks_for
         from engine.request import Request
         from engine.scheduler import ScheduledSequence
 
@@ -90,7 +91,7 @@ class EngineRunner:
         next_block = 0
         for i in range(batch):
             req = Request(f"b{i}", [5 + i % 100] * context)
-            n_blocks = -(-(context + 1) // self.bs)
+            n_blocks = blocks_for(context + 1, self.bs)
             req.block_table = list(range(next_block, next_block + n_blocks))
             next_block += n_blocks
             req.num_computed_tokens = context - new

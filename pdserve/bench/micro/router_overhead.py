@@ -29,6 +29,7 @@ from concurrent import futures
 
 import grpc
 
+from engine.block_manager import blocks_for
 from pdserve.cluster.local import wait_ready
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
@@ -36,7 +37,7 @@ from protos import pdserve_pb2_grpc as pb_grpc
 
 class InstantDecode(pb_grpc.DecodeWorkerServicer):
     def Reserve(self, request, context):
-        n = -(-request.num_tokens // 16)
+        n = blocks_for(request.num_tokens, 16)
         return pb.ReserveResponse(
             lease_id="l",
             block_ids=list(range(n)),
