@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 
 import grpc
@@ -22,14 +23,66 @@ from protos import pdserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger("pdserve.decode")
 
+# Server threads kept for the calls that must never wait behind streams: Status (the router's
+# poll), Reserve, Release, health probes.
+CONTROL_THREADS = 16
+
+
+class StreamBudget:
+    """The sync gRPC server holds one thread per call for the call's whole life, and a Decode
+    stream lives as long as its request. So streams are admitted against a budget that leaves
+    threads for everything else: with ``max_streams`` S, new work (a Reserve, or a Decode
+    without a lease) is admitted while open Decode calls + open leases < S; a Decode on a lease
+    was counted by its lease, and is refused only past 2 S (one per lease and one per KV push
+    stream, which holds a thread too). The pool has 2 S + CONTROL_THREADS threads, so the
+    control calls always find one. Refusals are RESOURCE_EXHAUSTED, at once: the router tries
+    another worker, then answers 429."""
+
+    def __init__(self, max_streams: int):
+        if max_streams < 1:
+            raise ValueError("max_streams must be >= 1")
+        self.max_streams = max_streams
+        self.open = 0  # Decode calls in progress
+        self._lock = threading.Lock()
+
+    @property
+    def server_threads(self) -> int:
+        return 2 * self.max_streams + CONTROL_THREADS
+
+    def has_room(self, open_leases: int) -> bool:
+        return self.open + open_leases < self.max_streams
+
+    def enter(self, open_leases: int, on_lease: bool) -> bool:
+        with self._lock:
+            room = self.open < 2 * self.max_streams if on_lease else self.has_room(open_leases)
+            self.open += room
+            return room
+
+    def leave(self) -> None:
+        with self._lock:
+            self.open -= 1
+
+    def full(self) -> str:
+        return f"{self.open} decode streams open (max_streams {self.max_streams})"
+
+
+def default_max_streams(worker: DecodeWorker) -> int:
+    """A running batch (max_num_seqs) and half as many again waiting: what admission lets in."""
+    return max(8, worker.scheduler.cfg.max_num_seqs * 3 // 2)
+
 
 class DecodeServicer(pb_grpc.DecodeWorkerServicer):
-    def __init__(self, worker: DecodeWorker, kv_endpoint: str, kv_transport: str):
+    def __init__(
+        self, worker: DecodeWorker, kv_endpoint: str, kv_transport: str, budget: StreamBudget
+    ):
         self.worker = worker
         self.kv_endpoint = kv_endpoint
         self.kv_transport = kv_transport
+        self.budget = budget
 
     def Reserve(self, request, context):
+        if not self.budget.has_room(len(self.worker.leases)):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.budget.full())
         try:
             lease = self.worker.reserve(
                 request.request_id,
@@ -54,6 +107,14 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         return pb.ReleaseResponse(released=self.worker.release(request.lease_id))
 
     def Decode(self, request, context):
+        if not self.budget.enter(len(self.worker.leases), on_lease=bool(request.lease_id)):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.budget.full())
+        try:
+            yield from self._decode(request, context)
+        finally:
+            self.budget.leave()
+
+    def _decode(self, request, context):
         args = (request.request_id, list(request.prompt_token_ids), list(request.output_token_ids))
         try:
             if request.lease_id:
@@ -123,7 +184,7 @@ def serve_decode_worker(
     host: str = "127.0.0.1",
     port: int = 0,
     kv_transport: str = "grpc",
-    max_workers: int = 64,
+    max_streams: int | None = None,
     cluster_token: str | None = None,
     kv_private_network: bool = False,
     tls=None,
@@ -132,9 +193,11 @@ def serve_decode_worker(
     With a cluster token (argument or PDSERVE_CLUSTER_TOKEN), every call, KV streams included,
     must carry it; without one the worker binds loopback only. torch_dist KV listens off
     loopback only with ``kv_private_network`` (its data path is not authenticated). ``tls``
-    (grpc_plumbing.tls.ClusterTls): mutual TLS on the worker API and gRPC/Flight KV."""
+    (grpc_plumbing.tls.ClusterTls): mutual TLS on the worker API and gRPC/Flight KV.
+    ``max_streams``: concurrent Decode streams (StreamBudget; default from max_num_seqs)."""
     token = resolve_cluster_token(cluster_token)
-    server, address = worker_server(host, port, token, max_workers, tls)
+    budget = StreamBudget(max_streams or default_max_streams(worker))
+    server, address = worker_server(host, port, token, budget.server_threads, tls)
     kv_server = None
     if kv_transport == "grpc":
         add_kv_servicer(server, worker.receiver, token)
@@ -149,7 +212,7 @@ def serve_decode_worker(
         kv_endpoint = kv_server.endpoint
     add_worker_health(server, worker, pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name)
     pb_grpc.add_DecodeWorkerServicer_to_server(
-        DecodeServicer(worker, kv_endpoint, kv_transport), server
+        DecodeServicer(worker, kv_endpoint, kv_transport, budget), server
     )
     worker.start()
     server.start()
