@@ -20,6 +20,7 @@ from engine.block_manager import NoFreeBlocksError
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus, sampling_from_message
+from engine.scheduler import SchedulerOutput
 from engine.worker_base import EngineWorker
 from kv_transfer.frame import MAX_ID_LEN
 from kv_transfer.lease import LeaseTable
@@ -196,7 +197,7 @@ class DecodeWorker(EngineWorker):
         Used for every request in a colocated pool, and for prompts short enough that the
         router skips the transfer."""
         sampling = sampling_from_message(sampling_msg)
-        # With n > 1 the sampler draws every sequence's first token: _step forks then.
+        # With n > 1 the sampler draws every sequence's first token: on_updated forks then.
         req = self.new_request(request_id, prompt, outputs, sampling)
         stream = _Stream(req, sampling.n)
         with self.loop.lock:
@@ -207,32 +208,28 @@ class DecodeWorker(EngineWorker):
         self.loop.wake()
         return stream
 
-    def _step(self) -> bool:
-        with self.loop.lock:
-            self._apply_aborts()
-            self._expire_leases()
-            plan = self.scheduler.schedule()
-            for req in plan.preempted:
-                self._end_stream(req, PREEMPTED)
-        if plan.is_empty:
-            return False
-        logits = self.engine.runner.execute(plan.scheduled)
-        sampling = [s.request for s in plan.scheduled if s.samples]
-        tokens = self.engine.sampler.sample(logits, sampling)
-        with self.loop.lock:
-            for req in self.scheduler.update(plan, tokens):
-                stream = self._streams.get(req.request_id)
-                if stream is not None:
-                    logprob = req.output_logprobs[-1] if req.output_logprobs else None
-                    stream.items.put((stream.index(req), req.output_token_ids[-1], logprob))
-                if req.is_finished:
-                    self._end_stream(req, req.status.finish_reason)
-                    continue
-                if req.fork_first and stream is not None:
-                    self._fork_after_prefill(stream, req)
-                if self._stop_string(stream, req) is not None:
-                    self._finish(req, RequestStatus.FINISHED_STOPPED)
-        return True
+    # ---- the step's hooks (engine/step.py; each runs with loop.lock held) ------------------
+    def before_schedule(self) -> None:
+        self._apply_aborts()
+        self._expire_leases()
+
+    def on_planned(self, plan: SchedulerOutput) -> None:
+        for req in plan.preempted:
+            self._end_stream(req, PREEMPTED)
+
+    def on_updated(self, updated: list[Request]) -> None:
+        for req in updated:
+            stream = self._streams.get(req.request_id)
+            if stream is not None:
+                logprob = req.output_logprobs[-1] if req.output_logprobs else None
+                stream.items.put((stream.index(req), req.output_token_ids[-1], logprob))
+            if req.is_finished:
+                self._end_stream(req, req.status.finish_reason)
+                continue
+            if req.fork_first and stream is not None:
+                self._fork_after_prefill(stream, req)
+            if self._stop_string(stream, req) is not None:
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
 
     def _stop_string(self, stream: _Stream | None, req: Request) -> RequestStatus | None:
         """FINISHED_STOPPED when a sequence of an n > 1 request reached a stop string (see

@@ -1,4 +1,5 @@
-"""The colocated engine: add requests, step, collect outputs. The step is schedule, run, update."""
+"""The colocated engine: add requests, step, collect outputs. The step is engine/step.py's
+schedule, run, update, the same one the workers run."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus, SamplingParams, check_token_ids
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.step import ModelExecutor, StepHooks, StepLoop
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -27,7 +29,7 @@ class RequestOutput:
     finish_reason: str | None
 
 
-class LLMEngine:
+class LLMEngine(StepHooks):
     def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer: Tokenizer | None = None):
         self.config = config
         self.tokenizer = tokenizer
@@ -36,6 +38,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.blocks, config.max_model_len)
         self.runner = ModelRunner(model, cache.num_blocks, cache.block_size)
         self.sampler = Sampler()
+        self.executor = ModelExecutor(self.runner, self.sampler)
+        self.step_loop = StepLoop(self.scheduler, self.executor, self)
+        self._step_outputs: list[RequestOutput] = []
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -95,13 +100,12 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return []
-        logits = self.runner.execute(plan.scheduled)
-        sampling = [s.request for s in plan.scheduled if s.samples]
-        tokens = self.sampler.sample(logits, sampling)
-        return [self._output(req) for req in self.scheduler.update(plan, tokens)]
+        self._step_outputs = []
+        self.step_loop.step()
+        return self._step_outputs
+
+    def on_updated(self, updated: list[Request]) -> None:
+        self._step_outputs = [self._output(req) for req in updated]
 
     def generate(self, prompts: list[str | list[int]], sampling: SamplingParams | None = None):
         """Run prompts to completion as one continuous batch; returns finished ``Request``s."""

@@ -1,7 +1,8 @@
 """The engine thread a worker runs: step while there is work, sleep until woken when idle.
 
 RPC threads and the engine thread share the scheduler and block manager through ``lock``;
-the forward itself runs outside the lock, so admissions never wait for a whole step.
+the step (engine/step.py) runs the forward outside the lock, so admissions never wait for a
+whole step.
 """
 
 from __future__ import annotations
@@ -15,10 +16,15 @@ log = logging.getLogger("pdserve.engine")
 
 class EngineThread:
     def __init__(
-        self, step: Callable[[], bool], on_error: Callable[[BaseException], None], name: str
+        self,
+        step: Callable[[], bool],
+        on_error: Callable[[BaseException], None],
+        name: str,
+        lock: threading.RLock | None = None,
     ):
-        """``step()`` returns whether it did work; ``on_error`` fails in-flight requests."""
-        self.lock = threading.RLock()
+        """``step()`` returns whether it did work; ``on_error`` fails in-flight requests;
+        ``lock`` is the one ``step`` takes around scheduling (a new one if None)."""
+        self.lock = lock if lock is not None else threading.RLock()
         self._step = step
         self._on_error = on_error
         self._wake = threading.Event()

@@ -1,18 +1,21 @@
-"""What a prefill worker and a decode worker share: an engine driven by its own thread,
-aborts deferred to that thread, and a draining flag. No networking here."""
+"""What a prefill worker and a decode worker share: an engine driven by its own thread through
+the engine's one step (engine/step.py; the worker is its hooks), aborts deferred to that
+thread, and a draining flag. No networking here."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable
 
 from engine.llm_engine import LLMEngine
 from engine.loop import EngineThread
 from engine.request import Request, SamplingParams, check_token_ids
+from engine.step import StepHooks, StepLoop
 from engine.warmup import warm_up
 
 
-class EngineWorker:
+class EngineWorker(StepHooks):
     role = "worker"
 
     def __init__(self, engine: LLMEngine, worker_id: str | None = None):
@@ -20,7 +23,11 @@ class EngineWorker:
         self.worker_id = worker_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
         self.scheduler = engine.scheduler
         self.blocks = engine.blocks
-        self.loop = EngineThread(self._step, self._fail_all, name=f"{self.worker_id}-engine")
+        lock = threading.RLock()
+        self.step_loop = StepLoop(self.scheduler, engine.executor, self, lock)
+        self.loop = EngineThread(
+            self.step_loop.step, self._fail_all, name=f"{self.worker_id}-engine", lock=lock
+        )
         self._aborts: set[str] = set()
         self._draining = False
         # Called with the new value whenever ``draining`` changes (health services follow it).
@@ -97,9 +104,6 @@ class EngineWorker:
         from kernels import cpu_extension
 
         return cpu_extension.selected_variant()
-
-    def _step(self) -> bool:
-        raise NotImplementedError
 
     def _fail_all(self, error: BaseException) -> None:
         raise NotImplementedError

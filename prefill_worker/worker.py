@@ -20,7 +20,7 @@ import torch
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus
-from engine.scheduler import ScheduledSequence
+from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.worker_base import EngineWorker
 from kv_transfer.sender import KVStream
 
@@ -81,29 +81,26 @@ class PrefillWorker(EngineWorker):
             self._jobs.pop(job.req.request_id, None)
         self.loop.wake()
 
-    # ---- the step ----------------------------------------------------------------------
-    def _step(self) -> bool:
-        with self.loop.lock:
-            self._apply_aborts()
-            plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return False
-        sends = self._plan_sends(plan.scheduled)
-        logits = self.engine.runner.execute(plan.scheduled, self._layer_callback(sends))
-        sampling = [s.request for s in plan.scheduled if s.samples]
-        tokens = self.engine.sampler.sample(logits, sampling)
-        with self.loop.lock:
-            for req in self.scheduler.update(plan, tokens, check_stop=False):
-                job = self._jobs.get(req.request_id)
-                # Out of the batch now; blocks stay held until the transfer is committed.
-                table = self.scheduler.detach(req)
-                req.block_table = table
-                req.status = RequestStatus.FINISHED_LENGTH
-                req.mark("prefilled")
-                self.engine.sampler.release(req.request_id)
-                if job is not None:
-                    job.events.put(req.output_token_ids[-1])
-        return True
+    # ---- the step's hooks (engine/step.py) -----------------------------------------------
+    check_stop = False  # a request leaves the batch at its first token, its KV still to ship
+
+    def before_schedule(self) -> None:
+        self._apply_aborts()
+
+    def layer_callback(self, plan: SchedulerOutput):
+        return self._send_after_each_layer(self._plan_sends(plan.scheduled))
+
+    def on_updated(self, updated: list[Request]) -> None:
+        for req in updated:
+            job = self._jobs.get(req.request_id)
+            # Out of the batch now; blocks stay held until the transfer is committed.
+            table = self.scheduler.detach(req)
+            req.block_table = table
+            req.status = RequestStatus.FINISHED_LENGTH
+            req.mark("prefilled")
+            self.engine.sampler.release(req.request_id)
+            if job is not None:
+                job.events.put(req.output_token_ids[-1])
 
     def _plan_sends(self, batch: list[ScheduledSequence]):
         """Per sequence with a destination: (stream, src block ids, lease positions) this step."""
@@ -123,7 +120,7 @@ class PrefillWorker(EngineWorker):
             job.next_block = end // bs
         return sends
 
-    def _layer_callback(self, sends):
+    def _send_after_each_layer(self, sends):
         kv_caches = self.engine.runner.kv_caches
         ids = [stream.request_id for stream, _, _ in sends]
 
