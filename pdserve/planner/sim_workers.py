@@ -1,10 +1,11 @@
 """Simulated workers: the project's own Scheduler and BlockManager on a simulated clock.
 
-A step here is what a worker's engine thread does (prefill_worker/worker.py,
-decode_worker/worker.py): ``schedule()``, the forward, ``update(plan, tokens)``. Only the
-forward is replaced: it takes the profile's latency for that plan, and every sampled token is
-a fixed non-EOS id (outputs end at ``max_tokens``, as ``ignore_eos`` runs do). So batching,
-chunked prefill, admission, KV capacity and preemption are the scheduler's own decisions.
+A step here is the step a worker's engine thread runs (engine/step.py's ``StepLoop``:
+``schedule()``, the forward, ``update(plan, tokens)``), with the simulated worker as its hooks.
+Only the executor is replaced: the forward takes the profile's latency for that plan on the
+simulated clock, and every sampled token is a fixed non-EOS id (outputs end at ``max_tokens``,
+as ``ignore_eos`` runs do). So batching, chunked prefill, admission, KV capacity and preemption
+are the scheduler's own decisions.
 
 Prefix caching is off: simulated prompts carry no content (benchmarks make every prompt unique
 with a nonce for the same reason).
@@ -20,6 +21,7 @@ from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.step import StepHooks, StepLoop, TokensDone
 from pdserve.planner.profile import EngineSettings, Profile
 
 TOKEN = 3  # what every simulated sample returns; never an EOS id (none are set)
@@ -78,12 +80,12 @@ class CpuShare:
         self.busy -= 1
 
 
-class SimWorker:
-    """One worker's engine loop. Also carries the load counters the router's policies read
-    (the fields of router.pool.WorkerHandle they use), so the real policies run unchanged."""
+class SimWorker(StepHooks):
+    """One worker driving the engine's step on the simulated clock: the worker is the step's
+    hooks and its executor. Also carries the load counters the router's policies read (the
+    fields of router.pool.WorkerHandle they use), so the real policies run unchanged."""
 
     requeue_preempted = True
-    check_stop = True
 
     def __init__(
         self,
@@ -103,6 +105,7 @@ class SimWorker:
             engine.max_num_batched_tokens, engine.max_num_seqs, engine.prefill_chunk_size
         )
         self.scheduler = Scheduler(sched, self.blocks, engine.max_model_len, self.requeue_preempted)
+        self.step_loop = StepLoop(self.scheduler, self, self)
         self.busy = False
         self.busy_s = 0.0
         self.steps = 0
@@ -120,25 +123,23 @@ class SimWorker:
         return self.blocks.num_total
 
     def wake(self) -> None:
+        """Start a step unless one runs; idle until woken again (a submit, an attach or blocks
+        coming back) when the plan is empty."""
         if not self.busy and self.scheduler.has_unfinished:
-            self._start_step()
+            self.step_loop.step()
 
-    def _start_step(self) -> None:
-        plan = self.scheduler.schedule()
-        self.on_planned(plan)
-        if plan.is_empty:
-            return  # idle until woken: a submit, an attach or blocks coming back
+    def run(self, plan: SchedulerOutput, after_layer, done: TokensDone) -> None:
+        """The executor: the forward takes the profile's latency; the tokens come at its end."""
         self.busy = True
         dt = self.profile.step_seconds(plan.scheduled) * self.cpu.start()
         self.busy_s += dt
         self.steps += 1
-        self.clock.at(self.clock.now + dt, self._end_step, plan)
+        tokens = [TOKEN] * sum(1 for s in plan.scheduled if s.samples)
+        self.clock.at(self.clock.now + dt, self._end_step, done, tokens)
 
-    def _end_step(self, plan: SchedulerOutput) -> None:
-        n = sum(1 for s in plan.scheduled if s.samples)
+    def _end_step(self, done: TokensDone, tokens: list[int]) -> None:
         self.cpu.end()
-        updated = self.scheduler.update(plan, [TOKEN] * n, check_stop=self.check_stop)
-        self.on_updated(updated)
+        done(tokens)  # the scheduler's update, then on_updated
         self.busy = False
         self.wake()
 
@@ -147,9 +148,6 @@ class SimWorker:
         return _SimRequest(
             rid, [TOKEN] * prompt_tokens, sampling, output_token_ids=[TOKEN] * outputs
         )
-
-    def on_planned(self, plan: SchedulerOutput) -> None:
-        pass
 
     def on_updated(self, updated: list[Request]) -> None:
         raise NotImplementedError
