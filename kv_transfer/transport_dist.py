@@ -129,12 +129,17 @@ class _DistLink(Link):
         timeout_s: float = 60.0,
         bind_host: str | None = None,
         token: str | None = None,
+        connect_timeout_s: float = 5.0,
     ):
         host, _, port = endpoint.rpartition(":")
         host = host.strip("[]")
+        # A peer that is gone fails here at once (connection refused), not after TCPStore's
+        # connect retries; that is what a sender reconnecting a broken link meets first.
+        socket.create_connection((host, int(port)), timeout=connect_timeout_s).close()
         self._store = dist.TCPStore(
-            host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+            host, int(port), is_master=False, timeout=datetime.timedelta(seconds=connect_timeout_s)
         )
+        self._store.set_timeout(datetime.timedelta(seconds=timeout_s))
         backend = self._store.get("backend").decode()
         self.idle_interval_s = int(self._store.get("idle_timeout_ms").decode()) / 4000
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
