@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from engine.block_manager import blocks_for
 from protos import pdserve_pb2 as pb
 from router.flow_attempt import (
     Attempt,
@@ -191,7 +192,7 @@ class RequestFlow:
 
     async def _local(self, request_id, prompt, outputs, sampling, timings):
         """No lease: the decode worker prefills (its scheduler mixes the chunks into decode)."""
-        num_blocks = -(-(len(prompt) + len(outputs)) // self.cfg.block_size)
+        num_blocks = blocks_for(len(prompt) + len(outputs), self.cfg.block_size)
         req = pb.DecodeRequest(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -252,7 +253,7 @@ class RequestFlow:
         """A decode worker that had room to spare at the last poll, and the lease the router
         names there (not yet reserved); None where none has."""
         headroom = self.cfg.concurrent_reserve_headroom
-        num_blocks = -(-num_tokens // self.cfg.block_size)
+        num_blocks = blocks_for(num_tokens, self.cfg.block_size)
         if headroom < 0:
             return None
         for w in self.cfg.decode_policy(self.decode.routable(), num_blocks):
@@ -286,7 +287,7 @@ class RequestFlow:
     async def _reserve(self, request_id: str, num_tokens: int) -> Attempt:
         """Decode first: never prefill into a pool that has no room. Waits, then 429."""
         deadline = time.monotonic() + self.cfg.reserve_timeout_s
-        num_blocks = -(-num_tokens // self.cfg.block_size)
+        num_blocks = blocks_for(num_tokens, self.cfg.block_size)
         delay = 0.005
         while True:
             for w in self.cfg.decode_policy(self.decode.routable(), num_blocks):
