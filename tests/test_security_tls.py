@@ -19,6 +19,7 @@ from pdserve.client import Client
 from pdserve.cluster.local import ClusterSpec, LocalCluster
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from tests.cluster_utils import assert_all_blocks_free
 from tests.conftest import tiny_llama_dir
 from tests.tls_utils import make_certs
 
@@ -49,7 +50,7 @@ def cluster(request, tmp_path_factory, certs):
     )
     with LocalCluster(spec) as c:
         yield c
-        assert_all_blocks_free_tls(c, clu)
+        assert_all_blocks_free(c)
 
 
 def worker_stub(address: str, cert, role: str, with_client_cert: bool = True):
@@ -60,13 +61,6 @@ def worker_stub(address: str, cert, role: str, with_client_cert: bool = True):
     channel = grpc.secure_channel(address, creds)
     cls = pb_grpc.PrefillWorkerStub if role == "prefill" else pb_grpc.DecodeWorkerStub
     return channel, cls(channel)
-
-
-def assert_all_blocks_free_tls(cluster, cert) -> None:
-    channel, stub = worker_stub(cluster.decode_addresses[0], cert, "decode")
-    with channel:
-        st = stub.Status(pb.StatusRequest(), metadata=((TOKEN_KEY, TOKEN),), timeout=10)
-    assert st.num_free_blocks == st.num_total_blocks and st.num_leases == 0
 
 
 def test_openai_client_over_https(cluster, certs):
@@ -133,7 +127,7 @@ def test_workers_need_a_cluster_client_certificate(cluster, certs):
 
 
 def test_blocks_free_after_the_tls_requests(cluster, certs):
-    assert_all_blocks_free_tls(cluster, certs["cluster"])
+    assert_all_blocks_free(cluster)
 
 
 def test_tls_files_that_cannot_be_read_are_named(tmp_path):
@@ -162,7 +156,7 @@ def test_worker_processes_serve_mutual_tls_from_their_flags(tmp_path_factory, ce
             pb_grpc.DecodeWorkerStub(plain).Status(
                 pb.StatusRequest(), metadata=((TOKEN_KEY, TOKEN),), timeout=10
             )
-        assert_all_blocks_free_tls(c, clu)
+        assert_all_blocks_free(c)
 
 
 def test_mutual_tls_on_the_client_api_needs_a_client_certificate(tmp_path_factory, certs):
@@ -171,8 +165,8 @@ def test_mutual_tls_on_the_client_api_needs_a_client_certificate(tmp_path_factor
     import asyncio
 
     from router.app import start_router
-    from router.core import RouterConfig
     from router.security import ApiSecurity
+    from router.settings import RouterSettings
 
     path, _ = tiny_llama_dir(tmp_path_factory.mktemp("mtls"), num_heads=4, num_kv_heads=2, seed=6)
     api, client_cert = certs["api"], certs["cluster"]  # clients hold a cluster-CA certificate
@@ -180,7 +174,7 @@ def test_mutual_tls_on_the_client_api_needs_a_client_certificate(tmp_path_factor
 
     async def run():
         servers = await start_router(
-            RouterConfig(model_dir=str(path)), [], [], "127.0.0.1", 0, 0, KEY, security=security
+            RouterSettings(model_dir=str(path)), [], [], "127.0.0.1", 0, 0, KEY, security=security
         )
         try:
             return await asyncio.to_thread(check, servers.grpc_address, servers.http_address)
