@@ -12,11 +12,12 @@ from grpc_plumbing.auth import OpenBindError
 from kv_transfer.lease import LeaseTable
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import TransferError, make_sender, start_receiver_server
+from kv_transfer.transports import WORKER_TRANSPORTS
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
 TOKEN = "transport-token"
-SOCKET_TRANSPORTS = ["grpc", "flight", "torch_dist"]
+SOCKET_TRANSPORTS = list(WORKER_TRANSPORTS)  # every transport a worker can be configured with
 SHAPE = (8, 4, 2, 8)  # blocks, block size, kv heads, head dim
 
 
