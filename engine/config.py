@@ -116,9 +116,35 @@ class SchedulerConfig:
     prefill_chunk_size: int = 0
 
 
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "q4")  # kernels/quant.py
+WEIGHT_GROUPS = (32, 64)  # q4 group sizes
+KV_DTYPES = ("fp32", "int8")
+
+
+def check_weights(weights: str, group: int = 32) -> str:
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights {weights!r}: expected one of {WEIGHT_FORMATS}")
+    if group not in WEIGHT_GROUPS:
+        raise ValueError(f"weight group {group}: expected one of {WEIGHT_GROUPS}")
+    return weights
+
+
+def check_kv_dtype(kv_dtype: str) -> str:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype {kv_dtype!r}: expected one of {KV_DTYPES}")
+    return kv_dtype
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int = 2048
+    weights: str = "fp32"  # how the weights are stored: fp32 | bf16 | int8 | q4
+    weight_group: int = 32  # q4: weights per scale along K
+    kv_dtype: str = "fp32"  # the KV cache: fp32 | int8 (a scale per token and head)
+
+    def __post_init__(self):
+        check_weights(self.weights, self.weight_group)
+        check_kv_dtype(self.kv_dtype)

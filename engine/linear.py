@@ -7,6 +7,11 @@ at one row (SmolLM2's projections, 1 thread). Larger batches (prefill chunks) go
 on its own packed weight, as in vLLM's CPU backend: MKL's sgemm repacks the weight on every call
 (~15% slower at prefill sizes). Anywhere else (GPU, other dtypes, no oneDNN, no extension) the
 layer is a plain ``F.linear``.
+
+Quantized weights (``quantize``: bf16, int8, q4; kernels/quant.py) keep that dispatch: the
+skinny tiles are the quantized packing (kernels/csrc/quant_gemm_cpu.cpp dequantizes in
+registers, 2-10x faster than fp32 at one row), and the fp32 weight becomes the dequantized
+one, so oneDNN's prefill and every fallback multiply exactly the values decode reads.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kernels import cpu_extension
+from kernels import cpu_extension, quant
 
 
 def onednn_available() -> bool:
@@ -34,7 +39,22 @@ class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same state dict) plus an optional packed weight."""
 
     packed: torch.Tensor | None = None  # oneDNN's layout
-    skinny: torch.Tensor | None = None  # the skinny kernel's tiles
+    skinny: torch.Tensor | None = None  # the skinny kernel's tiles (fp32 or quantized)
+    quantized: quant.QuantizedWeight | None = None  # set by quantize
+
+    def quantize(self, fmt: str, group: int = 32) -> None:
+        """Store the weight as ``fmt`` (bf16 | int8 | q4 in groups of ``group``); call before
+        ``pack_for_cpu``. A tied weight (the LM head's embedding) changes for both users."""
+        qw = quant.quantize(self.weight.detach(), fmt, group)
+        self.weight.data = quant.dequantize(qw).to(self.weight.device)
+        self.quantized = qw
+
+    @property
+    def decode_bytes(self) -> int:
+        """Bytes a few-row matmul reads: the quantized codes and scales, or the fp32 weight."""
+        if self.quantized is not None and self.skinny is not None:
+            return self.quantized.nbytes
+        return self.weight.numel() * self.weight.element_size()
 
     def pack_for_cpu(self) -> bool:
         """Pack the weight for oneDNN and, where the C++ extension loads, for the skinny
@@ -46,7 +66,8 @@ class Linear(nn.Linear):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
         ext = cpu_extension.load()
         if ext is not None:
-            self.skinny = ext.pack_skinny_weight(w)
+            packed = quant.pack(self.quantized) if self.quantized is not None else None
+            self.skinny = packed if packed is not None else ext.pack_skinny_weight(w)
         return self.packed is not None or self.skinny is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -43,9 +43,15 @@ def resolve_device(device: str) -> str:
 
 
 def load_model(
-    model_dir: Path, cfg: ModelConfig, max_positions: int | None = None, device: str = "cpu"
+    model_dir: Path,
+    cfg: ModelConfig,
+    max_positions: int | None = None,
+    device: str = "cpu",
+    weights: str = "fp32",
+    weight_group: int = 32,
 ) -> LlamaModel:
-    """fp32 weights on ``device``; on the CPU also pre-packed for oneDNN and the C++ layers."""
+    """Weights on ``device``, stored as ``weights`` (fp32 | bf16 | int8 | q4, quantized at load
+    from fp32; kernels/quant.py); on the CPU also pre-packed for oneDNN and the C++ layers."""
     from safetensors.torch import load_file
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -65,6 +71,7 @@ def load_model(
         model.lm_head.weight = model.embed_tokens.weight
     _check_loaded(model)
     model = model.float().eval().to(resolve_device(device))
+    model.quantize_weights(weights, weight_group)
     if model.embed_tokens.weight.device.type == "cpu":
         model.pack_weights_for_cpu()
     return model

@@ -166,6 +166,21 @@ class LlamaModel(nn.Module):
         self.cpu_stack = cpu_stack.build(self) if fused_layers else None
         return packed
 
+    def quantize_weights(self, fmt: str, group: int = 32) -> None:
+        """Every projection and the LM head in ``fmt`` (kernels/quant.py); call before
+        ``pack_weights_for_cpu``. With q4 the LM head (the tied embedding) takes int8, as the
+        GGUF files keep their token embedding at 8 bits (Q8_0)."""
+        if fmt == "fp32":
+            return
+        for name, m in self.named_modules():
+            if isinstance(m, Linear):
+                m.quantize("int8" if fmt == "q4" and name == "lm_head" else fmt, group)
+
+    def weight_bytes_per_step(self) -> int:
+        """Bytes of weights a decode step reads: every projection and the LM head as stored
+        (embedding rows excluded)."""
+        return sum(m.decode_bytes for m in self.modules() if isinstance(m, Linear))
+
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype=torch.float32) -> KVCache:
         shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         device = self.embed_tokens.weight.device

@@ -32,6 +32,7 @@ _SOURCES = [
     "paged_decode_cpu.cpp",
     "prefill_attention_cpu.cpp",
     "skinny_gemm_cpu.cpp",
+    "quant_gemm_cpu.cpp",
     "decoder_stack_cpu.cpp",
     "kv_blocks_cpu.cpp",
     "bindings.cpp",

@@ -45,6 +45,12 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
                          const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& residual);
 
+// skinny_linear on a bf16 / int8 / q4 packing (kernels/quant.py; layouts in quant_gemm_cpu.cpp);
+// skinny_linear dispatches here on the packed weight's dtype.
+at::Tensor quant_skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_out,
+                               const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& residual);
+
 struct StackLinear {
   // bias / packed (oneDNN) / skinny (pack_skinny_weight) undefined when absent
   at::Tensor weight, bias, packed, skinny;

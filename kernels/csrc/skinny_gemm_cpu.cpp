@@ -118,6 +118,8 @@ at::Tensor pack_skinny_weight(const at::Tensor& weight) {
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_out,
                          const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& residual) {
+  // bf16 / int8 / q4 packings (quant_gemm_cpu.cpp): the same tiles from fewer bytes.
+  if (packed.scalar_type() != at::kFloat) return quant_skinny_linear(x, packed, n_out, bias, residual);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be 2-d fp32");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kTile && packed.is_contiguous() &&
                   packed.size(1) == x.size(1) && packed.size(0) * kTile >= n_out &&

@@ -1,0 +1,123 @@
+"""Weight-only quantization: the formats, their torch reference, and the packings the CPU
+extension's quantized skinny kernel reads (kernels/csrc/quant_gemm_cpu.cpp).
+
+Formats (``weights`` in the engine config):
+- ``bf16``: the fp32 weight rounded to bfloat16 (2 bytes a weight).
+- ``int8``: symmetric, one fp32 scale per output channel: w = q * scale, q in -127..127.
+- ``q4``: asymmetric 4-bit in groups of ``group`` (32 or 64) along K, an fp16 scale and an fp16
+  minimum per group: w = q * scale + min, q in 0..15 (llama.cpp's Q4_1 at group 32: 5 bits a
+  weight with its scales; requantizing a Q4_1-dequantized weight at group 32 gives the file's
+  blocks back, tests/test_quant.py).
+
+Activations stay fp32. ``dequantize`` is the reference: a quantized matmul must equal
+``x @ dequantize(w).T`` to float rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Q4_GROUPS = (32, 64)
+TILE = 16  # outputs per tile of the skinny kernels
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One [N, K] weight in ``format``: ``q`` (bf16 / int8 / uint8 codes), and per output
+    channel (int8) or per output channel and group (q4) ``scale`` and ``minimum``."""
+
+    format: str
+    q: torch.Tensor  # [N, K]
+    scale: torch.Tensor | None = None  # int8: [N] fp32; q4: [N, K // group] fp16
+    minimum: torch.Tensor | None = None  # q4: [N, K // group] fp16
+    group: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """What a matmul reads: codes (q4 two a byte) and scales."""
+        codes = (
+            self.q.numel() // 2 if self.format == "q4" else self.q.numel() * self.q.element_size()
+        )
+        extra = sum(
+            t.numel() * t.element_size() for t in (self.scale, self.minimum) if t is not None
+        )
+        return codes + extra
+
+
+def quantize(weight: torch.Tensor, fmt: str, group: int = 32) -> QuantizedWeight:
+    w = weight.detach().float()
+    if fmt == "bf16":
+        return QuantizedWeight("bf16", w.to(torch.bfloat16))
+    if fmt == "int8":
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return QuantizedWeight("int8", q, scale)
+    if fmt == "q4":
+        return _quantize_q4(w, group)
+    raise ValueError(f"weights {fmt!r}: expected bf16, int8 or q4")
+
+
+def _quantize_q4(w: torch.Tensor, group: int) -> QuantizedWeight:
+    if group not in Q4_GROUPS:
+        raise ValueError(f"q4 group {group}: expected one of {Q4_GROUPS}")
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"q4 group {group} does not divide K = {k}")
+    g = w.view(n, k // group, group)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    # Codes from the fp16-rounded scale and minimum: what the kernel multiplies back.
+    minimum = lo.to(torch.float16)
+    scale = ((hi - minimum.float()) / 15.0).to(torch.float16)
+    safe = scale.float().clamp(min=1e-12)
+    q = torch.round((g - minimum.float()[..., None]) / safe[..., None]).clamp(0, 15)
+    return QuantizedWeight("q4", q.to(torch.uint8).view(n, k), scale, minimum, group)
+
+
+def dequantize(qw: QuantizedWeight) -> torch.Tensor:
+    """The fp32 [N, K] weight the format stands for."""
+    if qw.format == "bf16":
+        return qw.q.float()
+    if qw.format == "int8":
+        return qw.q.float() * qw.scale[:, None]
+    n, k = qw.q.shape
+    g = qw.q.view(n, k // qw.group, qw.group).float()
+    return (g * qw.scale.float()[..., None] + qw.minimum.float()[..., None]).view(n, k)
+
+
+def reference_linear(x: torch.Tensor, qw: QuantizedWeight, bias=None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, dequantize(qw), bias)
+
+
+def pack(qw: QuantizedWeight) -> torch.Tensor:
+    """The packing quant_gemm_cpu.cpp reads (layouts in its header), zero-padded to whole
+    tiles of 16 outputs."""
+    n, k = qw.q.shape
+    tiles = -(-n // TILE)
+    if qw.format == "bf16":
+        return _tiles(qw.q, tiles).transpose(1, 2).contiguous()  # [tiles, K, 16]
+    if qw.format == "int8":
+        codes = _tiles(qw.q, tiles).transpose(1, 2).reshape(tiles, k * TILE)
+        scales = _tiles(qw.scale[:, None], tiles).reshape(tiles, TILE).contiguous()
+        return torch.cat([codes, scales.view(torch.int8)], dim=1).contiguous()
+    groups, gs = k // qw.group, qw.group
+    q = _tiles(qw.q, tiles).view(tiles, TILE, groups, gs // 2, 2).to(torch.int32)
+    nibbles = (q[..., 0] | (q[..., 1] << 4)).to(torch.uint8)  # [tiles, 16, groups, G/2]
+    nibbles = nibbles.permute(0, 2, 3, 1).reshape(tiles, groups, gs // 2 * TILE)
+    sm = [_tiles(t, tiles).transpose(1, 2).contiguous() for t in (qw.scale, qw.minimum)]
+    sm = [t.view(torch.uint8).view(tiles, groups, TILE * 2) for t in sm]  # [tiles, groups, 32]
+    return torch.cat([nibbles, *sm], dim=2).contiguous()  # [tiles, groups, G * 8 + 64]
+
+
+def _tiles(t: torch.Tensor, tiles: int) -> torch.Tensor:
+    """[N, ...] zero-padded to [tiles, 16, ...]."""
+    padded = t.new_zeros((tiles * TILE, *t.shape[1:]))
+    padded[: t.shape[0]] = t
+    return padded.view(tiles, TILE, *t.shape[1:])
+
+
+def torch_int8pack_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """torch's own weight-only int8 kernel, for benchmarks against this one (slower with fp32
+    activations on the CPUs measured; docs/results/quantized.md)."""
+    return torch.ops.aten._weight_int8pack_mm(x, qw.q, qw.scale)
