@@ -15,7 +15,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from engine.tokenizer import Tokenizer
 from router.app import start_router
-from tests.cluster_utils import assert_all_blocks_free, http_cluster, openai_client
+from tests.cluster_utils import assert_all_blocks_free
 from tests.conftest import tiny_llama_dir
 from tests.http_utils import get, open_stream, post, sse_events
 
@@ -24,26 +24,14 @@ MESSAGES = [{"role": "system", "content": "w20 w21"}, {"role": "user", "content"
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    path, _ = tiny_llama_dir(tmp_path_factory.mktemp("http"), num_heads=4, num_kv_heads=2, seed=11)
-    return path
+def openai_tiny(tmp_path_factory):
+    """This module's own tiny model (seed 11), which conftest's ``openai_cluster`` serves."""
+    return tiny_llama_dir(tmp_path_factory.mktemp("http"), num_heads=4, num_kv_heads=2, seed=11)
 
 
 @pytest.fixture(scope="module")
-def cluster(model_path):
-    with http_cluster(model_path) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    with openai_client(cluster) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(cluster):
-    return cluster.router.cfg.model_name
+def model_path(openai_tiny):
+    return openai_tiny[0]
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +55,8 @@ def reference(model_path):
 GREEDY = {"max_tokens": NEW, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
-def test_completion_greedy_text_equals_the_engine(client, model, reference):
-    out = client.completions.create(model=model, prompt="w5 w6 w7", **GREEDY)
+def test_completion_greedy_text_equals_the_engine(openai_api, served_model, reference):
+    out = openai_api.completions.create(model=served_model, prompt="w5 w6 w7", **GREEDY)
     ids = reference.tokenizer.encode("w5 w6 w7")
     assert out.choices[0].text == reference(ids)
     assert out.choices[0].finish_reason == "length"
@@ -76,15 +64,15 @@ def test_completion_greedy_text_equals_the_engine(client, model, reference):
     assert out.usage.total_tokens == len(ids) + NEW and out.object == "text_completion"
 
 
-def test_completion_of_token_ids(client, model, reference):
-    out = client.completions.create(model=model, prompt=[7, 8, 9, 10], **GREEDY)
+def test_completion_of_token_ids(openai_api, served_model, reference):
+    out = openai_api.completions.create(model=served_model, prompt=[7, 8, 9, 10], **GREEDY)
     assert out.choices[0].text == reference([7, 8, 9, 10])
 
 
-def test_completion_stream_with_usage(client, model, reference):
+def test_completion_stream_with_usage(openai_api, served_model, reference):
     chunks = list(
-        client.completions.create(
-            model=model,
+        openai_api.completions.create(
+            model=served_model,
             prompt="w30 w31",
             stream=True,
             stream_options={"include_usage": True},
@@ -99,18 +87,18 @@ def test_completion_stream_with_usage(client, model, reference):
     assert all(c.usage is None for c in chunks[:-1])
 
 
-def test_chat_greedy_text_equals_the_engine(client, model, reference):
-    out = client.chat.completions.create(model=model, messages=MESSAGES, **GREEDY)
+def test_chat_greedy_text_equals_the_engine(openai_api, served_model, reference):
+    out = openai_api.chat.completions.create(model=served_model, messages=MESSAGES, **GREEDY)
     ids = reference.tokenizer.encode_chat(MESSAGES)
     assert out.choices[0].message.content == reference(ids)
     assert out.choices[0].message.role == "assistant" and out.object == "chat.completion"
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == NEW
 
 
-def test_chat_stream_with_usage(client, model, reference):
+def test_chat_stream_with_usage(openai_api, served_model, reference):
     chunks = list(
-        client.chat.completions.create(
-            model=model,
+        openai_api.chat.completions.create(
+            model=served_model,
             messages=MESSAGES,
             stream=True,
             stream_options={"include_usage": True},
@@ -124,17 +112,19 @@ def test_chat_stream_with_usage(client, model, reference):
     assert chunks[-1].usage.completion_tokens == NEW
 
 
-def test_stop_string_gives_finish_reason_stop(client, model):
-    free = client.completions.create(model=model, prompt="w9 w10 w11", **GREEDY)
+def test_stop_string_gives_finish_reason_stop(openai_api, served_model):
+    free = openai_api.completions.create(model=served_model, prompt="w9 w10 w11", **GREEDY)
     stop = free.choices[0].text.split()[3]
-    out = client.completions.create(model=model, prompt="w9 w10 w11", stop=[stop], **GREEDY)
+    out = openai_api.completions.create(
+        model=served_model, prompt="w9 w10 w11", stop=[stop], **GREEDY
+    )
     assert out.choices[0].finish_reason == "stop"
     assert free.choices[0].text.startswith(out.choices[0].text) and stop not in out.choices[0].text
 
 
-def test_seeded_sampling_repeats(client, model):
+def test_seeded_sampling_repeats(openai_api, served_model):
     kw = {
-        "model": model,
+        "model": served_model,
         "prompt": "w9 w10",
         "max_tokens": NEW,
         "temperature": 2.0,
@@ -143,14 +133,14 @@ def test_seeded_sampling_repeats(client, model):
         "extra_body": {"ignore_eos": True, "top_k": 20, "min_tokens": 2},
     }
     assert (
-        client.completions.create(**kw).choices[0].text
-        == client.completions.create(**kw).choices[0].text
+        openai_api.completions.create(**kw).choices[0].text
+        == openai_api.completions.create(**kw).choices[0].text
     )
 
 
-def test_sse_stream_parses_with_a_plain_parser(cluster, model):
+def test_sse_stream_parses_with_a_plain_parser(openai_cluster, served_model):
     body = {
-        "model": model,
+        "model": served_model,
         "prompt": "w5 w6",
         "max_tokens": NEW,
         "temperature": 0,
@@ -159,7 +149,7 @@ def test_sse_stream_parses_with_a_plain_parser(cluster, model):
         "stream_options": {"include_usage": True},
         "return_timings": True,
     }
-    conn, resp = open_stream(cluster.http_address, "/v1/completions", body)
+    conn, resp = open_stream(openai_cluster.http_address, "/v1/completions", body)
     try:
         assert resp.status == 200
         assert resp.getheader("Content-Type").startswith("text/event-stream")
@@ -179,9 +169,9 @@ def test_sse_stream_parses_with_a_plain_parser(cluster, model):
     }
 
 
-def test_timings_extension_breaks_down_ttft(client, model):
-    out = client.completions.create(
-        model=model, prompt="w5 w6 w7 w8", max_tokens=4, extra_body={"return_timings": True}
+def test_timings_extension_breaks_down_ttft(openai_api, served_model):
+    out = openai_api.completions.create(
+        model=served_model, prompt="w5 w6 w7 w8", max_tokens=4, extra_body={"return_timings": True}
     )
     t = out.model_extra["timings"]
     parts = t["prefill_queue_s"] + t["prefill_s"] + t["kv_transfer_s"] + t["decode_queue_s"]
@@ -190,7 +180,9 @@ def test_timings_extension_breaks_down_ttft(client, model):
     assert t["e2e_s"] >= t["ttft_s"]
     assert (
         "timings"
-        not in client.completions.create(model=model, prompt="w5", max_tokens=2).model_extra
+        not in openai_api.completions.create(
+            model=served_model, prompt="w5", max_tokens=2
+        ).model_extra
     )
 
 
@@ -246,62 +238,68 @@ BAD_CHAT = [
 
 
 @pytest.mark.parametrize("override,param", BAD, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD)])
-def test_bad_completion_parameter_is_400_naming_it(cluster, model, override, param):
-    body = {"model": model, "prompt": "w5 w6", "max_tokens": 4, **override}
-    assert_400_naming(cluster, "/v1/completions", body, param)
+def test_bad_completion_parameter_is_400_naming_it(openai_cluster, served_model, override, param):
+    body = {"model": served_model, "prompt": "w5 w6", "max_tokens": 4, **override}
+    assert_400_naming(openai_cluster, "/v1/completions", body, param)
 
 
 @pytest.mark.parametrize("override,param", BAD_CHAT, ids=[p for _, p in BAD_CHAT])
-def test_bad_chat_parameter_is_400_naming_it(cluster, model, override, param):
-    body = {"model": model, "messages": MESSAGES, "max_tokens": 4, **override}
-    assert_400_naming(cluster, "/v1/chat/completions", body, param)
+def test_bad_chat_parameter_is_400_naming_it(openai_cluster, served_model, override, param):
+    body = {"model": served_model, "messages": MESSAGES, "max_tokens": 4, **override}
+    assert_400_naming(openai_cluster, "/v1/chat/completions", body, param)
 
 
-def assert_400_naming(cluster, path, body, param):
-    status, out = post(cluster.http_address, path, body)
+def assert_400_naming(openai_cluster, path, body, param):
+    status, out = post(openai_cluster.http_address, path, body)
     assert status == 400, out
     err = out["error"]
     assert (
         err["param"] == param and param in err["message"] and err["type"] == "invalid_request_error"
     )
     # ... and the server keeps serving.
-    status, ok = post(cluster.http_address, "/v1/completions", {"prompt": "w5", "max_tokens": 2})
+    status, ok = post(
+        openai_cluster.http_address, "/v1/completions", {"prompt": "w5", "max_tokens": 2}
+    )
     assert status == 200 and ok["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-def test_malformed_json_is_400(cluster):
-    status, out = post(cluster.http_address, "/v1/completions", b"{not json")
+def test_malformed_json_is_400(openai_cluster):
+    status, out = post(openai_cluster.http_address, "/v1/completions", b"{not json")
     assert status == 400 and out["error"]["type"] == "invalid_request_error"
 
 
-def test_unknown_model_is_404(client):
+def test_unknown_model_is_404(openai_api):
     with pytest.raises(openai.NotFoundError) as e:
-        client.completions.create(model="gpt-17", prompt="w5", max_tokens=2)
+        openai_api.completions.create(model="gpt-17", prompt="w5", max_tokens=2)
     assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
 
 
-def test_unknown_route_is_404_in_openai_shape(cluster):
-    status, out = get(cluster.http_address, "/v1/nothing")
+def test_unknown_route_is_404_in_openai_shape(openai_cluster):
+    status, out = get(openai_cluster.http_address, "/v1/nothing")
     assert status == 404 and "message" in out["error"]
 
 
-def test_models_and_health(client, cluster, model):
-    assert [m.id for m in client.models.list()] == [model]
-    assert get(cluster.http_address, "/health") == (
+def test_models_and_health(openai_api, openai_cluster, served_model):
+    assert [m.id for m in openai_api.models.list()] == [served_model]
+    assert get(openai_cluster.http_address, "/health") == (
         200,
         {"status": "ok", "prefill_workers": 1, "decode_workers": 1},
     )
 
 
-def _extra_router(cluster, decode: list[str], **cfg):
+def _extra_router(openai_cluster, decode: list[str], **cfg):
     from dataclasses import replace
 
-    rcfg = replace(cluster.router.cfg, **cfg)
-    return cluster.run(start_router(rcfg, cluster.prefill_addresses, decode, http_port=0))
+    rcfg = replace(openai_cluster.router.cfg, **cfg)
+    return openai_cluster.run(
+        start_router(rcfg, openai_cluster.prefill_addresses, decode, http_port=0)
+    )
 
 
-def test_overloaded_is_429(cluster, model):
-    servers = _extra_router(cluster, cluster.decode_addresses, max_inflight_requests=0)
+def test_overloaded_is_429(openai_cluster, served_model):
+    servers = _extra_router(
+        openai_cluster, openai_cluster.decode_addresses, max_inflight_requests=0
+    )
     try:
         with (
             openai.OpenAI(
@@ -309,31 +307,31 @@ def test_overloaded_is_429(cluster, model):
             ) as c,
             pytest.raises(openai.RateLimitError),
         ):
-            c.completions.create(model=model, prompt="w5", max_tokens=2)
+            c.completions.create(model=served_model, prompt="w5", max_tokens=2)
     finally:
-        cluster.run(servers.stop())
+        openai_cluster.run(servers.stop())
 
 
-def test_health_is_503_until_every_pool_has_a_ready_worker(cluster):
-    servers = _extra_router(cluster, ["127.0.0.1:1"])  # nothing answers there
+def test_health_is_503_until_every_pool_has_a_ready_worker(openai_cluster):
+    servers = _extra_router(openai_cluster, ["127.0.0.1:1"])  # nothing answers there
     try:
         status, body = get(servers.http_address, "/health")
         assert status == 503 and body["decode_workers"] == 0
-        cluster.run(servers.router.add_worker("decode", cluster.decode_addresses[0]))
+        openai_cluster.run(servers.router.add_worker("decode", openai_cluster.decode_addresses[0]))
         assert get(servers.http_address, "/health")[0] == 200
     finally:
-        cluster.run(servers.stop())
+        openai_cluster.run(servers.stop())
 
 
-def test_client_leaving_mid_stream_frees_its_blocks(cluster, model):
+def test_client_leaving_mid_stream_frees_its_blocks(openai_cluster, served_model):
     body = {
-        "model": model,
+        "model": served_model,
         "prompt": "w5 w6",
         "max_tokens": 100,
         "ignore_eos": True,
         "stream": True,
     }
-    conn, resp = open_stream(cluster.http_address, "/v1/completions", body)
+    conn, resp = open_stream(openai_cluster.http_address, "/v1/completions", body)
     assert next(sse_events(resp))
     conn.close()
-    assert_all_blocks_free(cluster)
+    assert_all_blocks_free(openai_cluster)
