@@ -146,3 +146,44 @@ def test_a_step_beside_another_worker_takes_the_measured_co_run_slowdown():
     assert cpu.start() == 1.5  # beside one other, each on its own core
     assert cpu.start() == pytest.approx(1.5 * 1.5)  # three on two cores, and beside others
     assert CpuShare(None, 1, 1.5).start() == 1.0  # own hardware: no sharing at all
+
+
+def test_prefill_and_decode_steps_take_their_own_co_run_slowdowns():
+    from pdserve.planner.sim_workers import CpuShare
+
+    cpu = CpuShare(cores=2, threads=1, co_run_slowdown=2.0, co_run_slowdown_prefill=1.2)
+    assert cpu.start("prefill") == 1.0  # alone
+    assert cpu.start("prefill") == pytest.approx(1.2)  # beside a neighbour
+    cpu.end()
+    assert cpu.start("decode") == pytest.approx(2.0)
+    # A profile from before the split: prefill steps take the one (decode) figure.
+    assert CpuShare(2, 1, 2.0).slowdown == {"decode": 2.0, "prefill": 2.0}
+
+
+def test_a_prefill_beside_decodes_is_slowed_by_the_prefill_figure_only():
+    """Two workers on two cores: the colocated request's first token (a prefill beside the
+    other worker's decode stream) takes the prefill slowdown; the stream's TPOT the decode
+    one."""
+    base = toy_profile()
+    trace = [TraceRequest(0.0, 100, 400), TraceRequest(1.0, 300, 1)]
+    cfg = SimConfig(Split(0, 2), cpu_cores=2)
+
+    def run(decode: float, prefill: float):
+        prof = Profile(
+            **{**base.__dict__, "co_run_slowdown": decode, "co_run_slowdown_prefill": prefill}
+        )
+        return simulate(prof, trace, cfg).result
+
+    slow_decode, slow_both = run(3.0, 1.0), run(3.0, 3.0)
+    alone = base.router_overhead_s + base.prefill_seconds(300)
+    assert slow_decode.ttfts[1] == pytest.approx(alone, rel=0.05)
+    assert slow_both.ttfts[1] > 2 * alone
+    assert slow_decode.tpot_ms.median == pytest.approx(slow_both.tpot_ms.median, rel=0.05)
+
+
+def test_profile_keeps_the_prefill_co_run_slowdown(tmp_path):
+    from pdserve.planner.profile import load_profile
+
+    prof = Profile(**{**toy_profile().__dict__, "co_run_slowdown_prefill": 1.3})
+    prof.save(tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json").co_run_slowdown_prefill == 1.3

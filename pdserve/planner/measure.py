@@ -137,36 +137,52 @@ def measure_transfer(model_cfg, engine: EngineSettings, transport: str, tokens) 
     return out
 
 
-def background_prefill(model_dir: str, seconds: float) -> None:
-    """A second worker computing (prefill forwards on one thread) for ``seconds``."""
+def background_work(model_dir: str, seconds: float, kind: str) -> None:
+    """A second worker computing on one thread for ``seconds``: prefill forwards of 256 new
+    tokens (``kind`` "prefill") or decode steps of 16 sequences at context 256 ("decode")."""
     from engine.config import CacheConfig
     from engine.llm_engine import LLMEngine
 
     torch.set_num_threads(1)
-    engine = LLMEngine.from_model_path(model_dir, CacheConfig(16, 64), progress=False)
+    engine = LLMEngine.from_model_path(model_dir, CacheConfig(16, 512), progress=False)
     timer = WorkerTimer(engine, QUICK)
     print("READY", flush=True)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        timer.prefill(256, 0)
+        timer.prefill(256, 0) if kind == "prefill" else timer.decode(16, 256)
 
 
-def measure_co_run_slowdown(timer: WorkerTimer, model_dir: str) -> float:
-    """A decode step's time while another worker process computes, over its time alone."""
+def _beside(model_dir: str, kind: str, measure) -> float:
+    """``measure()`` while a second worker process runs ``kind`` steps beside it."""
     import sys
 
-    batch, ctx = min(16, max(timer.grid.batches)), min(256, max(timer.grid.contexts))
-    alone = timer.decode(batch, ctx)
-    code = f"from pdserve.planner.measure import background_prefill; background_prefill({str(model_dir)!r}, 60)"
+    code = (
+        "from pdserve.planner.measure import background_work; "
+        f"background_work({model_dir!r}, 60, {kind!r})"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         proc.stdout.readline()  # READY
         time.sleep(0.5)
-        beside = timer.decode(batch, ctx)
+        return measure()
     finally:
         proc.terminate()
         proc.wait(10)
-    return max(1.0, beside / alone)
+
+
+def measure_co_run_slowdown(timer: WorkerTimer, model_dir: str) -> tuple[float, float]:
+    """How much slower a decode step runs while another worker prefills beside it, and a
+    prefill step while another worker decodes beside it, each over its time alone. Measured
+    apart: a bandwidth-bound decode step loses more to a neighbour than a compute-bound
+    prefill (on this VM's two cores the one figure for both made the simulated TTFT ~3x the
+    real one)."""
+    batch, ctx = min(16, max(timer.grid.batches)), min(256, max(timer.grid.contexts))
+    chunk = min(256, max(timer.grid.prefill_tokens))
+    decode_alone = timer.decode(batch, ctx)
+    decode_beside = _beside(model_dir, "prefill", lambda: timer.decode(batch, ctx))
+    prefill_alone = timer.prefill(chunk, 0)
+    prefill_beside = _beside(model_dir, "decode", lambda: timer.prefill(chunk, 0))
+    return max(1.0, decode_beside / decode_alone), max(1.0, prefill_beside / prefill_alone)
 
 
 def measure_router_overhead(prompt_tokens: int = 256) -> float:
@@ -267,7 +283,7 @@ def run_profile(
     transfer = measure_transfer(model_cfg, settings, cfg.kv_transport, grid.transfer_tokens)
     bar.update(1)
     bar.set_postfix_str("beside another worker")
-    co_run = 1.0 if quick else measure_co_run_slowdown(timer, str(engine_dir(cfg.model)))
+    co_run = (1.0, 1.0) if quick else measure_co_run_slowdown(timer, str(engine_dir(cfg.model)))
     bar.update(1)
     bar.set_postfix_str("router")
     router_s = QUICK_ROUTER_OVERHEAD_S if quick or skip_router else measure_router_overhead()
@@ -301,7 +317,8 @@ def run_profile(
         transfer_bytes=tuple(float(t * kv_per_token) for t in grid.transfer_tokens),
         transfer_seconds=tuple(transfer),
         router_overhead_s=router_s,
-        co_run_slowdown=co_run,
+        co_run_slowdown=co_run[0],
+        co_run_slowdown_prefill=co_run[1],
         kv_bytes_per_token=kv_per_token,
         num_layers=model_cfg.num_layers,
         engine=settings,

@@ -105,7 +105,9 @@ class Profile:
     engine: EngineSettings = field(default_factory=EngineSettings)
     # How much slower a step runs while another worker computes on the same machine (shared
     # memory bandwidth and caches, or vCPUs that are hyperthreads); 1 on separate hardware.
-    co_run_slowdown: float = 1.0
+    co_run_slowdown: float = 1.0  # a decode step's
+    # A prefill step's, measured apart (None in older profiles: the decode step's figure).
+    co_run_slowdown_prefill: float | None = None
     meta: dict = field(default_factory=dict)  # hardware, model, dtype, versions, date
 
     # ---- latencies -----------------------------------------------------------------------
@@ -127,6 +129,14 @@ class Profile:
         only the last layer's frames are left once compute ends, unless the link is slower."""
         total = self.transfer_seconds_for(num_tokens)
         return max(total - prefill_s, total / max(self.num_layers, 1))
+
+    @staticmethod
+    def has_prefill(scheduled) -> bool:
+        """Whether a plan computes prompt tokens (a prefill or mixed step), not only decodes."""
+        return any(
+            s.num_new_tokens > 1 or s.request.num_computed_tokens < s.request.num_prompt_tokens
+            for s in scheduled
+        )
 
     def step_seconds(self, scheduled) -> float:
         """One forward over a scheduler plan's ``scheduled`` sequences."""
@@ -172,10 +182,15 @@ class Profile:
                 num_layers=int(d["num_layers"]),
                 engine=EngineSettings(**d.get("engine", {})),
                 co_run_slowdown=float(d.get("co_run_slowdown", 1.0)),
+                co_run_slowdown_prefill=_optional_float(d.get("co_run_slowdown_prefill")),
                 meta=dict(d.get("meta", {})),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a valid profile: {type(e).__name__}: {e}") from None
+
+
+def _optional_float(value) -> float | None:
+    return None if value is None else float(value)
 
 
 def load_profile(path: str | Path) -> Profile:

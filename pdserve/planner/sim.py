@@ -121,7 +121,9 @@ class SimCluster:
         self.prefill_policy = get_policy("prefill", cfg.prefill_policy)
         self.decode_policy = get_policy("decode", cfg.decode_policy)
         threads = int(profile.meta.get("threads") or 1)
-        cpu = CpuShare(cfg.cpu_cores, threads, profile.co_run_slowdown)
+        cpu = CpuShare(
+            cfg.cpu_cores, threads, profile.co_run_slowdown, profile.co_run_slowdown_prefill
+        )
         args = (self.clock, profile, self.engine)
         self.prefill = [
             SimPrefillWorker(

@@ -59,21 +59,31 @@ class CpuShare:
     """Workers that share ``cores`` CPU cores (several workers on one small machine): a step
     that starts while ``k`` workers compute, each with ``threads`` threads, runs
     max(1, k x threads / cores) times slower (processor sharing, judged at the step's start),
-    and ``co_run_slowdown`` times slower again while another worker computes beside it (the
-    profile measures that: shared memory bandwidth and caches). ``cores`` None: every worker
-    has its own hardware, as on GPUs."""
+    and slower again while another worker computes beside it, by the slowdown the profile
+    measured for the step's kind: a decode step (bound by memory bandwidth) loses more to a
+    neighbour than a prefill step (bound by its own core's FLOPs). ``cores`` None: every
+    worker has its own hardware, as on GPUs."""
 
-    def __init__(self, cores: int | None = None, threads: int = 1, co_run_slowdown: float = 1.0):
+    def __init__(
+        self,
+        cores: int | None = None,
+        threads: int = 1,
+        co_run_slowdown: float = 1.0,
+        co_run_slowdown_prefill: float | None = None,
+    ):
         self.cores = cores
         self.threads = max(threads, 1)
-        self.co_run_slowdown = co_run_slowdown
+        prefill = co_run_slowdown if co_run_slowdown_prefill is None else co_run_slowdown_prefill
+        self.slowdown = {"decode": co_run_slowdown, "prefill": prefill}
         self.busy = 0
 
-    def start(self) -> float:
+    def start(self, kind: str = "decode") -> float:
+        """A step of ``kind`` ("prefill": it computes prompt tokens; else "decode") starts;
+        returns how many times slower than alone it runs."""
         self.busy += 1
         if not self.cores:
             return 1.0
-        shared = self.co_run_slowdown if self.busy > 1 else 1.0
+        shared = self.slowdown[kind] if self.busy > 1 else 1.0
         return max(1.0, self.busy * self.threads / self.cores) * shared
 
     def end(self) -> None:
@@ -131,7 +141,8 @@ class SimWorker(StepHooks):
     def run(self, plan: SchedulerOutput, after_layer, done: TokensDone) -> None:
         """The executor: the forward takes the profile's latency; the tokens come at its end."""
         self.busy = True
-        dt = self.profile.step_seconds(plan.scheduled) * self.cpu.start()
+        kind = "prefill" if self.profile.has_prefill(plan.scheduled) else "decode"
+        dt = self.profile.step_seconds(plan.scheduled) * self.cpu.start(kind)
         self.busy_s += dt
         self.steps += 1
         tokens = [TOKEN] * sum(1 for s in plan.scheduled if s.samples)
