@@ -54,6 +54,13 @@ class ModelConfig:
         """fp32 K and V of one token over every layer: what a transfer ships per token."""
         return 2 * self.num_layers * self.kv_size * 4
 
+    def kv_bytes_per_token_as(self, kv_dtype: str) -> int:
+        """K and V of one token over every layer in ``kv_dtype``: int8 is head_dim codes plus
+        a 4-byte scale per head (kernels/kv_int8.py)."""
+        if kv_dtype == "int8":
+            return 2 * self.num_layers * self.num_kv_heads * (self.head_dim + 4)
+        return self.kv_bytes_per_token
+
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Validate a Hugging Face ``config.json`` dict and keep what the runtime needs."""

@@ -15,11 +15,12 @@ PROMPT_LOGPROB_ROWS = 512  # prompt positions per LM-head call when prompt logpr
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: str = "fp32"):
         self.model = model
         self.block_size = block_size
+        self.kv_dtype = kv_dtype  # fp32 | int8 (a scale per token and head)
         self.device = model.embed_tokens.weight.device
-        self.kv_caches: KVCache = model.allocate_kv_cache(num_blocks, block_size)
+        self.kv_caches: KVCache = model.allocate_kv_cache(num_blocks, block_size, kv_dtype=kv_dtype)
 
     def prepare(self, batch: Sequence[ScheduledSequence]):
         """Input ids, positions and attention metadata for a mixed prefill/decode batch."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_extension
+from kernels import cpu_extension, kv_int8
 from kernels.metadata import AttentionMetadata
 
 try:
@@ -34,6 +34,17 @@ def kernel_backend(device: torch.device | str, backend: str = "auto") -> str:
     return backend
 
 
+def _triton(x: torch.Tensor, cache: torch.Tensor, backend: str) -> bool:
+    """Whether the Triton kernels run: they read float caches, so int8 caches (the torch
+    path dequantizes them) never go there."""
+    chosen = kernel_backend(x.device, backend) == "triton"
+    if chosen and kv_int8.is_int8(cache):
+        if backend == "triton":
+            raise ValueError("the Triton kernels read float KV caches, not int8")
+        return False
+    return chosen
+
+
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -43,12 +54,14 @@ def store_kv(
     backend: str = "auto",
 ) -> None:
     """Write key/value [T, kvh, d] into the paged caches at ``slot_mapping`` (-1 skips)."""
-    if kernel_backend(key.device, backend) == "triton":
+    if _triton(key, k_cache, backend):
         triton_kernels.store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
         return
     if slot_mapping.numel() and int(slot_mapping.min()) < 0:
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    if kv_int8.is_int8(k_cache):  # rows of codes + scale (kernels/kv_int8.py)
+        key, value = kv_int8.quantize(key), kv_int8.quantize(value)
     kv_heads, head_dim = k_cache.shape[2:]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
@@ -76,7 +89,7 @@ def prefill_attention(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Variable-length causal attention; each chunk also sees its sequence's cached prefix."""
-    if kernel_backend(query.device, backend) == "triton":
+    if _triton(query, k_cache, backend):
         return triton_kernels.prefill_attention_triton(query, k_cache, v_cache, meta, scale)
     return _prefill_torch(query, k_cache, v_cache, meta, scale)
 
@@ -90,7 +103,7 @@ def decode_attention(
     backend: str = "auto",
 ) -> torch.Tensor:
     """One query token per sequence ([B, h, d]) attending to its whole cached context."""
-    if kernel_backend(query.device, backend) == "triton":
+    if _triton(query, k_cache, backend):
         return triton_kernels.decode_attention_triton(query, k_cache, v_cache, meta, scale)
     return _decode_torch(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_cpu, scale)
 
@@ -130,8 +143,8 @@ def _prefill_torch(query, k_cache, v_cache, meta, scale):
             )
             continue
         table = meta.block_tables[i : i + 1]
-        k = _gather_blocks(k_cache, table, seq_len)[:, :seq_len].transpose(1, 2)
-        v = _gather_blocks(v_cache, table, seq_len)[:, :seq_len].transpose(1, 2)
+        k = kv_int8.as_float(_gather_blocks(k_cache, table, seq_len)[:, :seq_len]).transpose(1, 2)
+        v = kv_int8.as_float(_gather_blocks(v_cache, table, seq_len)[:, :seq_len]).transpose(1, 2)
         q = query[starts[i] : starts[i] + q_len].transpose(0, 1).unsqueeze(0)
         o = _sdpa_causal(q, k, v, scale)
         out[starts[i] : starts[i] + q_len] = o[0].transpose(0, 1)
@@ -185,8 +198,8 @@ def _decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale):
         lens = torch.tensor(seq_lens, dtype=torch.int32)
         return ext.paged_decode_attention(query, k_cache, v_cache, block_tables.int(), lens, scale)
     num_kv_heads = k_cache.shape[2]
-    k = _gather_blocks(k_cache, block_tables, max(seq_lens)).transpose(1, 2).float()
-    v = _gather_blocks(v_cache, block_tables, max(seq_lens)).transpose(1, 2).float()
+    k = kv_int8.as_float(_gather_blocks(k_cache, block_tables, max(seq_lens))).transpose(1, 2)
+    v = kv_int8.as_float(_gather_blocks(v_cache, block_tables, max(seq_lens))).transpose(1, 2)
     lens = torch.tensor(seq_lens, device=query.device)
     visible = torch.arange(k.shape[2], device=query.device)[None, :] < lens[:, None]
     q = query.float().reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)

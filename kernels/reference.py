@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import kv_int8
 from kernels.metadata import AttentionMetadata
 
 
@@ -19,6 +20,8 @@ def store_kv_ref(
 ) -> None:
     """Write key/value [T, kvh, d] into the caches [blocks, block_size, kvh, d] in place."""
     block_size = k_cache.shape[1]
+    if kv_int8.is_int8(k_cache):
+        key, value = kv_int8.quantize(key), kv_int8.quantize(value)
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
@@ -48,8 +51,8 @@ def paged_attention_ref(
     starts = meta.query_start_loc.tolist()
     tables = meta.block_tables.tolist()
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        keys = gather_seq_kv(k_cache, tables[i], seq_len).float()
-        values = gather_seq_kv(v_cache, tables[i], seq_len).float()
+        keys = kv_int8.as_float(gather_seq_kv(k_cache, tables[i], seq_len))
+        values = kv_int8.as_float(gather_seq_kv(v_cache, tables[i], seq_len))
         for j in range(q_len):
             t = starts[i] + j
             pos = seq_len - q_len + j
