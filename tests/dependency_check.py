@@ -103,6 +103,8 @@ def find_undeclared(root: Path = ROOT) -> list[Undeclared]:
         for module in sorted(set(top_level_imports(ast.parse(path.read_text(), str(rel))))):
             if module in sys.stdlib_module_names or module in local or module == "__future__":
                 continue
+            if rel.parts[0] == "scripts" and (path.parent / f"{module}.py").is_file():
+                continue  # a script's own folder is on its path: a sibling module is local
             have = providers.get(module, ())
             if not set(have) & allowed:
                 problems.append(Undeclared(module, str(rel), have))

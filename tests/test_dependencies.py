@@ -81,3 +81,12 @@ def test_requirement_names_are_normalised():
         __import__("ast").parse("import a.b\nfrom c.d import e\nfrom . import f")
     )
     assert names == ["a", "c"]
+
+
+def test_a_script_may_import_its_sibling_module_but_not_a_missing_one(tmp_path):
+    root = _project(tmp_path, "import json\n")
+    (root / "scripts").mkdir()
+    (root / "scripts" / "report_tables.py").write_text("import json\n")
+    (root / "scripts" / "report.py").write_text("import report_tables\nimport report_missing\n")
+    found = {(p.module, p.path) for p in find_undeclared(root)}
+    assert found == {("report_missing", "scripts/report.py")}
