@@ -29,7 +29,7 @@ from router.flow import Overloaded, WorkerFailure
 from router.http_tokenize import add_tokenize_routes
 from router.limits import RETRY_AFTER_S
 from router.openai_batch import merge_prompts
-from router.openai_models import ChatCompletionRequest, CompletionRequest
+from router.openai_models import ChatCompletionRequest, CompletionRequest, openapi_body
 from router.openai_responses import (
     ChatResponseShape,
     ResponseBuilder,
@@ -232,6 +232,7 @@ class _Pump:
 
     def __init__(self, deltas):
         self._items: asyncio.Queue = asyncio.Queue()
+        self._stopping = False
         self._task = asyncio.ensure_future(self._run(deltas))
         self._running.add(self._task)
         self._task.add_done_callback(self._running.discard)
@@ -242,6 +243,11 @@ class _Pump:
                 self._items.put_nowait(delta)
         except Exception as e:  # noqa: BLE001 - the reader raises it; a cancel just ends us
             self._items.put_nowait(e)
+        except asyncio.CancelledError:
+            if self._stopping:
+                raise
+            # Not ours: a worker call's cancel leaked out; the reader must not wait forever.
+            self._items.put_nowait(WorkerFailure("the request was cancelled at a worker"))
 
     async def next(self):
         item = await self._items.get()
@@ -251,6 +257,7 @@ class _Pump:
 
     def stop(self) -> None:
         if not self._task.done():
+            self._stopping = True
             self._task.cancel()
 
 
@@ -278,6 +285,9 @@ async def _unless_client_leaves(request: Request, answer) -> Response:
         await asyncio.gather(work, return_exceptions=True)  # its cleanup, to the end
         log.info("client left before its response; request cancelled")
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    if work.cancelled():  # a cancel that leaked out of a worker call, not the client's
+        log.error("request cancelled inside the router; answered 503")
+        return _error_response(ApiError(503, "the request was cancelled at a worker; retry"))
     return work.result()
 
 
@@ -302,11 +312,11 @@ def build_app(router: Router, api_key: str | None = None) -> FastAPI:
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await _unless_client_leaves(request, handlers.completions(await request.body()))
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await _unless_client_leaves(request, handlers.chat(await request.body()))
 
@@ -347,10 +357,14 @@ def _add_operational_routes(app: FastAPI, router: Router) -> None:
         return Response(data, media_type=content_type)
 
 
+def _error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return _error_response(e)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> JSONResponse:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.errors import InvalidRequestError
 from router.core import Router
-from router.openai_models import ChatMessage, TokenId
+from router.openai_models import ChatMessage, TokenId, openapi_body
 from router.tokenize import detokenize, tokenize
 
 
@@ -39,7 +39,7 @@ def add_tokenize_routes(api: APIRouter, router: Router, parse, bad_request) -> N
     """``parse(model_cls, raw)`` validates a body (400/404); ``bad_request`` turns an
     ``InvalidRequestError`` into the 400 to raise."""
 
-    @api.post("/tokenize")
+    @api.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
     async def tokenize_route(request: Request) -> dict:
         req = parse(TokenizeRequest, await request.body())
         messages = None if req.messages is None else [m.as_template_input() for m in req.messages]
@@ -73,7 +73,7 @@ def add_tokenize_routes(api: APIRouter, router: Router, parse, bad_request) -> N
             "model_max_length": router.cfg.max_model_len,
         }
 
-    @api.post("/detokenize")
+    @api.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
     async def detokenize_route(request: Request) -> dict:
         req = parse(DetokenizeRequest, await request.body())
         try:

@@ -195,3 +195,25 @@ class ChatCompletionRequest(_GenerateRequest):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+def openapi_body(model_cls: type[BaseModel]) -> dict:
+    """A route's ``openapi_extra`` declaring ``model_cls`` as its JSON body. The handlers parse
+    the raw body themselves (so errors keep OpenAI's shape), which leaves FastAPI nothing to
+    document: this puts the schema back, for clients and for the schema-driven fuzz test."""
+    schema = model_cls.model_json_schema()
+    defs = schema.pop("$defs", {})
+    content = {"application/json": {"schema": _inline_refs(schema, defs)}}
+    return {"requestBody": {"required": True, "content": content}}
+
+
+def _inline_refs(node, defs: dict):
+    """``$ref``s to ``#/$defs/X`` replaced by X (the request models are not recursive)."""
+    if isinstance(node, dict):
+        ref = node.get("$ref", "")
+        if ref.startswith("#/$defs/"):
+            return _inline_refs(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inline_refs(v, defs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_inline_refs(v, defs) for v in node]
+    return node
