@@ -1,0 +1,98 @@
+"""Chaos through Ray: kill -9 a decode worker's actor process while every stream is running.
+Each stream continues on the other decode worker (migration) and finishes with the greedy output
+of an undisturbed run; the controller replaces the dead actor and the pool is back to its size."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+import ray
+
+from pdserve.client import AsyncClient
+from pdserve.cluster.ray_controller import NAMESPACE
+from pdserve.cluster.ray_launcher import launch
+from tests.conftest import tiny_llama_dir
+from tests.ray_utils import engine_reference, generate, make_prompts, tiny_config, wait_for
+
+NEW_TOKENS = 96
+DECODE_WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    ctx = ray.init(
+        num_cpus=4,
+        namespace=NAMESPACE,
+        include_dashboard=False,
+        object_store_memory=100 * 2**20,
+        log_to_driver=False,
+    )
+    yield ctx.address_info["gcs_address"]
+    ray.shutdown()
+
+
+async def _stream_all(address, prompts, on_progress):
+    client = AsyncClient(address)
+    outs: list[list[int]] = [[] for _ in prompts]
+    reasons = [""] * len(prompts)
+
+    async def one(i, prompt):
+        kw = {"token_ids": prompt, "max_tokens": NEW_TOKENS, "ignore_eos": True}
+        async for chunk in client.stream(**kw):
+            outs[i].extend(chunk.token_ids)
+            reasons[i] = chunk.finish_reason or reasons[i]
+            on_progress([len(o) for o in outs])
+
+    try:
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    finally:
+        await client.close()
+    return outs, reasons
+
+
+def _ready_decode(st: dict) -> list[dict]:
+    return [w for w in st["pools"]["decode"]["workers"] if w["state"] == "ready"]
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_decode_actor_mid_stream_loses_no_stream(ray_address, tmp_path):
+    model, _ = tiny_llama_dir(tmp_path, num_kv_heads=2, layers=2, seed=13)
+    prompts = make_prompts(6, seed=17)
+    reference = engine_reference(model, prompts, max_tokens=NEW_TOKENS)
+    cfg = tiny_config(model, pools={"decode": {"replicas": DECODE_WORKERS}})
+    with launch(cfg, progress=False) as cluster:
+        wait_for(lambda: len(_ready_decode(cluster.status())) == DECODE_WORKERS, 60, "2 decoders")
+        victim = min(w["id"] for w in _ready_decode(cluster.status()))
+        actor = ray.get_actor(f"pdserve-{victim}", namespace=NAMESPACE)
+        pid = ray.get(actor.ready.remote(), timeout=60)["pid"]
+        killed_at: list[list[int]] = []
+        victim_served: list[int] = []
+
+        def kill_once_all_stream(counts):
+            if not killed_at and min(counts) >= 4:
+                killed_at.append(list(counts))
+                os.kill(pid, signal.SIGKILL)  # the actor's process, as a crash would end it
+                rows = cluster.status()["pools"]["decode"]["workers"]
+                victim_served.extend(w["served_requests"] for w in rows if w["id"] == victim)
+
+        outs, reasons = asyncio.run(
+            _stream_all(cluster.grpc_address, prompts, kill_once_all_stream)
+        )
+        assert killed_at and max(killed_at[0]) < NEW_TOKENS  # killed while they streamed
+        assert victim_served and victim_served[0] >= 1  # streams were on it
+        assert reasons == ["length"] * len(prompts)
+        assert outs == reference
+
+        def replaced():
+            st = cluster.status()
+            ids = {w["id"] for w in _ready_decode(st)}
+            return len(ids) == DECODE_WORKERS and victim not in ids and st
+
+        st = wait_for(replaced, 90, "a replacement for the killed decode actor")
+        assert st["pools"]["decode"]["target"] == DECODE_WORKERS
+        assert any(victim in e and "is dead" in e for e in st["events"]), st["events"][-5:]
+        outs = generate(cluster.grpc_address, prompts, max_tokens=NEW_TOKENS)
+        assert [o.token_ids for o in outs] == reference
