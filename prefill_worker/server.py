@@ -64,6 +64,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"destination.block_size {dest.block_size} != worker block size {self.worker.block_size}",
             )
+        stream = None
         try:
             sampling = sampling_from_message(request.sampling)
             stream = self.senders.get(dest.transport, dest.endpoint).open_stream(
@@ -77,9 +78,11 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 stream,
                 dest.num_blocks,
             )
-        except InvalidRequestError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except (ValueError, ConnectionError, OSError) as e:
+        except (ValueError, ConnectionError, OSError) as e:  # InvalidRequestError is a ValueError
+            if stream is not None:  # its push call is open at the decode worker: end it
+                stream.abort()
+            if isinstance(e, InvalidRequestError):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             context.abort(grpc.StatusCode.UNAVAILABLE, f"KV destination {dest.endpoint}: {e}")
         context.add_callback(lambda: self.worker.abort(request.request_id))
         try:
