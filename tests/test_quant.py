@@ -129,3 +129,30 @@ def test_engine_config_checks_weights_and_kv_dtype(tmp_path):
         EngineConfig(cfg, weights="q4", weight_group=48)
     with pytest.raises(ValueError, match="kv_dtype"):
         EngineConfig(cfg, kv_dtype="fp8")
+
+
+def test_bench_engine_counts_the_bytes_each_format_reads(tmp_path, monkeypatch):
+    from pdserve.bench.micro import engine as bench_engine
+
+    path, _ = tiny_llama_dir(tmp_path, num_heads=4, num_kv_heads=2)
+    monkeypatch.setattr(bench_engine, "gemm_peak", lambda: 1e11)
+    monkeypatch.setattr(bench_engine, "read_bandwidth", lambda: 1e10)
+    before = torch.get_num_threads()
+    try:
+        result = bench_engine.run(
+            str(path), 1, (16,), (2,), (32,), baseline=False, weights=("fp32", "int8", "q4"),
+            kv_dtype="int8",
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    decode = {r["weights"]: r for r in result["rows"] if r["kind"] == "decode"}
+    cfg = load_config(path)
+    kv = 2 * 32 * cfg.kv_bytes_per_token_as("int8")
+    assert decode["fp32"]["bytes_read"] == bench_engine.decode_bytes(cfg, 2, 32, None, "int8")
+    assert (
+        kv
+        < decode["q4"]["bytes_read"]
+        < decode["int8"]["bytes_read"]
+        < decode["fp32"]["bytes_read"]
+    )
+    assert "int8" in bench_engine.format_report(result)

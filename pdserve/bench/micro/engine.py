@@ -2,8 +2,9 @@
 measured GEMM peak and read bandwidth, beside ``transformers`` on the same workloads and threads.
 
 Useful prefill FLOPs = 2 x non-embedding params x tokens + causal attention + the LM head for
-the last token only. Decode bytes = every weight the step reads (LM head included, embedding
-rows excluded) + the KV cache of every sequence.
+the last token only. Decode bytes = every weight the step reads as it is stored (LM head
+included, embedding rows excluded: fp32, or the quantized codes and scales with ``--weights``)
++ the KV cache of every sequence in its dtype (``--kv-dtype int8``: codes and scales).
 
 ``--cpu-kernels avx512,avx2,torch`` times each CPU kernel variant on the same engine, workload
 by workload (interleaved: a shared machine's slow spells fall on every variant alike); every
@@ -34,6 +35,8 @@ class Row:
     ratio: float  # MFU (prefill) or MBU (decode)
     hf_ratio: float
     cpu_kernels: str = ""  # the extension's variant: avx512 | avx2 | torch
+    weights: str = "fp32"  # fp32 | bf16 | int8 | q4
+    bytes_read: float = 0.0  # decode: weights + KV read per step, as stored
 
     @property
     def speedup(self) -> float:
@@ -58,10 +61,20 @@ def prefill_flops(cfg, n: int) -> float:
     return 2 * non_embedding * n + attention + 2 * embed
 
 
-def decode_bytes(cfg, batch: int, context: int) -> float:
+def decode_bytes(
+    cfg, batch: int, context: int, weight_bytes: float | None = None, kv_dtype: str = "fp32"
+) -> float:
+    """Bytes a decode step reads: ``weight_bytes`` (default: every weight in fp32) + the KV."""
     embed, non_embedding = model_costs(cfg)
-    kv = batch * context * cfg.kv_bytes_per_token
-    return 4 * (non_embedding + embed) + kv
+    kv = batch * context * cfg.kv_bytes_per_token_as(kv_dtype)
+    return (4 * (non_embedding + embed) if weight_bytes is None else weight_bytes) + kv
+
+
+def model_weight_bytes(model) -> int:
+    """What one decode step reads of ``model``'s weights as they are stored now (quantized
+    tiles where the quantized kernel runs, fp32 elsewhere), norms included."""
+    norms = sum(p.numel() * 4 for n, p in model.named_parameters() if n.endswith("norm.weight"))
+    return model.weight_bytes_per_step() + norms
 
 
 ISA_LIMIT_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
@@ -156,39 +169,29 @@ def run(
     baseline: bool = True,
     cpu_kernels: tuple[str, ...] = (),
     reps: int = REPS,
+    weights: tuple[str, ...] = ("fp32",),
+    kv_dtype: str = "fp32",
 ) -> dict:
-    """``cpu_kernels``: the variants to time side by side (default: the one chosen here)."""
+    """``cpu_kernels``: the variants to time side by side (default: the one chosen here);
+    ``weights``: the weight formats, one engine each, timed on the same workloads."""
     if threads:
         torch.set_num_threads(threads)
-    model_dir, engine = _engine(model, prompt_lens, batches, contexts)
     variants = cpu_kernels or (cpu_extension.selected_variant(),)
-    cfg = engine.config.model
     peak, bandwidth = gemm_peak(), read_bandwidth()
-    ours = EngineRunner(engine, reps)
-    hf = HFRunner(model_dir, reps) if baseline else None
+    hf_seconds: dict[tuple, float] = {}  # transformers once per workload, for every format
     rows = []
-
-    def timed(measure, *args) -> dict[str, float]:
-        """Seconds of ``measure(*args)`` under each variant in turn."""
-        out = {}
-        for v in variants:
-            if len(variants) > 1:
-                use_cpu_kernels(engine.runner.model, v)
-            out[v] = measure(*args)
-        return out
-
-    for n in prompt_lens:
-        t_hf = hf.prefill_seconds(n) if hf else float("nan")
-        flops = prefill_flops(cfg, n)
-        for v, t in timed(ours.prefill_seconds, n).items():
-            rows.append(Row("prefill", 1, n, t, t_hf, flops / t / peak, flops / t_hf / peak, v))
-    for b in batches:
-        for c in contexts:
-            t_hf = hf.decode_seconds(b, c) if hf else float("nan")
-            nbytes = decode_bytes(cfg, b, c)
-            for v, t in timed(ours.decode_seconds, b, c).items():
-                mbu, hf_mbu = nbytes / t / bandwidth, nbytes / t_hf / bandwidth
-                rows.append(Row("decode", b, c, t, t_hf, mbu, hf_mbu, v))
+    for fmt in weights:
+        model_dir, engine = _engine(model, prompt_lens, batches, contexts, fmt, kv_dtype)
+        if baseline and not hf_seconds:
+            hf = HFRunner(model_dir, reps)
+            hf_seconds.update({("prefill", n): hf.prefill_seconds(n) for n in prompt_lens})
+            hf_seconds.update(
+                {("decode", b, c): hf.decode_seconds(b, c) for b in batches for c in contexts}
+            )
+            del hf
+        rows += _rows_of(engine, fmt, kv_dtype, variants, reps, hf_seconds, peak, bandwidth,
+                         prompt_lens, batches, contexts)  # fmt: skip
+        del engine
     return {
         **cpu_extension.describe(),
         "cpu_kernels": list(variants),
@@ -200,27 +203,68 @@ def run(
         "huge_pages": hugepages.active(),
         "gemm_peak_gflops": peak / 1e9,
         "read_bandwidth_gbs": bandwidth / 1e9,
+        "kv_dtype": kv_dtype,
         "rows": [{**asdict(r), "speedup": r.speedup} for r in rows],
     }
 
 
-def _engine(model: str, prompt_lens, batches, contexts):
+def _rows_of(engine, fmt, kv_dtype, variants, reps, hf_seconds, peak, bandwidth,
+             prompt_lens, batches, contexts) -> list[Row]:  # fmt: skip
+    """Every workload on ``engine`` under each variant in turn (interleaved per workload)."""
+    cfg, model = engine.config.model, engine.runner.model
+    ours = EngineRunner(engine, reps)
+    nan = float("nan")
+
+    def timed(measure, *args) -> dict[str, tuple[float, int]]:
+        """Seconds of ``measure(*args)`` and the weight bytes read, under each variant."""
+        out = {}
+        for v in variants:
+            if len(variants) > 1:
+                use_cpu_kernels(model, v)
+            out[v] = measure(*args), model_weight_bytes(model)
+        return out
+
+    rows = []
+    for n in prompt_lens:
+        t_hf = hf_seconds.get(("prefill", n), nan)
+        flops = prefill_flops(cfg, n)
+        for v, (t, _) in timed(ours.prefill_seconds, n).items():
+            mfu, hf_mfu = flops / t / peak, flops / t_hf / peak
+            rows.append(Row("prefill", 1, n, t, t_hf, mfu, hf_mfu, v, fmt))
+    for b in batches:
+        for c in contexts:
+            t_hf = hf_seconds.get(("decode", b, c), nan)
+            hf_mbu = decode_bytes(cfg, b, c) / t_hf / bandwidth  # fp32 weights and KV
+            for v, (t, wbytes) in timed(ours.decode_seconds, b, c).items():
+                nbytes = decode_bytes(cfg, b, c, wbytes, kv_dtype)
+                rows.append(Row("decode", b, c, t, t_hf, nbytes / t / bandwidth, hf_mbu, v, fmt,
+                                nbytes))  # fmt: skip
+    return rows
+
+
+def _engine(model: str, prompt_lens, batches, contexts, weights="fp32", kv_dtype="fp32"):
     """The model's directory and an engine with blocks for the largest workload."""
-    from engine.config import CacheConfig, SchedulerConfig
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
+    from engine.loader import load_config, load_model
     from engine.model_files import resolve_model_dir
+    from engine.model_runner import ModelRunner
+    from engine.tokenizer import Tokenizer
 
     model_dir = resolve_model_dir(model)
     max_ctx = max(max(prompt_lens), max(contexts)) + 16
     # Enough blocks for the largest decode batch and for the longest prompt.
     blocks = max(max(batches) * (max(contexts) // 16 + 2), max(prompt_lens) // 16 + 2) + 8
-    return model_dir, LLMEngine.from_model_path(
-        model_dir,
-        CacheConfig(16, blocks),
-        SchedulerConfig(max_ctx),
-        max_model_len=max_ctx + 16,
-        progress=False,
+    cfg = load_config(model_dir)
+    max_len = min(max_ctx + 16, cfg.max_position_embeddings)
+    engine_cfg = EngineConfig(
+        cfg, CacheConfig(16, blocks), SchedulerConfig(max_ctx), max_len, weights, kv_dtype=kv_dtype
     )
+    tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+    engine = LLMEngine(engine_cfg, load_model(model_dir, cfg, max_len, weights=weights), tokenizer)
+    if kv_dtype != "fp32":  # until LLMEngine passes config.kv_dtype to its runner itself
+        engine.runner = ModelRunner(engine.runner.model, blocks, 16, kv_dtype)
+    return model_dir, engine
 
 
 def format_report(result: dict) -> str:
@@ -236,14 +280,15 @@ def format_report(result: dict) -> str:
             f"huge pages {'on' if result.get('huge_pages') else 'off'}"
         ),
         (
-            f"{'phase':<8}{'batch':>6}{'tokens':>8}{'kernels':>9}{'pdserve ms':>12}{'hf ms':>10}"
+            f"{'phase':<8}{'batch':>6}{'tokens':>8}{'kernels':>9}{'weights':>8}{'pdserve ms':>12}"
+            f"{'hf ms':>10}"
             f"{'ratio':>8}{'hf ratio':>10}{'speedup':>9}   ratio = MFU (prefill) / MBU (decode)"
         ),
     ]
     for r in result["rows"]:
         lines.append(
             f"{r['kind']:<8}{r['batch']:>6}{r['tokens']:>8}{r.get('cpu_kernels', ''):>9}"
-            f"{r['seconds'] * 1e3:>12.1f}{r['hf_seconds'] * 1e3:>10.1f}{r['ratio']:>8.2f}"
+            f"{r.get('weights', 'fp32'):>8}{r['seconds'] * 1e3:>12.1f}{r['hf_seconds'] * 1e3:>10.1f}{r['ratio']:>8.2f}"
             f"{r['hf_ratio']:>10.2f}{r['speedup']:>8.2f}x"
         )
     return "\n".join(lines)
@@ -266,6 +311,12 @@ def add_parser(sub) -> None:
         help="CPU kernel variants to time side by side, e.g. avx512,avx2,torch "
         "(default: the one chosen for this CPU)",
     )
+    p.add_argument(
+        "--weights",
+        default="fp32",
+        help="weight formats to time side by side: fp32,bf16,int8,q4 (q4: groups of 32)",
+    )
+    p.add_argument("--kv-dtype", default="fp32", choices=("fp32", "int8"))
     p.add_argument("--json", default=None, help="write the results here")
     p.set_defaults(func=_main)
 
@@ -285,6 +336,8 @@ def _main(args) -> int:
         baseline=not args.no_baseline,
         cpu_kernels=tuple(v for v in args.cpu_kernels.split(",") if v),
         reps=args.reps,
+        weights=tuple(w for w in args.weights.split(",") if w),
+        kv_dtype=args.kv_dtype,
     )
     print(format_report(result))
     print(f"({time.time() - started:.0f} s)")
