@@ -1,28 +1,65 @@
-"""Engine options shared by every process that hosts an engine (workers, CLI)."""
+"""Engine options shared by every process that hosts an engine (the worker processes): the
+flags of ``engine.settings.EngineSettings``, with its defaults."""
 
 from __future__ import annotations
 
 import argparse
 
-from engine.config import CacheConfig, SchedulerConfig, check_device_name
+from engine.config import KV_DTYPES, WEIGHT_FORMATS, WEIGHT_GROUPS, check_device_name
+from engine.settings import EngineSettings
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    d = EngineSettings()
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default="embedded", help="HF folder, .gguf file, or 'embedded'")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-blocks", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=2048)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--prefill-chunk-size", type=int, default=0)
-    g.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    g.add_argument("--model", default=d.model, help="HF folder, .gguf file, or 'embedded'")
+    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument("--num-blocks", type=int, default=d.num_blocks)
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--prefill-chunk-size", type=int, default=d.prefill_chunk_size)
+    g.add_argument("--threads", type=int, default=d.threads, help="torch threads (0: default)")
     g.add_argument(
         "--device",
         type=device_name,
-        default="auto",
+        default=d.device,
         help="cpu, cuda[:N], or auto (cuda where a GPU is visible)",
     )
+    g.add_argument("--weights", default=d.weights, choices=WEIGHT_FORMATS)
+    g.add_argument("--weight-group", type=int, default=d.weight_group, choices=WEIGHT_GROUPS)
+    g.add_argument("--kv-dtype", default=d.kv_dtype, choices=KV_DTYPES)
+
+
+def engine_settings_from_args(args: argparse.Namespace) -> EngineSettings:
+    return EngineSettings(
+        model=args.model,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        prefill_chunk_size=args.prefill_chunk_size,
+        device=args.device,
+        threads=args.threads,
+        weights=args.weights,
+        weight_group=args.weight_group,
+        kv_dtype=args.kv_dtype,
+    )
+
+
+def engine_args(s: EngineSettings) -> list[str]:
+    """The flags that ``engine_settings_from_args`` turns back into ``s``."""
+    return [
+        *("--model", s.model, "--block-size", str(s.block_size)),
+        *("--num-blocks", str(s.num_blocks), "--max-model-len", str(s.max_model_len)),
+        *("--max-num-batched-tokens", str(s.max_num_batched_tokens)),
+        *("--max-num-seqs", str(s.max_num_seqs)),
+        *("--prefill-chunk-size", str(s.prefill_chunk_size)),
+        *("--threads", str(s.threads), "--device", s.device),
+        *("--weights", s.weights, "--weight-group", str(s.weight_group)),
+        *("--kv-dtype", s.kv_dtype),
+    ]
 
 
 def device_name(value: str) -> str:
@@ -30,24 +67,3 @@ def device_name(value: str) -> str:
         return check_device_name(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def engine_from_args(args: argparse.Namespace, progress: bool = False):
-    import torch
-
-    from engine.llm_engine import LLMEngine
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    return LLMEngine.from_model_path(
-        args.model,
-        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            prefill_chunk_size=args.prefill_chunk_size,
-        ),
-        max_model_len=args.max_model_len,
-        progress=progress,
-        device=args.device,
-    )

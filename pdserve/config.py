@@ -13,13 +13,24 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engine.config import check_device_name
+from decode_worker.launch import DecodeSettings
+from engine.config import KV_DTYPES, WEIGHT_FORMATS, WEIGHT_GROUPS, check_device_name
 from engine.errors import PdserveError
+from engine.settings import EngineSettings
 from kv_transfer.transports import WORKER_TRANSPORTS
+from router.limits import RequestLimits
+from router.settings import RouterSettings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "cluster_configs"
 DEFAULT_CONFIG = CONFIG_DIR / "local.yaml"
+
+
+# Every default below comes from the frozen settings of the process that uses it: one home each.
+_ENGINE = EngineSettings()
+_DECODE = DecodeSettings()
+_ROUTER = RouterSettings(model_dir="")
+_LIMITS = RequestLimits()
 
 
 class ConfigError(PdserveError):
@@ -63,15 +74,14 @@ class Pools(_Strict):
 
 
 class RouterSection(_Strict):
-    prefill_policy: str = "least_queued"
-    decode_policy: str = "most_free_blocks"
-    max_inflight_requests: int = Field(256, ge=1)
-    default_max_tokens: int = Field(128, ge=1)
-    # Prompts up to this many tokens are prefilled on the decode worker (no KV transfer).
-    local_prefill_max_tokens: int = Field(0, ge=0)
-    # Reserve decode blocks and prefill at once while a decode worker keeps this share of its
-    # blocks free after the request (else reserve first); -1 turns it off.
-    concurrent_reserve_headroom: float = Field(0.1, ge=-1, le=1)
+    """See router.settings.RouterSettings for what each does."""
+
+    prefill_policy: str = _ROUTER.prefill_policy
+    decode_policy: str = _ROUTER.decode_policy
+    max_inflight_requests: int = Field(_ROUTER.max_inflight_requests, ge=1)
+    default_max_tokens: int = Field(_ROUTER.default_max_tokens, ge=1)
+    local_prefill_max_tokens: int = Field(_ROUTER.local_prefill_max_tokens, ge=0)
+    concurrent_reserve_headroom: float = Field(_ROUTER.concurrent_reserve_headroom, ge=-1, le=1)
 
 
 class AutoscalerConfig(_Strict):
@@ -126,29 +136,33 @@ class SecuritySection(_Strict):
 class LimitsSection(_Strict):
     """Per-request caps; each refusal is a 400 naming the limit by these names."""
 
-    max_request_bytes: int = Field(1 << 20, ge=1)
+    max_request_bytes: int = Field(_LIMITS.max_request_bytes, ge=1)
     max_prompt_tokens: int | None = Field(None, ge=1)
     max_tokens: int | None = Field(None, ge=1)
-    max_stop_strings: int = Field(16, ge=1)
-    max_stop_string_chars: int = Field(256, ge=1)
+    max_stop_strings: int = Field(_LIMITS.max_stop_strings, ge=1)
+    max_stop_string_chars: int = Field(_LIMITS.max_stop_string_chars, ge=1)
     max_lease_seconds: float = Field(600.0, gt=0, allow_inf_nan=False)
 
 
 class ClusterConfig(_Strict):
-    model: str = "embedded"
-    model_name: str = "smollm2"
+    model: str = _ENGINE.model
+    model_name: str = _ROUTER.model_name
     pools: Pools = Pools()
-    kv_transport: Literal[WORKER_TRANSPORTS] = "grpc"
-    block_size: int = Field(16, ge=1)
-    num_blocks: int = Field(2048, ge=1)
-    max_model_len: int = Field(2048, ge=2)
-    max_num_batched_tokens: int = Field(512, ge=1)
-    max_num_seqs: int = Field(64, ge=1)
-    prefill_chunk_size: int = Field(0, ge=0)
+    kv_transport: Literal[WORKER_TRANSPORTS] = _DECODE.kv_transport
+    block_size: int = Field(_ENGINE.block_size, ge=1)
+    num_blocks: int = Field(_ENGINE.num_blocks, ge=1)
+    max_model_len: int = Field(_ENGINE.max_model_len, ge=2)
+    max_num_batched_tokens: int = Field(_ENGINE.max_num_batched_tokens, ge=1)
+    max_num_seqs: int = Field(_ENGINE.max_num_seqs, ge=1)
+    prefill_chunk_size: int = Field(_ENGINE.prefill_chunk_size, ge=0)
     device: str = Field(
-        "auto", description="cpu, cuda[:N], or auto: cuda where the worker's actor has a GPU"
+        _ENGINE.device,
+        description="cpu, cuda[:N], or auto: cuda where the worker's actor has a GPU",
     )
-    lease_ttl_s: float = Field(30.0, gt=0, allow_inf_nan=False)
+    weights: Literal[WEIGHT_FORMATS] = _ENGINE.weights  # quantized at load (kernels/quant.py)
+    weight_group: Literal[WEIGHT_GROUPS] = _ENGINE.weight_group  # q4: weights per scale
+    kv_dtype: Literal[KV_DTYPES] = _ENGINE.kv_dtype
+    lease_ttl_s: float = Field(_DECODE.lease_ttl_s, gt=0, allow_inf_nan=False)
     host: str | None = Field(None, description="bind address; null: each node's own IP")
     grpc_port: int = Field(50051, ge=0, le=65535)
     http_port: int | None = Field(8000, ge=0, le=65535)

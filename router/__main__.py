@@ -10,9 +10,9 @@ import signal
 from engine.model_files import resolve_model_dir
 from grpc_plumbing.tls import TlsFiles, add_cluster_tls_args, cluster_tls_from_args
 from router.app import start_router
-from router.core import RouterConfig
 from router.limits import RequestLimits
 from router.security import ApiSecurity, OpenBindError
+from router.settings import RouterSettings
 
 
 def _addresses(text: str) -> list[str]:
@@ -20,7 +20,7 @@ def _addresses(text: str) -> list[str]:
 
 
 async def _serve(args) -> None:
-    cfg = RouterConfig(
+    cfg = RouterSettings(
         model_dir=str(resolve_model_dir(args.model)),
         max_model_len=args.max_model_len,
         block_size=args.block_size,
@@ -92,20 +92,21 @@ def main() -> None:
         help="require 'Authorization: Bearer <key>' (default: $PDSERVE_API_KEY); "
         "the cluster token comes from $PDSERVE_CLUSTER_TOKEN",
     )
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--prefill-policy", default="least_queued")
-    parser.add_argument("--decode-policy", default="most_free_blocks")
+    d = RouterSettings(model_dir="")  # the defaults, from their one home
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--prefill-policy", default=d.prefill_policy)
+    parser.add_argument("--decode-policy", default=d.decode_policy)
     parser.add_argument(
         "--local-prefill-max-tokens",
         type=int,
-        default=0,
+        default=d.local_prefill_max_tokens,
         help="prompts up to this many tokens are prefilled on the decode worker",
     )
     parser.add_argument(
         "--concurrent-reserve-headroom",
         type=float,
-        default=0.1,
+        default=d.concurrent_reserve_headroom,
         help="reserve and prefill at once while a decode worker keeps this share of its "
         "blocks free; -1: always reserve first",
     )

@@ -7,9 +7,10 @@ import os
 from dataclasses import dataclass
 
 from grpc_plumbing.auth import resolve_cluster_token
-from router.core import Router, RouterConfig
+from router.core import Router
 from router.grpc_server import start_grpc_server
 from router.security import ApiSecurity, check_api_exposure
+from router.settings import RouterSettings
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 
@@ -33,7 +34,7 @@ class RouterServers:
 
 
 async def start_router(
-    cfg: RouterConfig,
+    cfg: RouterSettings,
     prefill: list[str],
     decode: list[str],
     host: str = "127.0.0.1",

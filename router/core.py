@@ -17,10 +17,11 @@ from engine.request import SamplingParams, check_token_ids, sampling_from_messag
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from protos import pdserve_pb2 as pb
 from router.flow import FlowConfig, FlowTimings, Overloaded, RequestFlow
-from router.limits import RequestLimits, check_request_limits
+from router.limits import check_request_limits
 from router.metrics import Metrics
 from router.policies import get_policy
 from router.pool import WorkerPool
+from router.settings import RouterSettings
 
 MAX_REQUEST_ID_LEN = 256
 # Prompt logprobs travel in one message (the first token's): this many entries stay under
@@ -28,26 +29,6 @@ MAX_REQUEST_ID_LEN = 256
 MAX_PROMPT_LOGPROB_ENTRIES = 300_000
 
 log = logging.getLogger("pdserve.router")
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    model_dir: str
-    model_name: str = "smollm2"
-    max_model_len: int = 2048
-    block_size: int = 16
-    prefill_policy: str = "least_queued"
-    decode_policy: str = "most_free_blocks"
-    max_inflight_requests: int = 256  # admission: beyond this, 429 at once
-    default_max_tokens: int = 128
-    reserve_timeout_s: float = 30.0
-    status_poll_s: float = 0.1
-    local_prefill_max_tokens: int = 0  # see FlowConfig
-    concurrent_reserve_headroom: float = 0.1  # see FlowConfig; < 0 turns it off
-    api_key: str | None = None  # clients must send it (HTTP Bearer, gRPC metadata) when set
-    cluster_token: str | None = None  # sent to workers as x-pdserve-token when set
-    cluster_tls: object | None = None  # grpc_plumbing.tls.ClusterTls: mutual TLS to workers
-    limits: RequestLimits = field(default_factory=RequestLimits)  # caps, named in their 400s
 
 
 @dataclass
@@ -71,7 +52,7 @@ class GenerateInput:
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig, prefill: list[str], decode: list[str]):
+    def __init__(self, cfg: RouterSettings, prefill: list[str], decode: list[str]):
         self.cfg = cfg
         self.tokenizer = Tokenizer(cfg.model_dir)
         self.prefill = WorkerPool("prefill", cfg.cluster_token, cfg.cluster_tls)

@@ -81,20 +81,19 @@ class FlowTimings:
 
 @dataclass
 class FlowConfig:
+    """What the request flow needs of the router's settings (router.settings.RouterSettings
+    holds the defaults and explains each), with the policies as objects."""
+
     prefill_policy: object
     decode_policy: object
-    block_size: int = 16  # only to estimate blocks for the decode policy
-    reserve_timeout_s: float = 30.0
+    block_size: int  # only to estimate blocks for the decode policy
+    reserve_timeout_s: float
+    local_prefill_max_tokens: int
+    concurrent_reserve_headroom: float  # < 0: never reserve and prefill at once
     max_attempts: int = 8
     # Attempts lost to a failed worker (killed, drained, transfer broken) that are retried
     # elsewhere, with the tokens streamed so far; past it the client gets an error.
     max_migrations: int = 3
-    # Prompts up to this many tokens are prefilled on the decode worker (no transfer). Pick it
-    # from measured latencies: where local prefill costs less than the transfer round trip.
-    local_prefill_max_tokens: int = 0
-    # Reserve and prefill at once when a decode worker (as last polled, less the router's own
-    # reservations since) keeps this share of its blocks free after the request; < 0: never.
-    concurrent_reserve_headroom: float = 0.1
 
 
 def without_prompt_logprobs(sampling: pb.SamplingParams) -> pb.SamplingParams:

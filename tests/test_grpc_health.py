@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.cluster.local import ClusterSpec, LocalCluster
 from router.app import start_router
-from router.core import RouterConfig
+from router.settings import RouterSettings
 from tests.conftest import tiny_llama_dir
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -42,8 +42,13 @@ def wait_status(address: str, want: int, service: str = "", timeout: float = 5.0
 
 
 def test_router_and_workers_serve_health_without_key_or_token(tiny_model):
-    spec = ClusterSpec(model=str(tiny_model), num_blocks=64, max_model_len=128)
-    spec.api_key, spec.cluster_token = "client-key", "cluster-secret"
+    spec = ClusterSpec(
+        model=str(tiny_model),
+        num_blocks=64,
+        max_model_len=128,
+        api_key="client-key",
+        cluster_token="cluster-secret",
+    )
     with LocalCluster(spec) as cluster:
         assert wait_status(cluster.address, SERVING) == SERVING
         assert check(cluster.address, "pdserve.v1.Generation") == SERVING
@@ -78,7 +83,7 @@ def test_router_without_workers_is_not_serving(tiny_model):
     model_dir = tiny_model
 
     async def scenario() -> int:
-        servers = await start_router(RouterConfig(str(model_dir)), [], [])
+        servers = await start_router(RouterSettings(str(model_dir)), [], [])
         try:
             return await asyncio.to_thread(check, servers.grpc_address)
         finally:

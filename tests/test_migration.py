@@ -97,7 +97,7 @@ def test_a_prefill_worker_lost_after_its_first_token_fails_the_attempt_at_once(t
     spec = ClusterSpec(model=str(tiny_model), num_blocks=256, max_model_len=512, lease_ttl_s=60)
     with LocalCluster(spec) as cluster:
         receiver = cluster.decode_workers[0].receiver
-        accept, prefill_server = receiver.accept, cluster._servers[0][0]
+        accept, prefill_server = receiver.accept, cluster.running[0].server
         commits_held = threading.Event()
 
         def slow_commits(header, payload):

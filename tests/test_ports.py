@@ -35,12 +35,13 @@ def test_kv_receiver_refuses_a_taken_port():
 
 
 def test_router_grpc_server_refuses_a_taken_port(tmp_path):
-    from router.core import Router, RouterConfig
+    from router.core import Router
     from router.grpc_server import start_grpc_server
+    from router.settings import RouterSettings
     from tests.conftest import write_word_tokenizer
 
     write_word_tokenizer(tmp_path, 64)
-    router = Router(RouterConfig(model_dir=str(tmp_path)), [], [])
+    router = Router(RouterSettings(model_dir=str(tmp_path)), [], [])
 
     async def run():
         first, address = await start_grpc_server(router, "127.0.0.1", 0)

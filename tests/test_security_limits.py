@@ -22,9 +22,9 @@ from pdserve.cluster.local import ClusterSpec, LocalCluster
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from router.app import start_router
-from router.core import RouterConfig
 from router.limits import RequestLimits
 from router.security import ApiSecurity
+from router.settings import RouterSettings
 from tests.cluster_utils import assert_all_blocks_free
 from tests.conftest import tiny_llama_dir
 from tests.http_utils import post
@@ -169,7 +169,7 @@ def free_port() -> int:
 def test_a_router_off_loopback_without_a_key_refuses_before_binding(cluster, monkeypatch):
     monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
     port = free_port()
-    cfg = RouterConfig(model_dir=str(cluster.model_dir))
+    cfg = RouterSettings(model_dir=str(cluster.model_dir))
     with pytest.raises(OpenBindError, match="without an API key.*--allow-unauthenticated"):
         asyncio.run(start_router(cfg, [], [], "0.0.0.0", port, port))
     assert port_is_free(port)

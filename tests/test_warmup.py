@@ -108,11 +108,11 @@ def test_router_warm_up_without_ready_workers_gives_up_quietly(tiny_dir):
     import asyncio
 
     from router.app import start_router
-    from router.core import RouterConfig
+    from router.settings import RouterSettings
     from router.warmup import warm_up_router
 
     async def scenario() -> float:
-        servers = await start_router(RouterConfig(str(tiny_dir)), [], [])
+        servers = await start_router(RouterSettings(str(tiny_dir)), [], [])
         try:
             return await warm_up_router(servers, ready_timeout_s=0.2)
         finally:

@@ -1,58 +1,145 @@
 """A whole cluster without Ray: workers in this process (threads) or in child processes, and
-the router on an asyncio loop in a background thread. Tests, the demo and benchmarks use it."""
+the router on an asyncio loop in a background thread. Tests, the demo and benchmarks use it.
+
+It runs the same ``ClusterConfig`` a Ray cluster does, and derives every process's settings the
+same way (``pdserve.settings.settings_from_config``); ``ClusterSpec`` adds what only this
+harness decides.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import os
-import secrets
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.model_files import resolve_model_dir
+from grpc_plumbing.worker_process import RunningWorker
+from kv_transfer.transports import TRANSPORTS, WORKER_TRANSPORTS
+from pdserve.cluster.workers import build_worker, worker_args
+from pdserve.config import ClusterConfig, validate_config, with_cluster_token
+from pdserve.security_config import cluster_tls
+from pdserve.settings import ClusterSettings, settings_from_config
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Where the config's defaults are for a deployment, the harness picks loopback, free ports, no
+# HTTP server unless asked, the CPU, and torch's own thread count.
+LOCAL_DEFAULTS = {
+    "host": "127.0.0.1",
+    "grpc_port": 0,
+    "http_port": None,
+    "device": "cpu",
+    "pools": {"prefill": {"threads": 0}, "decode": {"threads": 0}},
+}
+TEST_TRANSPORTS = tuple(t for t in TRANSPORTS if t not in WORKER_TRANSPORTS)
+# The harness's short names for config fields that sit deeper in ClusterConfig.
+SHORT_NAMES = {
+    "router_port": ("grpc_port",),
+    "prefill_policy": ("router", "prefill_policy"),
+    "decode_policy": ("router", "decode_policy"),
+    "local_prefill_max_tokens": ("router", "local_prefill_max_tokens"),
+    "concurrent_reserve_headroom": ("router", "concurrent_reserve_headroom"),
+    "allow_unauthenticated": ("security", "allow_unauthenticated"),
+    "open_metrics": ("security", "open_metrics"),
+    "api_tls": ("security", "tls"),  # a grpc_plumbing.tls.TlsFiles
+    "cluster_tls": ("security", "cluster_tls"),  # a grpc_plumbing.tls.ClusterTls
+    "threads_per_worker": (("pools", "prefill", "threads"), ("pools", "decode", "threads")),
+}
 
 
-@dataclass
+@dataclass(frozen=True, init=False)
 class ClusterSpec:
-    model: str = "embedded"
-    num_prefill: int = 1
-    num_decode: int = 1
-    kv_transport: str = "grpc"
-    block_size: int = 16
-    num_blocks: int = 2048
-    decode_num_blocks: int | None = None  # default: num_blocks
-    max_model_len: int = 2048
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    prefill_chunk_size: int = 0
-    threads_per_worker: int = 0
-    device: str = "cpu"  # where workers run the model: cpu, cuda[:N], auto
-    lease_ttl_s: float = 30.0
-    local_prefill_max_tokens: int = 0  # prompts up to this are prefilled on the decode worker
-    concurrent_reserve_headroom: float = 0.1  # router.flow.FlowConfig; < 0: reserve first
-    prefill_policy: str = "least_queued"
-    decode_policy: str = "most_free_blocks"
-    separate_processes: bool = False
-    host: str = "127.0.0.1"
-    router_port: int = 0
-    http_port: int | None = None  # None: no HTTP server
-    api_key: str | None = None  # clients must send it (HTTP Bearer / gRPC metadata) when set
-    cluster_token: str | None = None  # router and workers authenticate each other with it
-    # Security (see docs/SECURITY.md): TLS on the client API (grpc_plumbing.tls.TlsFiles), mutual
-    # TLS between router and in-process workers (grpc_plumbing.tls.ClusterTls), request limits
-    # (router.limits.RequestLimits), and the router's exposure switches.
-    api_tls: object | None = None
-    cluster_tls: object | None = None
-    limits: object | None = None
-    allow_unauthenticated: bool = False
-    open_metrics: bool = False
-    extra_env: dict = field(default_factory=dict)
+    """A local cluster: the ``ClusterConfig`` it runs, plus what only this harness decides."""
+
+    config: ClusterConfig
+    num_prefill: int  # 0: decode workers prefill every prompt themselves
+    num_decode: int
+    decode_num_blocks: int | None  # the decode pool's own KV size (default: config.num_blocks)
+    separate_processes: bool  # workers as child processes (else threads of this process)
+    extra_env: dict  # added to the child processes' environment
+    # A test-only transport the config cannot name (local: one process; faults: a wrapper).
+    test_transport: str | None
+
+    def __init__(
+        self,
+        config: ClusterConfig | None = None,
+        *,
+        num_prefill: int = 1,
+        num_decode: int = 1,
+        decode_num_blocks: int | None = None,
+        separate_processes: bool = False,
+        extra_env: dict | None = None,
+        **fields,
+    ):
+        """``fields``: ClusterConfig fields over ``config`` (default: the config's defaults with
+        LOCAL_DEFAULTS), top-level names as the config spells them, deeper ones by their
+        SHORT_NAMES; ``limits`` a router.limits.RequestLimits. An unknown name is an error."""
+        transport = fields.get("kv_transport")
+        test_transport = transport if transport in TEST_TRANSPORTS else None
+        if test_transport:
+            del fields["kv_transport"]
+        base = config.model_dump() if config is not None else _merged(LOCAL_DEFAULTS, {})
+        cfg = validate_config(_merged(base, _config_fields(fields)), "ClusterSpec")
+        set_ = object.__setattr__
+        set_(self, "config", cfg)
+        set_(self, "num_prefill", num_prefill)
+        set_(self, "num_decode", num_decode)
+        set_(self, "decode_num_blocks", decode_num_blocks)
+        set_(self, "separate_processes", separate_processes)
+        set_(self, "extra_env", dict(extra_env or {}))
+        set_(self, "test_transport", test_transport)
+
+    def with_config(self, config: ClusterConfig) -> ClusterSpec:
+        return dataclasses.replace(self, config=config)
+
+    def settings(self, model_dir: str) -> ClusterSettings:
+        """Every process's settings: the config's, with the harness's own decode KV size and
+        test transport."""
+        s = settings_from_config(self.config, self.config.host, model_dir)
+        decode = s.decode
+        if self.decode_num_blocks is not None:
+            engine = dataclasses.replace(decode.engine, num_blocks=self.decode_num_blocks)
+            decode = dataclasses.replace(decode, engine=engine)
+        if self.test_transport is not None:
+            decode = dataclasses.replace(decode, kv_transport=self.test_transport)
+        return dataclasses.replace(s, decode=decode)
+
+    # The fields tests and callers read most, as the config holds them.
+    model = property(lambda self: self.config.model)
+    host = property(lambda self: self.config.host)
+    api_key = property(lambda self: self.config.api_key)
+    cluster_token = property(lambda self: self.config.cluster_token)
+    cluster_tls = property(lambda self: cluster_tls(self.config))
+
+
+def _config_fields(fields: dict) -> dict:
+    out: dict = {}
+    for name, value in fields.items():
+        if dataclasses.is_dataclass(value):  # TlsFiles, ClusterTls, RequestLimits
+            value = dataclasses.asdict(value)
+        paths = SHORT_NAMES.get(name, (name,))
+        for path in paths if isinstance(paths[0], tuple) else (paths,):
+            out = _merged(out, _nested(path, value))
+    return out
+
+
+def _nested(path: tuple, value) -> dict:
+    for key in reversed(path):
+        value = {key: value}
+    return value
+
+
+def _merged(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        both_dicts = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both_dicts else value
+    return out
 
 
 class LocalCluster:
@@ -61,12 +148,11 @@ class LocalCluster:
 
         if not spec.cluster_token and not is_loopback(spec.host):
             # Off loopback the workers refuse to serve without one: make one for this cluster.
-            spec = dataclasses.replace(spec, cluster_token=secrets.token_urlsafe(32))
+            spec = spec.with_config(with_cluster_token(spec.config))
         self.spec = spec
         self.model_dir = resolve_model_dir(spec.model, progress=True)
-        self.prefill_workers = []  # in-process worker objects
-        self.decode_workers = []
-        self._servers = []  # (grpc server, extra closer)
+        self.settings = spec.settings(str(self.model_dir))
+        self.running: list[RunningWorker] = []  # in-process workers, prefill first
         self._procs: list[subprocess.Popen] = []
         self.prefill_addresses: list[str] = []
         self.decode_addresses: list[str] = []
@@ -77,6 +163,18 @@ class LocalCluster:
         self.router = None
         self.address = ""
         self.http_address = ""
+
+    @property
+    def prefill_workers(self) -> list:
+        return [r.worker for r in self.running[: self._in_process_prefill]]
+
+    @property
+    def decode_workers(self) -> list:
+        return [r.worker for r in self.running[self._in_process_prefill :]]
+
+    @property
+    def _in_process_prefill(self) -> int:
+        return 0 if self.spec.separate_processes else self.spec.num_prefill
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> LocalCluster:
@@ -93,12 +191,8 @@ class LocalCluster:
             self.run(self._stop_router())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._loop_thread.join(5)
-        for server, closer in self._servers:
-            server.stop(grace=None)
-            if closer is not None:
-                closer()
-        for worker in self.prefill_workers + self.decode_workers:
-            worker.stop()
+        for running in self.running:
+            running.stop(grace=None)
         for proc in self._procs:
             proc.terminate()
         for proc in self._procs:
@@ -118,103 +212,28 @@ class LocalCluster:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     # ---- workers -----------------------------------------------------------------------
-    def _num_blocks(self, role: str) -> int:
-        s = self.spec
-        return (s.decode_num_blocks or s.num_blocks) if role == "decode" else s.num_blocks
-
-    def _engine_kwargs(self, role: str):
-        from engine.config import CacheConfig, SchedulerConfig
-
-        s = self.spec
-        return dict(
-            cache=CacheConfig(block_size=s.block_size, num_blocks=self._num_blocks(role)),
-            scheduler=SchedulerConfig(
-                s.max_num_batched_tokens, s.max_num_seqs, s.prefill_chunk_size
-            ),
-            max_model_len=s.max_model_len,
-        )
+    def _roles(self) -> list[str]:
+        return ["prefill"] * self.spec.num_prefill + ["decode"] * self.spec.num_decode
 
     def _start_in_process(self) -> None:
-        from decode_worker.server import serve_decode_worker
-        from decode_worker.worker import DecodeWorker
-        from engine.llm_engine import LLMEngine
-        from engine.loader import load_config, load_model
-        from engine.tokenizer import Tokenizer
-        from prefill_worker.server import serve_prefill_worker
-        from prefill_worker.worker import PrefillWorker
+        from engine.settings import load_model_once
 
-        s = self.spec
-        cfg = load_config(self.model_dir)
-        # Weights are read-only during inference: in-process workers share one copy.
-        model = load_model(self.model_dir, cfg, s.max_model_len, s.device)
-        tok = Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
+        # Weights are read-only during inference: in-process workers share one copy. They
+        # share this process's torch threads too (a worker's own count is a process's).
+        loaded = load_model_once(self.settings.prefill.engine)
+        counts = {"prefill": 0, "decode": 0}
+        for role in self._roles():
+            s = self.settings.worker(role)
+            engine = dataclasses.replace(s.engine, threads=0)
+            server = dataclasses.replace(s.server, worker_id=f"{role}-{counts[role]}")
+            s = dataclasses.replace(s, engine=engine, server=server)
+            counts[role] += 1
+            running = build_worker(role, s, loaded)
+            self.running.append(running)
+            self._addresses(role).append(running.address)
 
-        def engine(role: str):
-            from engine.config import EngineConfig
-
-            kw = self._engine_kwargs(role)
-            return LLMEngine(
-                EngineConfig(cfg, kw["cache"], kw["scheduler"], s.max_model_len), model, tok
-            )
-
-        for i in range(s.num_prefill):
-            worker = PrefillWorker(engine("prefill"), f"prefill-{i}")
-            server, address, senders = serve_prefill_worker(
-                worker, s.host, cluster_token=s.cluster_token, tls=s.cluster_tls
-            )
-            self.prefill_workers.append(worker)
-            self.prefill_addresses.append(address)
-            self._servers.append((server, senders.close))
-        for i in range(s.num_decode):
-            worker = DecodeWorker(engine("decode"), f"decode-{i}", s.lease_ttl_s)
-            server, address, kv_server = serve_decode_worker(
-                worker,
-                s.host,
-                kv_transport=s.kv_transport,
-                cluster_token=s.cluster_token,
-                tls=s.cluster_tls,
-            )
-            self.decode_workers.append(worker)
-            self.decode_addresses.append(address)
-            self._servers.append((server, kv_server.stop if kv_server else None))
-
-    def _worker_cmd(self, module: str) -> list[str]:
-        s = self.spec
-        role = module.split("_")[0]
-        cmd = [
-            sys.executable,
-            "-m",
-            module,
-            "--model",
-            str(self.model_dir),
-            "--host",
-            s.host,
-            "--block-size",
-            str(s.block_size),
-            "--num-blocks",
-            str(self._num_blocks(role)),
-            "--max-model-len",
-            str(s.max_model_len),
-            "--max-num-batched-tokens",
-            str(s.max_num_batched_tokens),
-            "--max-num-seqs",
-            str(s.max_num_seqs),
-            "--prefill-chunk-size",
-            str(s.prefill_chunk_size),
-            "--threads",
-            str(s.threads_per_worker),
-            "--device",
-            s.device,
-        ]
-        if module == "decode_worker":
-            cmd += ["--kv-transport", s.kv_transport, "--lease-ttl", str(s.lease_ttl_s)]
-        tls = s.cluster_tls
-        if tls is not None:
-            cmd += ["--cluster-tls-cert", tls.cert, "--cluster-tls-key", tls.key]
-            cmd += ["--cluster-tls-ca", tls.ca]
-            if tls.server_name:
-                cmd += ["--cluster-tls-server-name", tls.server_name]
-        return cmd
+    def _addresses(self, role: str) -> list[str]:
+        return self.prefill_addresses if role == "prefill" else self.decode_addresses
 
     def _start_processes(self) -> None:
         # The repo first, then whatever the caller's PYTHONPATH already held (packages
@@ -223,47 +242,29 @@ class LocalCluster:
         env = {**os.environ, "PYTHONPATH": path, **self.spec.extra_env}
         if self.spec.cluster_token:
             env["PDSERVE_CLUSTER_TOKEN"] = self.spec.cluster_token
-        specs = [("prefill_worker", self.prefill_addresses)] * self.spec.num_prefill
-        specs += [("decode_worker", self.decode_addresses)] * self.spec.num_decode
         started = []
-        for module, addresses in specs:
-            proc = subprocess.Popen(
-                self._worker_cmd(module), stdout=subprocess.PIPE, env=env, text=True
-            )
+        for role in self._roles():
+            cmd = [sys.executable, "-m", f"{role}_worker"]
+            cmd += worker_args(role, self.settings.worker(role))
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True)
             self._procs.append(proc)
-            started.append((proc, addresses))
+            started.append((proc, self._addresses(role)))
         for proc, addresses in started:
             addresses.append(wait_ready(proc)[0])
 
     # ---- router ------------------------------------------------------------------------
     async def _start_router(self) -> None:
         from router.app import start_router
-        from router.core import RouterConfig
-        from router.security import ApiSecurity
 
-        s = self.spec
-        cfg = RouterConfig(
-            model_dir=str(self.model_dir),
-            max_model_len=s.max_model_len,
-            block_size=s.block_size,
-            prefill_policy=s.prefill_policy,
-            decode_policy=s.decode_policy,
-            local_prefill_max_tokens=s.local_prefill_max_tokens,
-            concurrent_reserve_headroom=s.concurrent_reserve_headroom,
-            cluster_tls=s.cluster_tls,
-            **({"limits": s.limits} if s.limits is not None else {}),
-        )
-        security = ApiSecurity(s.api_tls, s.allow_unauthenticated, s.open_metrics)
+        s = self.settings
         self.servers = await start_router(
-            cfg,
+            s.router,
             self.prefill_addresses,
             self.decode_addresses,
             s.host,
-            s.router_port,
+            s.grpc_port,
             s.http_port,
-            s.api_key,
-            s.cluster_token,
-            security,
+            security=s.api_security,
         )
         self.router = self.servers.router
         self.address = self.servers.grpc_address

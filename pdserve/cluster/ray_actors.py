@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
-import logging
 import threading
 import time
 
 from pdserve.cluster.autoscaler import latency_summary
+from pdserve.cluster.workers import build_worker
 from pdserve.config import ClusterConfig
-from pdserve.security_config import api_security, cluster_tls, request_limits
-
-log = logging.getLogger("pdserve.ray")
+from pdserve.settings import settings_from_config
 
 
 def node_ip() -> str:
@@ -27,26 +24,18 @@ def node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-def supported_kwargs(fn, **kw) -> dict:
-    """The keyword arguments ``fn`` accepts (others are optional features not built yet)."""
-    params = inspect.signature(fn).parameters
-    return {k: v for k, v in kw.items() if k in params and v is not None}
-
-
 class WorkerActor:
     """One worker: builds the engine with the pool's thread count, serves gRPC, and answers the
     controller's status/drain/stop calls."""
 
     def __init__(self, role: str, worker_id: str, cfg: dict):
-        import torch
-
         c = ClusterConfig.model_validate(cfg)
-        pool = c.pools[role]
-        if pool.threads:
-            torch.set_num_threads(pool.threads)
+        settings = settings_from_config(c, c.host or node_ip()).worker(role)
         self.role = role
         self.worker_id = worker_id
-        self.worker, self.address, self._closers = _start_worker(role, worker_id, c)
+        server = dataclasses.replace(settings.server, worker_id=worker_id)
+        self.running = build_worker(role, dataclasses.replace(settings, server=server))
+        self.worker, self.address = self.running.worker, self.running.address
 
     def ready(self) -> dict:
         import ray
@@ -74,63 +63,13 @@ class WorkerActor:
         self.worker.draining = True  # decode: no new reservations; both: Status shows it
 
     def stop(self) -> None:
-        for close in self._closers:
-            try:
-                close()
-            except Exception:  # stopping anyway
-                log.exception("closing %s", self.worker_id)
-        self.worker.stop()
+        self.running.stop()
 
 
 def _pid() -> int:
     import os
 
     return os.getpid()
-
-
-def _engine(c: ClusterConfig):
-    from engine.config import CacheConfig, SchedulerConfig
-    from engine.llm_engine import LLMEngine
-
-    return LLMEngine.from_model_path(
-        c.model,
-        cache=CacheConfig(block_size=c.block_size, num_blocks=c.num_blocks),
-        scheduler=SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, c.prefill_chunk_size),
-        max_model_len=c.max_model_len,
-        progress=False,
-        device=c.device,
-    )
-
-
-def _start_worker(role: str, worker_id: str, c: ClusterConfig):
-    """(worker, gRPC address, closers) for one worker hosted in this process."""
-    host = c.host or node_ip()
-    if role == "prefill":
-        from prefill_worker.server import serve_prefill_worker
-        from prefill_worker.worker import PrefillWorker
-
-        worker = PrefillWorker(_engine(c), worker_id)
-        kw = supported_kwargs(
-            serve_prefill_worker, cluster_token=c.cluster_token, tls=cluster_tls(c)
-        )
-        server, address, senders = serve_prefill_worker(worker, host, 0, **kw)
-        return worker, address, [lambda: server.stop(grace=2).wait(), senders.close]
-    from decode_worker.server import serve_decode_worker
-    from decode_worker.worker import DecodeWorker
-
-    worker = DecodeWorker(_engine(c), worker_id, c.lease_ttl_s)
-    worker.leases.max_ttl_s = c.limits.max_lease_seconds
-    kw = supported_kwargs(
-        serve_decode_worker,
-        cluster_token=c.cluster_token,
-        kv_private_network=c.security.kv_private_network,
-        tls=cluster_tls(c),
-    )
-    server, address, kv_server = serve_decode_worker(worker, host, 0, c.kv_transport, **kw)
-    closers = [lambda: server.stop(grace=2).wait()]
-    if kv_server is not None:
-        closers.append(kv_server.stop)
-    return worker, address, closers
 
 
 class RouterActor:
@@ -205,28 +144,8 @@ async def _call(fn, *args):
 
 async def _start_router(c: ClusterConfig, model_dir: str):
     from router.app import start_router
-    from router.core import RouterConfig
 
-    fields = {f.name for f in dataclasses.fields(RouterConfig)}
-    opts = {
-        "model_dir": model_dir,
-        "model_name": c.model_name,
-        "max_model_len": c.max_model_len,
-        "block_size": c.block_size,
-        "prefill_policy": c.router.prefill_policy,
-        "decode_policy": c.router.decode_policy,
-        "max_inflight_requests": c.router.max_inflight_requests,
-        "default_max_tokens": c.router.default_max_tokens,
-        "local_prefill_max_tokens": c.router.local_prefill_max_tokens,
-        "concurrent_reserve_headroom": c.router.concurrent_reserve_headroom,
-        "api_key": c.api_key,
-        "cluster_token": c.cluster_token,
-        "cluster_tls": cluster_tls(c),
-        "limits": request_limits(c),
-    }
-    cfg = RouterConfig(**{k: v for k, v in opts.items() if k in fields})
-    host = c.host or node_ip()
-    auth = supported_kwargs(
-        start_router, api_key=c.api_key, cluster_token=c.cluster_token, security=api_security(c)
+    s = settings_from_config(c, c.host or node_ip(), model_dir)
+    return await start_router(
+        s.router, [], [], s.host, s.grpc_port, s.http_port, security=s.api_security
     )
-    return await start_router(cfg, [], [], host, c.grpc_port, c.http_port, **auth)

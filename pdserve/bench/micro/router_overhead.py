@@ -30,18 +30,21 @@ from concurrent import futures
 import grpc
 
 from engine.block_manager import blocks_for
+from engine.config import CacheConfig
 from pdserve.cluster.local import wait_ready
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 
+BLOCK_SIZE = CacheConfig.block_size  # the workers' default, which the router assumes
+
 
 class InstantDecode(pb_grpc.DecodeWorkerServicer):
     def Reserve(self, request, context):
-        n = blocks_for(request.num_tokens, 16)
+        n = blocks_for(request.num_tokens, BLOCK_SIZE)
         return pb.ReserveResponse(
             lease_id="l",
             block_ids=list(range(n)),
-            block_size=16,
+            block_size=BLOCK_SIZE,
             kv_endpoint="local://none",
             kv_transport="local",
             deadline_s=30,
@@ -58,7 +61,7 @@ class InstantDecode(pb_grpc.DecodeWorkerServicer):
             role="decode",
             num_free_blocks=10_000,
             num_total_blocks=10_000,
-            block_size=16,
+            block_size=BLOCK_SIZE,
             kv_endpoint="local://none",
             kv_transport="local",
         )

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.config import CacheConfig
 from pdserve.bench.micro.transfer_limits import (
     MiB,
     flight_stack_seconds,
@@ -44,7 +45,7 @@ class KVShape:
     """A KV cache shaped like the embedded SmolLM2-135M by default."""
 
     num_layers: int = 30
-    block_size: int = 16
+    block_size: int = CacheConfig.block_size
     num_kv_heads: int = 3
     head_dim: int = 64
     tokens: int = 1024  # the prompt whose KV is pushed
@@ -182,7 +183,7 @@ def measure_ttft_share(
     from pdserve.client import Client
     from pdserve.cluster.local import ClusterSpec, LocalCluster
 
-    block_size = 16
+    block_size = CacheConfig.block_size
     per_request = math.ceil((prompt_tokens + 16) / block_size)
     spec = ClusterSpec(
         model=model,

@@ -1,0 +1,92 @@
+"""What builds one serving engine, in every process that hosts one (workers, the local harness,
+Ray actors): the engine's serving defaults live here, once, and ``build_engine`` is the one way
+to turn them into an ``LLMEngine``. Torch-free at import: the router and the config read the
+defaults without loading a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    model: str = "embedded"  # HF folder, .gguf file, or "embedded"
+    block_size: int = CacheConfig.block_size
+    num_blocks: int = 2048  # a serving worker's KV pool (a bare LLMEngine's CacheConfig: 1024)
+    max_model_len: int = EngineConfig.max_model_len
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    prefill_chunk_size: int = SchedulerConfig.prefill_chunk_size
+    device: str = "auto"  # cpu, cuda[:N], or auto: cuda where a GPU is visible
+    threads: int = 0  # torch threads of the process that builds it; 0: torch's default
+    weights: str = EngineConfig.weights  # how weights are stored: engine.config.WEIGHT_FORMATS
+    weight_group: int = EngineConfig.weight_group  # q4: weights per scale
+    kv_dtype: str = EngineConfig.kv_dtype  # the KV cache: engine.config.KV_DTYPES
+
+    @property
+    def cache(self) -> CacheConfig:
+        return CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks)
+
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            prefill_chunk_size=self.prefill_chunk_size,
+        )
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A checkpoint loaded once: engines built on it share its weights, which inference only
+    reads (in-process workers of the local harness)."""
+
+    config: object  # engine.config.ModelConfig
+    weights: object  # engine.model.LlamaModel
+    tokenizer: object | None  # engine.tokenizer.Tokenizer, when the folder has one
+
+
+def load_model_once(s: EngineSettings, progress: bool = False) -> LoadedModel:
+    from engine.loader import load_config, load_model
+    from engine.model_files import resolve_model_dir
+    from engine.tokenizer import Tokenizer
+
+    model_dir = resolve_model_dir(s.model, progress=progress)
+    cfg = load_config(model_dir)
+    weights = load_model(
+        model_dir, cfg, _context_length(s, cfg), s.device, s.weights, s.weight_group
+    )
+    has_tokenizer = (model_dir / "tokenizer.json").is_file()
+    return LoadedModel(cfg, weights, Tokenizer(model_dir) if has_tokenizer else None)
+
+
+def build_engine(s: EngineSettings, loaded: LoadedModel | None = None) -> LLMEngine:
+    """The engine ``s`` describes, on ``loaded``'s weights when given (else loaded now)."""
+    from engine.llm_engine import LLMEngine
+
+    if s.threads:
+        import torch
+
+        torch.set_num_threads(s.threads)
+    loaded = loaded or load_model_once(s)
+    cfg = EngineConfig(
+        loaded.config,
+        s.cache,
+        s.scheduler,
+        _context_length(s, loaded.config),
+        weights=s.weights,
+        weight_group=s.weight_group,
+        kv_dtype=s.kv_dtype,
+    )
+    return LLMEngine(cfg, loaded.weights, loaded.tokenizer)
+
+
+def _context_length(s: EngineSettings, model_cfg) -> int:
+    # A context past the checkpoint's positions would index RoPE tables that do not exist.
+    return min(s.max_model_len, model_cfg.max_position_embeddings)

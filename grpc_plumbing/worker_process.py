@@ -1,0 +1,88 @@
+"""What every worker process shares, whatever its role: where its gRPC server listens and how
+peers authenticate (``ServerSettings``, with its command-line flags), the running worker's
+handle (``RunningWorker``), and serving until a signal. Torch-free; the roles' own settings
+and start functions are ``prefill_worker.launch`` and ``decode_worker.launch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from grpc_plumbing.tls import ClusterTls, add_cluster_tls_args, cluster_tls_from_args
+
+log = logging.getLogger("pdserve.worker")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"  # the address the worker's gRPC server binds
+    port: int = 0  # 0: a free port
+    # Every caller must send it; None: $PDSERVE_CLUSTER_TOKEN, and without either the worker
+    # serves loopback only. Never on a command line (server_args leaves it out).
+    cluster_token: str | None = None
+    cluster_tls: ClusterTls | None = None  # mutual TLS on the worker API and on KV
+    worker_id: str | None = None  # what it reports in Status and logs; None: it makes one
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    d = ServerSettings()
+    parser.add_argument("--host", default=d.host)
+    parser.add_argument("--port", type=int, default=d.port)
+    parser.add_argument("--worker-id", default=d.worker_id)
+    add_cluster_tls_args(parser)
+
+
+def server_settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    tls = cluster_tls_from_args(args)
+    return ServerSettings(args.host, args.port, None, tls, args.worker_id)
+
+
+def server_args(s: ServerSettings) -> list[str]:
+    """The flags ``server_settings_from_args`` reads back as ``s``, less the cluster token."""
+    out = ["--host", s.host, "--port", str(s.port)]
+    if s.worker_id is not None:
+        out += ["--worker-id", s.worker_id]
+    tls = s.cluster_tls
+    if tls is not None:
+        out += ["--cluster-tls-cert", tls.cert, "--cluster-tls-key", tls.key]
+        out += ["--cluster-tls-ca", tls.ca]
+        if tls.server_name:
+            out += ["--cluster-tls-server-name", tls.server_name]
+    return out
+
+
+@dataclass
+class RunningWorker:
+    """A worker with its gRPC server up; ``stop`` closes the server, then its KV side, then
+    the worker's engine thread."""
+
+    worker: object  # PrefillWorker | DecodeWorker
+    address: str  # the worker's gRPC address
+    server: object  # grpc.Server
+    closers: tuple[Callable[[], None], ...] = ()  # the KV sender pool or receiver server
+
+    def stop(self, grace: float | None = 2.0) -> None:
+        self.server.stop(grace).wait()
+        for close in self.closers:
+            try:
+                close()
+            except Exception:  # stopping anyway: the worker must still stop
+                log.exception("closing a part of worker %s", self.worker.worker_id)
+        self.worker.stop()
+
+
+def serve_until_signalled(start: Callable[[], RunningWorker]) -> None:
+    """A worker process's life: start, print ``READY <address>``, serve until SIGTERM/SIGINT."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    running = start()
+    print(f"READY {running.address}", flush=True)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    done.wait()
+    running.stop()

@@ -1,0 +1,47 @@
+"""A prefill worker process's settings and the one way to start it (``python -m
+prefill_worker``, the local harness and the Ray actors, through pdserve.cluster.workers)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from engine.args import add_engine_args, engine_args, engine_settings_from_args
+from engine.settings import EngineSettings, LoadedModel, build_engine
+from grpc_plumbing import worker_process as process
+
+
+@dataclass(frozen=True)
+class PrefillSettings:
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    server: process.ServerSettings = field(default_factory=process.ServerSettings)
+
+
+def start_prefill_worker(s: PrefillSettings, loaded: LoadedModel | None = None):
+    """Build the engine (on ``loaded``'s shared weights when given) and serve it."""
+    from prefill_worker.server import serve_prefill_worker
+    from prefill_worker.worker import PrefillWorker
+
+    srv = s.server
+    worker = PrefillWorker(build_engine(s.engine, loaded), srv.worker_id)
+    server, address, senders = serve_prefill_worker(
+        worker, srv.host, srv.port, cluster_token=srv.cluster_token, tls=srv.cluster_tls
+    )
+    return process.RunningWorker(worker, address, server, (senders.close,))
+
+
+def prefill_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m prefill_worker")
+    add_engine_args(parser)
+    process.add_server_args(parser)
+    return parser
+
+
+def prefill_settings_from_args(args: argparse.Namespace) -> PrefillSettings:
+    return PrefillSettings(engine_settings_from_args(args), process.server_settings_from_args(args))
+
+
+def prefill_args(s: PrefillSettings) -> list[str]:
+    """The flags ``prefill_parser`` reads back as ``s`` (the cluster token travels in
+    $PDSERVE_CLUSTER_TOKEN, never on a command line)."""
+    return [*engine_args(s.engine), *process.server_args(s.server)]

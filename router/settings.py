@@ -1,0 +1,36 @@
+"""The router's settings: one frozen object per router process, and the home of every router
+default (``pdserve/config.py``, ``python -m router`` and the local harness read them from here).
+Torch-free, like the rest of the router."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import CacheConfig
+from grpc_plumbing.tls import ClusterTls
+from router.limits import RequestLimits
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    model_dir: str  # for the tokenizer and chat template
+    model_name: str = "smollm2"  # what /v1/models lists and requests name
+    max_model_len: int = 2048
+    block_size: int = CacheConfig.block_size  # the workers' (to estimate a request's blocks)
+    prefill_policy: str = "least_queued"
+    decode_policy: str = "most_free_blocks"
+    max_inflight_requests: int = 256  # admission: beyond this, 429 at once
+    default_max_tokens: int = 128
+    reserve_timeout_s: float = 30.0
+    status_poll_s: float = 0.1
+    # Prompts up to this many tokens are prefilled on the decode worker (no KV transfer). Pick
+    # it from measured latencies: where local prefill costs less than the transfer round trip.
+    local_prefill_max_tokens: int = 0
+    # Reserve decode blocks and prefill at once while a decode worker (as last polled, less the
+    # router's own reservations since) keeps this share of its blocks free after the request;
+    # < 0: always reserve first.
+    concurrent_reserve_headroom: float = 0.1
+    api_key: str | None = None  # clients must send it (HTTP Bearer, gRPC metadata) when set
+    cluster_token: str | None = None  # sent to workers as x-pdserve-token when set
+    cluster_tls: ClusterTls | None = None  # mutual TLS to the workers
+    limits: RequestLimits = field(default_factory=RequestLimits)  # caps, named in their 400s
