@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.model_files import resolve_model_dir
+from grpc_plumbing.auth import TOKEN_ENV
 from grpc_plumbing.worker_process import RunningWorker
 from kv_transfer.transports import TRANSPORTS, WORKER_TRANSPORTS
 from pdserve.cluster.workers import build_worker, worker_args
@@ -241,7 +242,7 @@ class LocalCluster:
         path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTHONPATH": path, **self.spec.extra_env}
         if self.spec.cluster_token:
-            env["PDSERVE_CLUSTER_TOKEN"] = self.spec.cluster_token
+            env[TOKEN_ENV] = self.spec.cluster_token
         started = []
         for role in self._roles():
             cmd = [sys.executable, "-m", f"{role}_worker"]

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from engine.config import CacheConfig
+from kv_transfer.transports import WORKER_TRANSPORTS
 from pdserve.bench.micro.transfer_limits import (
     MiB,
     flight_stack_seconds,
@@ -37,7 +38,7 @@ from pdserve.bench.micro.transfer_limits import (
     loopback_mb_s,
 )
 
-TRANSPORT_NAMES = ("grpc", "flight", "torch_dist", "local")
+TRANSPORT_NAMES = (*WORKER_TRANSPORTS, "local")  # the registry's, less the test-only faults
 
 
 @dataclass(frozen=True)
