@@ -1,0 +1,150 @@
+"""Decode tokens/s of pdserve with fp32 / int8 / q4 weights beside llama.cpp on the same Q4_1
+GGUF file at the same thread count, in one run, with ratios.
+
+llama.cpp is a baseline only (not a dependency): build its ``llama-batched-bench`` from the
+llama-cpp-python sdist's vendored sources (docs/results/quantized.md says how) and pass the
+folder of its binaries. Both sides decode ``--gen`` tokens per sequence after a ``--context``
+token prompt, ``--batches`` sequences at once; pdserve's figure is the mean step time over
+``--gen`` steps at that context (each step: the forward and the LM head, as llama.cpp's
+decode); rounds alternate between the two so a shared machine's slow spells fall on both.
+
+    python scripts/bench_quant.py --llama-bin /work/llama-build/cbuild/bin --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from engine.model_files import embedded_gguf_path
+from kernels import cpu_extension
+from pdserve.bench.micro import engine as bench_engine
+
+
+def llama_batched(binary: Path, gguf: Path, threads: int, context: int, gen: int, batches):
+    """llama.cpp's decode tokens/s per batch size (its ``speed_tg``: batch x gen / time)."""
+    cmd = [
+        str(binary / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads),
+        "-c", str(max(batches) * (context + gen) + 64), "-b", "2048", "-ub", "512",
+        "-npp", str(context), "-ntg", str(gen), "-npl", ",".join(map(str, batches)),
+        "--output-format", "jsonl",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {int(r["pl"]): float(r["speed_tg"]) for r in rows}
+
+
+def pdserve_tokens_per_s(engine, batch: int, context: int, steps: int) -> float:
+    """Mean decode tokens/s over ``steps`` steps of ``batch`` sequences at ``context``."""
+    runner = bench_engine.EngineRunner(engine)
+    seqs = runner._batch(batch, context, 1)
+    for _ in range(2):
+        runner.runner.execute(seqs)
+    start = time.perf_counter()
+    for _ in range(steps):
+        runner.runner.execute(seqs)
+    return batch * steps / (time.perf_counter() - start)
+
+
+def measure_round(engines, variants, llama_bins, gguf, args, batches) -> dict:
+    out: dict[str, dict[int, float]] = {}
+    for name, binary in llama_bins.items():
+        out[f"llama.cpp {name}"] = llama_batched(
+            binary, gguf, args.threads, args.context, args.gen, batches
+        )
+    for fmt, engine in engines.items():
+        for v in variants:
+            bench_engine.use_cpu_kernels(engine.runner.model, v)
+            out[f"pdserve {fmt} {v}"] = {
+                b: pdserve_tokens_per_s(engine, b, args.context, args.gen) for b in batches
+            }
+    return out
+
+
+def best_of(rounds: list[dict]) -> dict:
+    best: dict[str, dict[int, float]] = {}
+    for r in rounds:
+        for name, per_batch in r.items():
+            for b, tps in per_batch.items():
+                best.setdefault(name, {})[b] = max(best.get(name, {}).get(b, 0.0), tps)
+    return best
+
+
+def report(best: dict, batches, meta: dict) -> str:
+    lines = [
+        (
+            f"CPU {meta['cpu_model']}  ISA {meta['cpu_isa']}  threads {meta['threads']}  "
+            f"load average before {meta['load_before']}  after {meta['load_after']}"
+        ),
+        f"context {meta['context']} tokens, {meta['gen']} decode steps; tokens/s (best round)",
+        f"{'engine':<28}" + "".join(f"{'b=' + str(b):>10}" for b in batches),
+    ]
+    for name, per_batch in best.items():
+        lines.append(f"{name:<28}" + "".join(f"{per_batch[b]:>10.1f}" for b in batches))
+    llamas = {n: v for n, v in best.items() if n.startswith("llama.cpp")}
+    for lname, lrow in llamas.items():
+        top = max(lrow.values())
+        lines.append(f"ratios vs {lname} (same batch; [best batched {top:.1f} tok/s])")
+        for name, per_batch in best.items():
+            if name.startswith("pdserve"):
+                same = "".join(f"{per_batch[b] / lrow[b]:>9.2f}x" for b in batches)
+                lines.append(f"  {name:<26}{same}   b>1 vs best: " + " ".join(
+                    f"{per_batch[b] / top:.2f}x" for b in batches if b > 1))  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--llama-bin", action="append", default=[],
+                   help="NAME=FOLDER (or FOLDER) of llama.cpp binaries; repeatable")  # fmt: skip
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--gen", type=int, default=32)
+    p.add_argument("--weights", default="fp32,int8,q4")
+    p.add_argument("--cpu-kernels", default="", help="pdserve variants, e.g. avx512,avx2")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    batches = tuple(int(b) for b in args.batches.split(","))
+    llama_bins = dict((s.split("=", 1) if "=" in s else (Path(s).name, s)) for s in args.llama_bin)
+    llama_bins = {k: Path(v) for k, v in llama_bins.items()}
+    variants = tuple(v for v in args.cpu_kernels.split(",") if v) or (
+        cpu_extension.selected_variant(),
+    )
+    load_before = os.getloadavg()
+    engines = {
+        fmt: bench_engine._engine("embedded", (16,), batches, (args.context + 8,), fmt)[1]
+        for fmt in args.weights.split(",")
+    }
+    gguf = embedded_gguf_path()
+    rounds = [measure_round(engines, variants, llama_bins, gguf, args, batches)
+              for _ in range(args.rounds)]  # fmt: skip
+    best = best_of(rounds)
+    meta = {
+        **cpu_extension.describe(),
+        "threads": args.threads,
+        "context": args.context,
+        "gen": args.gen,
+        "load_before": " ".join(f"{x:.2f}" for x in load_before),
+        "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "gguf": str(gguf),
+    }
+    print(report(best, batches, meta))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "rounds": rounds}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
