@@ -8,6 +8,7 @@ import asyncio
 import collections
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -16,6 +17,7 @@ import pytest
 from pdserve.cluster.local import ClusterSpec, LocalCluster
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from router.limits import FirstTokenQueue
 from tests.cluster_utils import assert_all_blocks_free
 from tests.conftest import tiny_llama_dir
 
@@ -27,7 +29,7 @@ def tiny_model(tmp_path_factory):
 
 
 def _tiny_cluster(model, **router) -> LocalCluster:
-    """1P1D with a small decode pool; ``router``: RouterConfig fields to tighten."""
+    """1P1D with a small decode pool; ``router``: RouterSettings fields to tighten."""
     spec = ClusterSpec(
         model=str(model), num_blocks=256, decode_num_blocks=48, max_model_len=128, http_port=0
     )
@@ -35,6 +37,7 @@ def _tiny_cluster(model, **router) -> LocalCluster:
     r = cluster.servers.router
     r.cfg = dataclasses.replace(r.cfg, **router)
     r.flow.cfg.reserve_timeout_s = r.cfg.reserve_timeout_s
+    r.queue = FirstTokenQueue(r.cfg.max_queue_wait_s)
     return cluster
 
 
@@ -94,6 +97,47 @@ def test_429_is_at_once_over_http_and_grpc_with_retry_after(tiny_model):
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert int(dict(err.value.trailing_metadata())["retry-after"]) >= 1
         assert http_s < 0.5 and grpc_s < 0.5, (http_s, grpc_s)
+        assert_all_blocks_free(cluster)
+    finally:
+        cluster.stop()
+
+
+def test_first_token_queue_refuses_once_its_oldest_waits_past_the_deadline():
+    queue = FirstTokenQueue(max_wait_s=0.05)
+    first = queue.enter()
+    assert queue.full() is None
+    time.sleep(0.08)
+    assert "max_queue_wait_s" in queue.full()
+    second = queue.enter()  # the oldest decides, not the newest
+    assert queue.full() is not None
+    queue.leave(first)
+    assert queue.full() is None and len(queue) == 1
+    queue.leave(second)
+    queue.leave(second)  # idempotent: at the first token and again when the request ends
+    assert len(queue) == 0 and queue.full() is None
+
+
+def test_a_queue_older_than_its_deadline_gets_429_at_once(tiny_model):
+    """A request waiting for decode blocks ages the queue: the next arrival is refused at
+    once with Retry-After, the waiting one still completes once blocks free up."""
+    cluster = _tiny_cluster(tiny_model, max_queue_wait_s=0.2, reserve_timeout_s=20.0)
+    try:
+        with grpc.insecure_channel(cluster.decode_addresses[0]) as ch:
+            decode = pb_grpc.DecodeWorkerStub(ch)
+            hog = decode.Reserve(pb.ReserveRequest(request_id="hog", num_tokens=47 * 16))
+            base = f"http://{cluster.http_address}"
+            body = {"prompt": [3, 4, 5], "max_tokens": 4, "ignore_eos": True}
+            with httpx.Client(base_url=base, timeout=30) as client, ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(client.post, "/v1/completions", json=body)  # for blocks
+                time.sleep(0.5)
+                start = time.monotonic()
+                refused = client.post("/v1/completions", json=body)
+                refused_s = time.monotonic() - start
+                assert refused.status_code == 429 and "max_queue_wait_s" in refused.text
+                assert int(refused.headers["retry-after"]) >= 1 and refused_s < 0.5
+                assert decode.Release(pb.ReleaseRequest(lease_id=hog.lease_id)).released
+                done = waiting.result(timeout=30)
+            assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 4
         assert_all_blocks_free(cluster)
     finally:
         cluster.stop()
