@@ -17,7 +17,7 @@ from engine.request import SamplingParams, check_token_ids, sampling_from_messag
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from protos import pdserve_pb2 as pb
 from router.flow import FlowConfig, FlowTimings, Overloaded, RequestFlow
-from router.limits import check_request_limits
+from router.limits import FirstTokenQueue, check_request_limits
 from router.metrics import Metrics
 from router.policies import get_policy
 from router.pool import WorkerPool
@@ -71,6 +71,7 @@ class Router:
         )
         self.flow = RequestFlow(self.prefill, self.decode, flow_cfg)
         self.inflight = 0
+        self.queue = FirstTokenQueue(cfg.max_queue_wait_s)  # admission's queue deadline
         self._active_ids: set[str] = set()  # workers key aborts and leases by request id
         self._poller: asyncio.Task | None = None
         self._ids = itertools.count()
@@ -193,22 +194,26 @@ class Router:
             # A second live request under one id would share the first's worker-side state
             # (aborts, leases) and could cancel it: refused, as vLLM does.
             raise InvalidRequestError("request_id", f"{inp.request_id!r} is already in flight")
+        full = self.queue.full()
         if self.inflight >= self.cfg.max_inflight_requests:
+            full = f"{self.inflight} requests in flight (max {self.cfg.max_inflight_requests})"
+        if full is not None:
             self.metrics.rejected.inc()
-            raise Overloaded(
-                f"{self.inflight} requests in flight (max {self.cfg.max_inflight_requests})"
-            )
+            raise Overloaded(full)
         self.inflight += 1
         self._active_ids.add(inp.request_id)
         tracker = self.metrics.track()
+        ticket = self.queue.enter()
         try:
             async for delta in self._generate(inp):
+                self.queue.leave(ticket)
                 tracker.on_delta(delta)
                 yield delta
         except Overloaded:
             self.metrics.rejected.inc()
             raise
         finally:
+            self.queue.leave(ticket)
             self.inflight -= 1
             self._active_ids.discard(inp.request_id)
 

@@ -9,6 +9,8 @@ with their number times their length); max_tokens sizes the KV reservation.
 
 from __future__ import annotations
 
+import itertools
+import time
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
@@ -66,3 +68,46 @@ def check_request_limits(limits: RequestLimits, prompt_ids, params) -> None:
             limits.max_stop_string_chars,
             "max_stop_string_chars",
         )
+
+
+class FirstTokenQueue:
+    """Admitted requests still waiting for their first token, oldest first: the router's view
+    of the queue in front of both pools (a reservation, a prefill behind others). While the
+    oldest has waited longer than ``max_wait_s``, the queue is longer than its deadline allows
+    and a new arrival would wait at least as long: it is refused at once (429), instead of
+    queueing until its KV lease (30 s by default) expires under it. A deadline rather than a
+    count, so the bound follows the cluster's real speed."""
+
+    def __init__(self, max_wait_s: float):
+        if not max_wait_s > 0:
+            raise ValueError("max_wait_s must be > 0")
+        self.max_wait_s = max_wait_s
+        self._waiting: dict[int, float] = {}  # ticket -> arrival (insertion order: oldest first)
+        self._tickets = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def oldest_wait_s(self, now: float | None = None) -> float:
+        if not self._waiting:
+            return 0.0
+        return (time.monotonic() if now is None else now) - next(iter(self._waiting.values()))
+
+    def full(self) -> str | None:
+        """Why a new request is refused now, or None."""
+        waited = self.oldest_wait_s()
+        if waited <= self.max_wait_s:
+            return None
+        return (
+            f"{len(self)} requests queued, the oldest for {waited:.1f} s "
+            f"(max_queue_wait_s {self.max_wait_s:g})"
+        )
+
+    def enter(self) -> int:
+        ticket = next(self._tickets)
+        self._waiting[ticket] = time.monotonic()
+        return ticket
+
+    def leave(self, ticket: int) -> None:
+        """At the first token, or when the request ends without one (idempotent)."""
+        self._waiting.pop(ticket, None)

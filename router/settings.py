@@ -20,6 +20,10 @@ class RouterSettings:
     prefill_policy: str = "least_queued"
     decode_policy: str = "most_free_blocks"
     max_inflight_requests: int = 256  # admission: beyond this, 429 at once
+    # Admission: while the oldest request still waiting for its first token has waited longer
+    # than this, new ones get 429 at once (router.limits.FirstTokenQueue). Under the KV lease
+    # TTL, so no admitted request's lease expires in the queue.
+    max_queue_wait_s: float = 10.0
     default_max_tokens: int = 128
     reserve_timeout_s: float = 30.0
     status_poll_s: float = 0.1

@@ -37,6 +37,7 @@ def _tiny_cluster(model, **router) -> LocalCluster:
     r = cluster.servers.router
     r.cfg = dataclasses.replace(r.cfg, **router)
     r.flow.cfg.reserve_timeout_s = r.cfg.reserve_timeout_s
+    r.flow.cfg.concurrent_reserve_headroom = r.cfg.concurrent_reserve_headroom
     r.queue = FirstTokenQueue(r.cfg.max_queue_wait_s)
     return cluster
 
@@ -120,11 +121,17 @@ def test_first_token_queue_refuses_once_its_oldest_waits_past_the_deadline():
 def test_a_queue_older_than_its_deadline_gets_429_at_once(tiny_model):
     """A request waiting for decode blocks ages the queue: the next arrival is refused at
     once with Retry-After, the waiting one still completes once blocks free up."""
-    cluster = _tiny_cluster(tiny_model, max_queue_wait_s=0.2, reserve_timeout_s=20.0)
+    # Reserve first (no concurrent path): the waiting request has no first token yet.
+    cluster = _tiny_cluster(
+        tiny_model, max_queue_wait_s=0.2, reserve_timeout_s=20.0, concurrent_reserve_headroom=-1
+    )
     try:
         with grpc.insecure_channel(cluster.decode_addresses[0]) as ch:
             decode = pb_grpc.DecodeWorkerStub(ch)
-            hog = decode.Reserve(pb.ReserveRequest(request_id="hog", num_tokens=47 * 16))
+            hogs = [  # every one of the 48 blocks, 8 a lease
+                decode.Reserve(pb.ReserveRequest(request_id=f"hog{i}", num_tokens=127))
+                for i in range(6)
+            ]
             base = f"http://{cluster.http_address}"
             body = {"prompt": [3, 4, 5], "max_tokens": 4, "ignore_eos": True}
             with httpx.Client(base_url=base, timeout=30) as client, ThreadPoolExecutor(1) as pool:
@@ -135,7 +142,8 @@ def test_a_queue_older_than_its_deadline_gets_429_at_once(tiny_model):
                 refused_s = time.monotonic() - start
                 assert refused.status_code == 429 and "max_queue_wait_s" in refused.text
                 assert int(refused.headers["retry-after"]) >= 1 and refused_s < 0.5
-                assert decode.Release(pb.ReleaseRequest(lease_id=hog.lease_id)).released
+                for hog in hogs:
+                    assert decode.Release(pb.ReleaseRequest(lease_id=hog.lease_id)).released
                 done = waiting.result(timeout=30)
             assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 4
         assert_all_blocks_free(cluster)
