@@ -14,7 +14,7 @@ from grpc_plumbing.tls import ClusterTls, TlsFiles
 from grpc_plumbing.worker_process import ServerSettings
 from pdserve.cluster.local import ClusterSpec
 from pdserve.cluster.workers import build_worker, worker_args
-from pdserve.config import ClusterConfig, ConfigError, validate_config
+from pdserve.config import ClusterConfig, ConfigError, validate_config, with_cluster_token
 from pdserve.settings import settings_from_config
 from prefill_worker.launch import PrefillSettings, prefill_parser, prefill_settings_from_args
 from router.limits import RequestLimits
@@ -176,6 +176,15 @@ def test_cluster_spec_is_a_frozen_view_of_the_cluster_config():
     assert s.router.limits == RequestLimits(max_stop_strings=3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.num_prefill = 2
+
+
+def test_a_spec_with_another_config_keeps_the_harness_choices():
+    spec = ClusterSpec(num_prefill=0, decode_num_blocks=8, kv_transport="local")
+    token = with_cluster_token(spec.config)
+    again = spec.with_config(token)
+    assert again.cluster_token == token.cluster_token and spec.cluster_token is None
+    kept = ("num_prefill", "num_decode", "decode_num_blocks", "test_transport", "extra_env")
+    assert all(getattr(again, name) == getattr(spec, name) for name in kept)
 
 
 def test_the_harness_keeps_its_own_decode_pool_size_and_test_transport():

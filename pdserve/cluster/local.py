@@ -9,6 +9,7 @@ harness decides.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import os
 import subprocess
@@ -96,7 +97,9 @@ class ClusterSpec:
         set_(self, "test_transport", test_transport)
 
     def with_config(self, config: ClusterConfig) -> ClusterSpec:
-        return dataclasses.replace(self, config=config)
+        out = copy.copy(self)  # not dataclasses.replace: __init__ takes config fields by name
+        object.__setattr__(out, "config", config)
+        return out
 
     def settings(self, model_dir: str) -> ClusterSettings:
         """Every process's settings: the config's, with the harness's own decode KV size and
