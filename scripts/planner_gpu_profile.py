@@ -48,7 +48,6 @@ LLAMA3_8B = ModelShape(
 )
 # 80 GB less 16 GB of weights and ~9 GB of activations and graphs: ~55 GB of KV, 16-token blocks.
 ENGINE = EngineSettings(
-    block_size=16,
     num_blocks=int(55e9 / LLAMA3_8B.kv_bytes_per_token / 16),
     max_model_len=8192,
     max_num_batched_tokens=8192,

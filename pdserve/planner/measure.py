@@ -17,7 +17,7 @@ import asyncio
 import platform
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -246,27 +246,17 @@ def run_profile(
     """Measure the worker ``cfg`` (a pdserve.config.ClusterConfig) describes, on ``device``."""
     from tqdm.auto import tqdm
 
-    from engine.config import CacheConfig, SchedulerConfig
-    from engine.llm_engine import LLMEngine
+    from engine.settings import build_engine
+    from pdserve.settings import settings_from_config
 
-    settings = EngineSettings(
-        cfg.block_size,
-        cfg.num_blocks,
-        cfg.max_model_len,
-        cfg.max_num_batched_tokens,
-        cfg.max_num_seqs,
-        cfg.prefill_chunk_size,
-    )
-    threads = cfg.pools.decode.threads
-    if threads:
-        torch.set_num_threads(threads)
+    # The decode pool's engine as the cluster would build it (weights, KV dtype, budgets);
+    # only its KV pool is sized to the grid here.
+    settings = settings_from_config(cfg, "127.0.0.1").decode.engine
+    settings = replace(settings, device=device)
     grid = _fit(QUICK if quick else FULL, settings)
-    blocks = max(grid.batches) * (max(grid.contexts) // cfg.block_size + 2) + 64
-    sched = SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.prefill_chunk_size)
-    engine = LLMEngine.from_model_path(
-        cfg.model, CacheConfig(cfg.block_size, blocks), sched, cfg.max_model_len, progress, device
-    )
-    settings = EngineSettings(**{**settings.__dict__, "max_model_len": engine.config.max_model_len})
+    blocks = max(grid.batches) * (max(grid.contexts) // settings.block_size + 2) + 64
+    engine = build_engine(replace(settings, num_blocks=blocks))
+    settings = replace(settings, max_model_len=engine.config.max_model_len)
     timer = WorkerTimer(engine, grid)
     total = len(grid.prefill_tokens) * len(grid.offsets) + len(grid.batches) * len(grid.contexts)
     bar = tqdm(total=total + 3, desc="profile", unit="pt", disable=not progress)

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from engine.settings import EngineSettings  # the worker settings a profile was measured with
+
 PROFILE_VERSION = 1
 
 
@@ -79,18 +81,6 @@ class Table2D:
     @classmethod
     def from_dict(cls, d: dict) -> Table2D:
         return cls(tuple(d["rows"]), tuple(d["cols"]), tuple(tuple(r) for r in d["seconds"]))
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """The worker settings the profile was measured with; the simulator's defaults."""
-
-    block_size: int = 16
-    num_blocks: int = 2048
-    max_model_len: int = 2048
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    prefill_chunk_size: int = 0
 
 
 @dataclass(frozen=True)
