@@ -279,9 +279,8 @@ def run_profile(
     router_s = QUICK_ROUTER_OVERHEAD_S if quick or skip_router else measure_router_overhead()
     bar.update(1)
     bar.close()
-    kv_per_token = (
-        2 * model_cfg.num_layers * model_cfg.kv_size * engine.runner.kv_caches[0][0].element_size()
-    )
+    # One token's K and V rows as the cache holds them (an int8 cache's rows carry scales).
+    kv_per_token = sum(k[0, 0].nbytes + v[0, 0].nbytes for k, v in engine.runner.kv_caches)
     meta = machine_meta(engine, device, torch.get_num_threads())
     meta.update(
         raw={"prefill": prefill, "decode": decode},  # before the running maximum
