@@ -166,7 +166,7 @@ class SimWorker(StepHooks):
 
 class SimPrefillWorker(SimWorker):
     """Chunked prefill; a request leaves the batch at its first token and its blocks stay held
-    until the KV transfer commits (PrefillWorker._step, finish_transfer)."""
+    until the KV transfer commits (PrefillWorker.on_updated, finish_transfer)."""
 
     check_stop = False
 
