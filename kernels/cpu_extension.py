@@ -30,6 +30,7 @@ log = logging.getLogger("pdserve.kernels")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
     "paged_decode_cpu.cpp",
+    "paged_decode_int8_cpu.cpp",
     "prefill_attention_cpu.cpp",
     "skinny_gemm_cpu.cpp",
     "quant_gemm_cpu.cpp",

@@ -182,6 +182,15 @@ def _cpu_extension(query: torch.Tensor, k_cache: torch.Tensor):
     return cpu_extension.load()
 
 
+def _cpu_extension_int8(query: torch.Tensor, k_cache: torch.Tensor):
+    """The C++ int8 decode kernel where it applies (CPU, fp32 query, contiguous int8 cache)."""
+    if query.device.type != "cpu" or query.dtype != torch.float32:
+        return None
+    if not kv_int8.is_int8(k_cache) or not k_cache.is_contiguous():
+        return None
+    return cpu_extension.load()
+
+
 def _decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale):
     """Batched decode: SDPA over [B, padded_len] gathered keys, padding masked out.
 
@@ -197,6 +206,12 @@ def _decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale):
     if ext is not None:
         lens = torch.tensor(seq_lens, dtype=torch.int32)
         return ext.paged_decode_attention(query, k_cache, v_cache, block_tables.int(), lens, scale)
+    ext = _cpu_extension_int8(query, k_cache)
+    if ext is not None:  # int8 rows dequantized in registers
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        return ext.paged_decode_attention_int8(
+            query, k_cache, v_cache, block_tables.int(), lens, scale
+        )
     num_kv_heads = k_cache.shape[2]
     k = kv_int8.as_float(_gather_blocks(k_cache, block_tables, max(seq_lens))).transpose(1, 2)
     v = kv_int8.as_float(_gather_blocks(v_cache, block_tables, max(seq_lens))).transpose(1, 2)

@@ -20,6 +20,7 @@ from kv_transfer.frame import decode_frame, encode_commit_frame, encode_kv_frame
 from kv_transfer.lease import LeaseTable
 from kv_transfer.receiver import KVReceiver
 from tests.conftest import tiny_llama_dir
+from tests.cpu_variants import cpu_variant  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
@@ -54,7 +55,10 @@ def _filled(seq_lens, tables, dtype_name, seed=0):
 
 
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [5, 1, 40]])  # decode; mixed prefill
-def test_int8_kv_attention_is_close_to_fp32_kv_and_equals_the_reference(query_lens):
+def test_int8_kv_attention_is_close_to_fp32_kv_and_equals_the_reference(
+    query_lens,
+    cpu_variant,  # noqa: F811  (each build's int8 decode kernel, then the torch path)
+):
     seq_lens = [37, 100, 64]
     tables = [[0, 1, 2], [3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13]]
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE)

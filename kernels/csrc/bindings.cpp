@@ -42,6 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (fp32, CPU)", release());
+  m.def("paged_decode_attention_int8", &paged_decode_attention_int8,
+        "decode attention over an int8 paged KV cache (codes + a scale per row, CPU)", release());
   m.def("prefill_causal_attention", &prefill_causal_attention,
         "causal prefill attention of one sequence over a paged KV cache (fp32, CPU)", release());
   m.def("pack_skinny_weight", &pack_skinny_weight, "pack [N, K] fp32 for skinny_linear", release());

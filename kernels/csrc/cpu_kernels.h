@@ -34,6 +34,11 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale);
 
+// paged_decode_attention over int8 caches [N, BS, KVH, D + 4] (codes + fp32 scale per row).
+torch::Tensor paged_decode_attention_int8(torch::Tensor query, torch::Tensor k_cache,
+                                          torch::Tensor v_cache, torch::Tensor block_tables,
+                                          torch::Tensor seq_lens, double scale);
+
 torch::Tensor prefill_causal_attention(torch::Tensor query, torch::Tensor k_cache,
                                        torch::Tensor v_cache, torch::Tensor block_table,
                                        int64_t seq_len, double scale);
