@@ -82,7 +82,12 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
 
     def Reserve(self, request, context):
         if not self.budget.has_room(len(self.worker.leases)):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.budget.full())
+            reason = self.budget.full()
+            if request.lease_id and request.lease_id not in self.worker.leases:
+                # Its prefill may be on the way: frames waiting for this lease give up now,
+                # instead of holding a KV push thread each until they time out.
+                self.worker.leases.refuse(request.lease_id, reason)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, reason)
         try:
             lease = self.worker.reserve(
                 request.request_id,

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decode_worker.server import StreamBudget, serve_decode_worker
 from decode_worker.worker import DecodeWorker
+from kv_transfer.frame import FrameError
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from tests.conftest import tiny_llama_dir
@@ -28,7 +29,7 @@ def decode_server(tmp_path, make_engine):
     server, address, _ = serve_decode_worker(worker, max_streams=MAX_STREAMS)
     channel = grpc.insecure_channel(address)
     try:
-        yield channel
+        yield worker, channel
     finally:
         channel.close()
         server.stop(grace=None)
@@ -69,7 +70,7 @@ def _refused(call) -> grpc.StatusCode:
 
 
 def test_streams_past_the_thread_budget_are_refused_and_control_calls_still_answer(decode_server):
-    channel = decode_server
+    worker, channel = decode_server
     stub = pb_grpc.DecodeWorkerStub(channel)
     budget = StreamBudget(MAX_STREAMS)
     leases = [_reserve(stub, i) for i in range(MAX_STREAMS)]
@@ -77,6 +78,14 @@ def test_streams_past_the_thread_budget_are_refused_and_control_calls_still_answ
         _reserve(stub, 99)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_streams" in err.value.details()
+    # Refused under a lease id the router named (its prefill already on the way): frames
+    # waiting for that lease give up at once, not when their wait times out.
+    with pytest.raises(grpc.RpcError):
+        stub.Reserve(pb.ReserveRequest(request_id="named", num_tokens=8, lease_id="named"))
+    start = time.monotonic()
+    with pytest.raises(FrameError, match="refused"):
+        worker.leases.wait_for("named", timeout=5)
+    assert time.monotonic() - start < 1
     # More Decode calls than the server has threads, all at once, each on a lease.
     calls = [
         _decode_on(stub, leases[i % MAX_STREAMS].lease_id, i)
