@@ -324,7 +324,10 @@ class RequestFlow:
         once the Prefill call is on its way, before its first event is awaited."""
         candidates = self.cfg.prefill_policy(self.prefill.routable(), prompt)
         if not candidates:
-            raise WorkerFailure("no prefill worker is available")
+            # Routable when the attempt began, not now: a prefill worker too busy to answer its
+            # status poll in time (overload), or one just lost (the next request prefills on
+            # the decode side). Either way the client should come back shortly: 429.
+            raise Overloaded("no prefill worker is available")
         p = candidates[0]
         req = pb.PrefillRequest(
             request_id=request_id,
