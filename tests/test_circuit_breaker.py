@@ -9,6 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cluster.local import ClusterSpec, LocalCluster
+from pdserve.cluster.ray_launcher import format_status
 from router import pool as pool_module
 from router.pool import BreakerSettings, WorkerHandle
 from tests.cluster_utils import assert_all_blocks_free, generate_concurrently
@@ -75,6 +76,28 @@ def test_a_success_between_failures_resets_the_count(clock):
     assert w.circuit == "closed" and w.circuit_trips == 0
 
 
+def test_pdserve_status_shows_a_tripped_circuit():
+    row = {
+        "id": "decode-1",
+        "state": "ready",
+        "healthy": True,
+        "draining": False,
+        "address": "127.0.0.1:1",
+        "kv_usage": 0.0,
+        "running": 0,
+        "waiting": 0,
+        "served_requests": 7,
+    }
+    pools = {
+        "prefill": [],
+        "decode": [{**row, "circuit": "open"}, {**row, "id": "decode-2", "circuit": "half_open"}],
+    }
+    st = {"pools": {r: {"workers": w, "target": 2, "min": 1, "max": 3} for r, w in pools.items()}}
+    lines = format_status(st).splitlines()
+    assert "tripped" in next(line for line in lines if "decode-1" in line)
+    assert "probing" in next(line for line in lines if "decode-2" in line)
+
+
 def _samples(router) -> dict[tuple[str, tuple], float]:
     text, _ = router.metrics.render()
     return {
@@ -125,6 +148,8 @@ def test_a_prefill_worker_whose_steps_fail_leaves_routing_until_it_recovers(tmp_
         )
         assert samples[trips] == 1
 
+        (row,) = [r for r in cluster.router.pool_status()["prefill"] if r["address"] == w0.address]
+        assert row["circuit"] == "open"  # what `pdserve status` shows (as "tripped")
         served = w0.served_requests
         time.sleep(pool_module.SUSPECT_S + 0.1)  # past the per-failure suspicion
         cluster.run(cluster.router.prefill.poll())

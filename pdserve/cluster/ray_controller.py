@@ -336,6 +336,7 @@ def _worker_row(rec: WorkerRecord, routed: dict) -> dict:
         "state": rec.state,
         "healthy": routed.get("healthy", False),
         "draining": rec.state in ("draining", "stopping") or routed.get("draining", False),
+        "circuit": routed.get("circuit", "closed"),
         "kv_usage": 1 - st.get("num_free_blocks", 0) / total if total else 0.0,
         "running": st.get("num_running", 0),
         "waiting": st.get("num_waiting", 0),
