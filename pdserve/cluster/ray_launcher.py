@@ -234,7 +234,6 @@ def format_status(st: dict) -> str:
             health = "draining" if w["draining"] else "healthy" if w["healthy"] else "unhealthy"
             # The router's circuit breaker: out of routing (tripped), or on probation (probing).
             health = {"open": "tripped", "half_open": "probing"}.get(w.get("circuit"), health)
-
             lines.append(
                 f"  {w['id']:<12} {w['state']:<9} {health:<9} {w['address']:<22} "
                 f"{w['kv_usage']:>5.0%} {w['running']:>4} {w['waiting']:>4} "
