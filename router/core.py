@@ -130,6 +130,7 @@ class Router:
                 "healthy": w.healthy,
                 "draining": w.draining,
                 "circuit": w.circuit,  # the router's circuit breaker: closed | open | half_open
+                "failed_in_a_row": w.consecutive_failures,
                 "served_requests": w.served_requests,
                 "kv_usage": 1 - w.free_blocks / w.total_blocks if w.total_blocks else 0.0,
                 "running": st.num_running if st else 0,

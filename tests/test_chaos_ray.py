@@ -1,6 +1,8 @@
 """Chaos through Ray: kill -9 a decode worker's actor process while every stream is running.
 Each stream continues on the other decode worker (migration) and finishes with the greedy output
-of an undisturbed run; the controller replaces the dead actor and the pool is back to its size."""
+of an undisturbed run; the controller replaces the dead actor and the pool is back to its size.
+And a worker that stays up but whose every step fails is taken out by the router's circuit
+breaker and replaced by the controller."""
 
 from __future__ import annotations
 
@@ -15,7 +17,14 @@ from pdserve.client import AsyncClient
 from pdserve.cluster.ray_controller import NAMESPACE
 from pdserve.cluster.ray_launcher import launch
 from tests.conftest import tiny_llama_dir
-from tests.ray_utils import engine_reference, generate, make_prompts, tiny_config, wait_for
+from tests.ray_utils import (
+    SteadyStream,
+    engine_reference,
+    generate,
+    make_prompts,
+    tiny_config,
+    wait_for,
+)
 
 NEW_TOKENS = 96
 DECODE_WORKERS = 2
@@ -96,3 +105,48 @@ def test_kill_9_of_a_decode_actor_mid_stream_loses_no_stream(ray_address, tmp_pa
         assert any(victim in e and "is dead" in e for e in st["events"]), st["events"][-5:]
         outs = generate(cluster.grpc_address, prompts, max_tokens=NEW_TOKENS)
         assert [o.token_ids for o in outs] == reference
+
+
+def _break_steps(actor) -> None:
+    """Runs inside a worker actor: every forward from now on raises."""
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected: this worker's steps fail")
+
+    actor.worker.engine.runner.execute = fail
+
+
+def _prefill_ids(st: dict) -> set[str]:
+    return {w["id"] for w in st["pools"]["prefill"]["workers"] if w["state"] == "ready"}
+
+
+@pytest.mark.slow
+def test_a_worker_whose_steps_keep_failing_is_replaced(ray_address, tmp_path):
+    """The prefill actor answers its Status and the controller, but every prefill fails: the
+    router's breaker takes it out of routing (requests go on, prefilled by the decode worker),
+    its probes fail too, and the controller replaces it; the stream never sees an error."""
+    model, _ = tiny_llama_dir(tmp_path, num_kv_heads=2, layers=2, seed=14)
+    prompts = make_prompts(8, seed=19)
+    reference = engine_reference(model, prompts)
+    with launch(tiny_config(model), progress=False) as cluster:
+        (victim,) = _prefill_ids(cluster.status())
+        actor = ray.get_actor(f"pdserve-{victim}", namespace=NAMESPACE)
+        ray.get(actor.__ray_call__.remote(_break_steps), timeout=60)
+        with SteadyStream(cluster.grpc_address, prompts, reference) as stream:
+
+            def replaced():
+                st = cluster.status()
+                ids = _prefill_ids(st)
+                return len(ids) == 1 and victim not in ids and st
+
+            st = wait_for(replaced, 120, "the failing prefill worker to be replaced")
+            (fresh,) = _prefill_ids(st)
+
+            def fresh_serves():
+                rows = cluster.status()["pools"]["prefill"]["workers"]
+                return any(w["id"] == fresh and w["served_requests"] > 0 for w in rows)
+
+            wait_for(fresh_serves, 30, "the replacement to take prefills")
+        assert not stream.failures, stream.failures[:3]
+        assert stream.completed > 0
+        assert any(victim in e and "attempts failed" in e for e in st["events"]), st["events"]

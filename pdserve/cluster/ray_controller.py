@@ -33,6 +33,9 @@ NAMESPACE = "pdserve"
 CONTROLLER_NAME = "pdserve-controller"
 ROUTER_NAME = "pdserve-router"
 ROLES = ("prefill", "decode")
+# A worker whose attempts failed this many times in a row is replaced: the router's circuit
+# breaker opened (3) and the probes after two cool-downs failed too.
+REPLACE_AFTER_FAILURES = 6
 
 
 @dataclass
@@ -250,7 +253,11 @@ class Controller:
 
     def _unreachable_reason(self, rec: WorkerRecord, routed: dict | None) -> str | None:
         """The actor answers; is its gRPC server (what clients use) reachable? A worker the
-        router has not polled yet, or saw answer, is fine."""
+        router has not polled yet, or saw answer, is fine. One whose attempts keep failing
+        (it answers, but its steps or transfers fail) is not."""
+        failing = (routed or {}).get("failed_in_a_row", 0)
+        if failing >= REPLACE_AFTER_FAILURES:
+            return f"its last {failing} attempts failed (circuit breaker open)"
         if routed is None or routed.get("healthy", True):
             rec.unreachable_since = None
             return None
