@@ -51,7 +51,8 @@ def cpu_name() -> str:
 
 def memory(cluster: LocalCluster) -> dict[str, float]:
     procs = {"router": os.getpid()}
-    procs.update({f"worker{i}": p.pid for i, p in enumerate(cluster._procs)})
+    roles = cluster._roles()  # the order the harness starts its worker processes in
+    procs.update({f"{roles[i]}{i}": p.pid for i, p in enumerate(cluster._procs)})
     return {name: round(rss_mib(pid), 1) for name, pid in procs.items()}
 
 
