@@ -188,7 +188,7 @@ class RequestFlow:
             async for item in decode:
                 yield item
         finally:
-            await self._cleanup(attempt)
+            await attempt.cleanup()
 
     async def _local(self, request_id, prompt, outputs, sampling, timings):
         """No lease: the decode worker prefills (its scheduler mixes the chunks into decode)."""
@@ -233,12 +233,12 @@ class RequestFlow:
                 # A refused lease fails the prefill's transfer, which may end the prefill
                 # before its first token: that is the refusal, not a prefill failure.
                 if attempt.reservation is None or await attempt.lease() is not None:
-                    await self._cleanup(attempt)
+                    await attempt.cleanup()
                     raise
             except BaseException:
-                await self._cleanup(attempt)
+                await attempt.cleanup()
                 raise
-            await self._cleanup(attempt)  # drops that prefill and its frames
+            await attempt.cleanup()  # drops that prefill and its frames
             log.info("%s: %s refused the reservation", request_id, attempt.decode.address)
             # A new id at the prefill worker: see run(), the dropped prefill's abort may lag.
             args = (f"{request_id}#r", *args[1:])
@@ -246,7 +246,7 @@ class RequestFlow:
         try:
             return attempt, await self._prefill(attempt, *args)
         except BaseException:
-            await self._cleanup(attempt)
+            await attempt.cleanup()
             raise
 
     def _plan_concurrent(self, num_tokens: int) -> Attempt | None:
@@ -385,19 +385,3 @@ class RequestFlow:
             attempt.decode.mark_succeeded()
         except grpc.aio.AioRpcError as e:
             raise lost_or_raise(attempt.decode, e) from e
-
-    async def _cleanup(self, attempt: Attempt) -> None:
-        for call in attempt.calls:
-            call.cancel()
-        for waiter in attempt.waiters:
-            waiter.cancel()
-        if attempt.transfer is not None and not attempt.transfer.done():
-            attempt.transfer.cancel()
-        if attempt.attached or await attempt.lease() is None:  # taken over, or never held
-            return
-        try:
-            await attempt.decode.stub.Release(
-                pb.ReleaseRequest(lease_id=attempt.lease_id), timeout=5
-            )
-        except grpc.aio.AioRpcError as e:
-            log.warning("release of lease %s failed: %s", attempt.lease_id, e.code().name)

@@ -4,6 +4,7 @@ and the streaming steps that read its calls: a flow step's worker calls and what
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 
 import grpc
@@ -11,6 +12,8 @@ import grpc
 from protos import pdserve_pb2 as pb
 from router.flow_types import FlowTimings, Tokens, WorkerLost
 from router.pool import WorkerHandle
+
+log = logging.getLogger("pdserve.router")
 
 
 @dataclass
@@ -38,6 +41,22 @@ class Attempt:
             return await asyncio.shield(self.reservation)
         except grpc.aio.AioRpcError:
             return None
+
+    async def cleanup(self) -> None:
+        """Cancel its calls and waiters, and release the lease unless the decode worker took it
+        over or it was never held. Every way an attempt ends comes through here."""
+        for call in self.calls:
+            call.cancel()
+        for waiter in self.waiters:
+            waiter.cancel()
+        if self.transfer is not None and not self.transfer.done():
+            self.transfer.cancel()
+        if self.attached or await self.lease() is None:  # taken over, or never held
+            return
+        try:
+            await self.decode.stub.Release(pb.ReleaseRequest(lease_id=self.lease_id), timeout=5)
+        except grpc.aio.AioRpcError as e:
+            log.warning("release of lease %s failed: %s", self.lease_id, e.code().name)
 
 
 async def transfer_done(call, timings: FlowTimings, prefill: WorkerHandle) -> None:
