@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 
+import ray
 import torch
 from typing_extensions import Self
 
@@ -13,9 +14,23 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from pdserve.client import AsyncClient, Completion
+from pdserve.cluster.ray_controller import NAMESPACE
 from pdserve.config import ClusterConfig, validate_config
 
 NEW_TOKENS = 8
+
+
+def init_local_ray() -> str:
+    """Ray on this machine for one test module (4 logical CPUs, no dashboard, a small object
+    store); returns the GCS address. The caller shuts it down."""
+    ctx = ray.init(
+        num_cpus=4,
+        namespace=NAMESPACE,
+        include_dashboard=False,
+        object_store_memory=100 * 2**20,
+        log_to_driver=False,
+    )
+    return ctx.address_info["gcs_address"]
 
 
 def tiny_config(model_path, **fields) -> ClusterConfig:

@@ -21,6 +21,7 @@ from tests.ray_utils import (
     SteadyStream,
     engine_reference,
     generate,
+    init_local_ray,
     make_prompts,
     tiny_config,
     wait_for,
@@ -32,14 +33,7 @@ DECODE_WORKERS = 2
 
 @pytest.fixture(scope="module")
 def ray_address():
-    ctx = ray.init(
-        num_cpus=4,
-        namespace=NAMESPACE,
-        include_dashboard=False,
-        object_store_memory=100 * 2**20,
-        log_to_driver=False,
-    )
-    yield ctx.address_info["gcs_address"]
+    yield init_local_ray()
     ray.shutdown()
 
 

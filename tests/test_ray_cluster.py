@@ -24,6 +24,7 @@ from tests.ray_utils import (
     SteadyStream,
     engine_reference,
     generate,
+    init_local_ray,
     make_prompts,
     tiny_config,
     wait_for,
@@ -32,14 +33,7 @@ from tests.ray_utils import (
 
 @pytest.fixture(scope="module")
 def ray_address():
-    ctx = ray.init(
-        num_cpus=4,
-        namespace=NAMESPACE,
-        include_dashboard=False,
-        object_store_memory=100 * 2**20,
-        log_to_driver=False,
-    )
-    yield ctx.address_info["gcs_address"]
+    yield init_local_ray()
     ray.shutdown()
 
 
@@ -258,7 +252,7 @@ def test_worker_whose_grpc_server_died_is_replaced(cluster, prompts, reference):
     decode = cluster.status()["pools"]["decode"]["workers"]
     victim = next(w["id"] for w in decode if w["state"] == "ready")
     actor = ray.get_actor(f"pdserve-{victim}", namespace=NAMESPACE)
-    ray.get(actor.__ray_call__.remote(lambda worker: worker._closers[0]()))  # stop its gRPC
+    ray.get(actor.__ray_call__.remote(lambda a: a.running.server.stop(0).wait(5)))  # its gRPC
 
     def replaced():
         st = cluster.status()
