@@ -36,7 +36,7 @@ class LLMEngine(StepHooks):
         cache = config.cache
         self.blocks = BlockManager(cache.num_blocks, cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.blocks, config.max_model_len)
-        self.runner = ModelRunner(model, cache.num_blocks, cache.block_size)
+        self.runner = ModelRunner(model, cache.num_blocks, cache.block_size, config.kv_dtype)
         self.sampler = Sampler()
         self.executor = ModelExecutor(self.runner, self.sampler)
         self.step_loop = StepLoop(self.scheduler, self.executor, self)
