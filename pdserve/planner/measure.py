@@ -68,6 +68,7 @@ class WorkerTimer:
     def __init__(self, engine, grid: Grid):
         from engine.block_manager import BlockManager
         from engine.scheduler import Scheduler
+        from engine.step import StepHooks, StepLoop
 
         self.engine = engine
         self.grid = grid
@@ -75,6 +76,8 @@ class WorkerTimer:
         self.blocks = BlockManager(engine.config.cache.num_blocks, self.bs, False)
         cfg = engine.config.scheduler
         self.scheduler = Scheduler(cfg, self.blocks, engine.config.max_model_len, False)
+        # The engine's own step (schedule, forward, sample, update) on this private scheduler.
+        self.step_loop = StepLoop(self.scheduler, engine.executor, StepHooks())
 
     def prefill(self, n: int, offset: int) -> float:
         from engine.request import Request
@@ -114,10 +117,7 @@ class WorkerTimer:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
 
     def _step(self) -> None:
-        plan = self.scheduler.schedule()
-        logits = self.engine.runner.execute(plan.scheduled)
-        tokens = self.engine.sampler.sample(logits, [s.request for s in plan.scheduled])
-        self.scheduler.update(plan, tokens)
+        self.step_loop.step()
 
     def _steps(self) -> None:
         for _ in range(self.grid.decode_steps):
