@@ -63,11 +63,17 @@ def test_faulty_transfers_are_sent_again_and_outputs_stay_exact(tiny_model, monk
                 asyncio.to_thread(generate_concurrently, cluster, _requests(prompts)), BOUND_S
             )
 
-        outs = asyncio.run(bounded())
-        assert [o.token_ids for o in outs] == reference
-        assert [o.finish_reason for o in outs] == ["length"] * len(prompts)
-        got = {k: faults.injected[k] - before.get(k, 0) for k in faults.injected}
-        assert all(got.get(k, 0) > 0 for k in ("delay", "drop", "corrupt", "disconnect")), got
+        kinds = ("delay", "drop", "corrupt", "disconnect")
+        # The draws are seeded per link, but which frame meets which draw depends on how the
+        # concurrent streams interleave: go again (at most 4 rounds) until every kind was met.
+        for _ in range(4):
+            outs = asyncio.run(bounded())
+            assert [o.token_ids for o in outs] == reference
+            assert [o.finish_reason for o in outs] == ["length"] * len(prompts)
+            got = {k: faults.injected[k] - before.get(k, 0) for k in faults.injected}
+            if all(got.get(k, 0) > 0 for k in kinds):
+                break
+        assert all(got.get(k, 0) > 0 for k in kinds), got
         (decode_after,) = [s for s in worker_statuses(cluster) if s.role == "decode"]
         assert decode_after.frames_rejected > decode_before.frames_rejected  # caught there
         assert cluster.router.metrics.migrations._value.get() >= 1
