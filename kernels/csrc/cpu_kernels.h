@@ -30,6 +30,52 @@ inline float exp_shifted_sum(float* s, int64_t n, float m) {
   return sum;
 }
 
+// Block tables [B, MAXB] and lengths [B] (int32) made contiguous, after refusing any that would
+// read outside a cache of ``num_blocks`` blocks of ``block_size``: the kernels that follow use raw
+// pointer arithmetic.
+inline void check_block_tables(torch::Tensor& block_tables, torch::Tensor& seq_lens,
+                               int64_t num_blocks, int64_t block_size) {
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
+              "int32 block tables and lengths");
+  block_tables = block_tables.contiguous();
+  seq_lens = seq_lens.contiguous();
+  if (block_tables.size(0) == 0) return;
+  TORCH_CHECK(block_tables.min().item<int32_t>() >= 0 &&
+                  block_tables.max().item<int32_t>() < num_blocks,
+              "block id outside the cache");
+  TORCH_CHECK(seq_lens.min().item<int32_t>() >= 1 &&
+                  seq_lens.max().item<int32_t>() <= block_tables.size(1) * block_size,
+              "sequence length outside its block table");
+}
+
+// What a skinny GEMM adds to its sums before it stores them: out = x W^T (+ bias) (+ residual).
+struct Epilogue {
+  const float* bias;      // [N] or nullptr
+  const float* residual;  // [M, N] or nullptr
+  float* out;             // [M, N]
+  int64_t N;
+};
+
+// The epilogue over ``out`` [M, N], after checking bias [N] and residual [M, N] (fp32); ``keep``
+// holds their contiguous copies alive while the GEMM runs.
+inline Epilogue make_epilogue(const std::optional<at::Tensor>& bias,
+                              const std::optional<at::Tensor>& residual, at::Tensor& out,
+                              std::array<at::Tensor, 2>& keep) {
+  const int64_t N = out.size(1);
+  auto& [b, r] = keep;
+  if (bias && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.numel() == N && b.scalar_type() == at::kFloat, "bias must be fp32 [n_out]");
+  }
+  if (residual && residual->defined()) {
+    r = residual->contiguous();
+    TORCH_CHECK(r.sizes() == out.sizes() && r.scalar_type() == at::kFloat,
+                "residual must be fp32 [rows, n_out]");
+  }
+  return {b.defined() ? b.data_ptr<float>() : nullptr,
+          r.defined() ? r.data_ptr<float>() : nullptr, out.data_ptr<float>(), N};
+}
+
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale);

@@ -209,18 +209,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t MAXB = block_tables.size(1);
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
-              "int32 block tables and lengths");
-  block_tables = block_tables.contiguous();
-  seq_lens = seq_lens.contiguous();
-  // Raw pointer arithmetic below: refuse tables or lengths that would read outside the cache.
-  if (B > 0) {
-    TORCH_CHECK(block_tables.min().item<int32_t>() >= 0 &&
-                    block_tables.max().item<int32_t>() < k_cache.size(0),
-                "block id outside the cache");
-    TORCH_CHECK(seq_lens.min().item<int32_t>() >= 1 && seq_lens.max().item<int32_t>() <= MAXB * BS,
-                "sequence length outside its block table");
-  }
+  check_block_tables(block_tables, seq_lens, k_cache.size(0), BS);
   auto out = torch::empty_like(query);
   const Decode a{query.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                  block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),

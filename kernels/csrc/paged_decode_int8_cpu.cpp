@@ -106,17 +106,7 @@ torch::Tensor paged_decode_attention_int8(torch::Tensor query, torch::Tensor k_c
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), MAXB = block_tables.size(1);
   TORCH_CHECK(k_cache.size(3) == D + 4, "cache rows must be head_dim codes + a 4-byte scale");
   TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
-              "int32 block tables and lengths");
-  block_tables = block_tables.contiguous();
-  seq_lens = seq_lens.contiguous();
-  if (B > 0) {  // raw pointer arithmetic below: nothing outside the cache
-    TORCH_CHECK(block_tables.min().item<int32_t>() >= 0 &&
-                    block_tables.max().item<int32_t>() < k_cache.size(0),
-                "block id outside the cache");
-    TORCH_CHECK(seq_lens.min().item<int32_t>() >= 1 && seq_lens.max().item<int32_t>() <= MAXB * BS,
-                "sequence length outside its block table");
-  }
+  check_block_tables(block_tables, seq_lens, k_cache.size(0), BS);
   auto out = torch::empty_like(query);
   const Int8Decode a{query.data_ptr<float>(), k_cache.data_ptr<int8_t>(),
                      v_cache.data_ptr<int8_t>(), block_tables.data_ptr<int32_t>(),

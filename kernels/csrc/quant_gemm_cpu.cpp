@@ -67,13 +67,6 @@ inline void nibbles_to_ps(const uint8_t* p, simd::vec& lo, simd::vec& hi) {
 }
 #endif
 
-struct Epilogue {
-  const float* bias;      // [N] or nullptr
-  const float* residual;  // [M, N] or nullptr
-  float* out;             // [M, N]
-  int64_t N;
-};
-
 inline void store_tile(const simd::vec* acc, int64_t m, int64_t n, const Epilogue& e) {
   const int64_t at = m * e.N + n, width = std::min(kTile, e.N - n);
   float lanes[kTile];
@@ -232,18 +225,8 @@ at::Tensor quant_skinny_linear(const at::Tensor& x, const at::Tensor& packed, in
   auto out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   const auto xt = x.t().contiguous();
-  at::Tensor b, r;
-  if (bias && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.numel() == N && b.scalar_type() == at::kFloat, "bias must be fp32 [n_out]");
-  }
-  if (residual && residual->defined()) {
-    r = residual->contiguous();
-    TORCH_CHECK(r.sizes() == out.sizes() && r.scalar_type() == at::kFloat,
-                "residual must be fp32 [rows, n_out]");
-  }
-  const Epilogue e{b.defined() ? b.data_ptr<float>() : nullptr,
-                   r.defined() ? r.data_ptr<float>() : nullptr, out.data_ptr<float>(), N};
+  std::array<at::Tensor, 2> keep;  // bias and residual, contiguous
+  const Epilogue e = make_epilogue(bias, residual, out, keep);
   const float* xp = xt.data_ptr<float>();
   switch (format) {
     case Format::kBF16: run_all<Format::kBF16>(xp, M, w, tiles, e); break;

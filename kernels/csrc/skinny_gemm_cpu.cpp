@@ -29,13 +29,6 @@ constexpr int64_t kMaxPass = simd::kRegisters >= 32 ? 12 : 6;
 // than oneDNN at 8-32 rows, even with MKL's GEMV at one row (measured, AVX-512, 1 thread).
 constexpr int64_t kPrefetchSteps = 16;
 
-struct Epilogue {
-  const float* bias;      // [N] or nullptr
-  const float* residual;  // [M, N] or nullptr
-  float* out;             // [M, N]
-  int64_t N;
-};
-
 // Row m's 16 sums of the tile at output n (+ bias, + residual) into out; a partial last tile
 // (N not a multiple of 16) goes through a buffer, lane by lane.
 inline void store_tile(const simd::vec* acc, int64_t m, int64_t n, const Epilogue& e) {
@@ -129,18 +122,8 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   auto out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   const auto xt = x.t().contiguous();  // [K, M]: one broadcast source per step of K
-  at::Tensor b, r;
-  if (bias && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.numel() == N && b.scalar_type() == at::kFloat, "bias must be fp32 [n_out]");
-  }
-  if (residual && residual->defined()) {
-    r = residual->contiguous();
-    TORCH_CHECK(r.sizes() == out.sizes() && r.scalar_type() == at::kFloat,
-                "residual must be fp32 [rows, n_out]");
-  }
-  const Epilogue e{b.defined() ? b.data_ptr<float>() : nullptr,
-                   r.defined() ? r.data_ptr<float>() : nullptr, out.data_ptr<float>(), N};
+  std::array<at::Tensor, 2> keep;  // bias and residual, contiguous
+  const Epilogue e = make_epilogue(bias, residual, out, keep);
   const float* xp = xt.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   const int64_t groups = (tiles + kGroup - 1) / kGroup;
