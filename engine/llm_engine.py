@@ -4,13 +4,12 @@ schedule, run, update, the same one the workers run."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.errors import InvalidRequestError
-from engine.loader import load_config, load_model, resolve_model_dir
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus, SamplingParams, check_token_ids
@@ -55,21 +54,24 @@ class LLMEngine(StepHooks):
         model: str | Path = "embedded",
         cache: CacheConfig | None = None,
         scheduler: SchedulerConfig | None = None,
-        max_model_len: int = 2048,
+        max_model_len: int = EngineConfig.max_model_len,
         progress: bool = True,
         device: str = "cpu",
     ) -> LLMEngine:
         """Load a checkpoint; ``device`` "cuda" runs the forward on the GPU, attention through
-        the Triton kernels."""
-        model_dir = resolve_model_dir(model, progress=progress)
-        cfg = load_config(model_dir)
-        max_model_len = min(max_model_len, cfg.max_position_embeddings)
-        engine_cfg = EngineConfig(
-            cfg, cache or CacheConfig(), scheduler or SchedulerConfig(), max_model_len
+        the Triton kernels. The same engine ``engine.settings.build_engine`` builds for a worker
+        from these settings."""
+        from engine.settings import EngineSettings, build_engine, load_model_once
+
+        cache, scheduler = cache or CacheConfig(), scheduler or SchedulerConfig()
+        settings = EngineSettings(
+            str(model),
+            **asdict(cache),
+            **asdict(scheduler),
+            max_model_len=max_model_len,
+            device=device,
         )
-        has_tokenizer = (model_dir / "tokenizer.json").is_file()
-        tokenizer = Tokenizer(model_dir) if has_tokenizer else None
-        return cls(engine_cfg, load_model(model_dir, cfg, max_model_len, device), tokenizer)
+        return build_engine(settings, load_model_once(settings, progress))
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(
