@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from engine.args import add_engine_args, engine_args, engine_settings_from_args
 from engine.settings import EngineSettings, LoadedModel, build_engine
 from grpc_plumbing import worker_process as process
+from kv_transfer.lease import DEFAULT_LEASE_TTL_S
 from kv_transfer.transports import WORKER_TRANSPORTS
 
 
@@ -17,7 +18,7 @@ class DecodeSettings:
     engine: EngineSettings = field(default_factory=EngineSettings)
     server: process.ServerSettings = field(default_factory=process.ServerSettings)
     kv_transport: str = "grpc"  # WORKER_TRANSPORTS; in tests also local or faults
-    lease_ttl_s: float = 30.0  # a reservation the router never fills expires after this
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S  # kv_transfer.lease
     max_lease_s: float | None = None  # cap on a requested lease; None: the lease table's own
     # torch_dist's data path is not authenticated: off loopback only on a private network.
     kv_private_network: bool = False

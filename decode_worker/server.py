@@ -14,7 +14,7 @@ from engine.errors import InvalidRequestError
 from engine.wire import logprob_message, logprob_messages
 from grpc_plumbing.auth import resolve_cluster_token
 from grpc_plumbing.server import worker_server
-from kv_transfer.frame import FrameError
+from kv_transfer.errors import FrameError
 from kv_transfer.health import add_worker_health
 from kv_transfer.sender import start_receiver_server
 from kv_transfer.transports import TOKEN_TRANSPORTS, add_kv_servicer

@@ -23,7 +23,7 @@ from engine.request import Request, RequestStatus, sampling_from_message
 from engine.scheduler import SchedulerOutput
 from engine.worker_base import EngineWorker
 from kv_transfer.frame import MAX_ID_LEN
-from kv_transfer.lease import LeaseTable
+from kv_transfer.lease import DEFAULT_LEASE_TTL_S, LeaseTable
 from kv_transfer.receiver import KVReceiver
 
 log = logging.getLogger("pdserve.decode")
@@ -53,7 +53,12 @@ class _Stream:
 class DecodeWorker(EngineWorker):
     role = "decode"
 
-    def __init__(self, engine: LLMEngine, worker_id: str | None = None, lease_ttl_s: float = 30.0):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        worker_id: str | None = None,
+        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+    ):
         super().__init__(engine, worker_id)
         self.scheduler.requeue_preempted = False  # preempted requests go back through the router
         self.leases = LeaseTable(lease_ttl_s)

@@ -30,6 +30,8 @@ import crc32c
 import msgpack
 import torch
 
+from kv_transfer.errors import FrameError
+
 # 3: blocks named by position in the lease (2 sent the decode side's block ids);
 # 2: CRC-32C checksums (1 was zlib's CRC-32).
 FORMAT_VERSION = 3
@@ -57,14 +59,6 @@ _KV_RANK = 5
 # decode_frame views read-only buffers (protobuf bytes) without copying and only ever reads
 # them; torch warns about that once per process. Scoped to this module.
 warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning, __name__)
-
-
-class FrameError(Exception):
-    """A frame the receiver refuses; ``reason`` is safe to log and to send back."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
 
 
 @dataclass(frozen=True)

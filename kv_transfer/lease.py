@@ -17,11 +17,12 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kv_transfer.frame import FrameError
+from kv_transfer.errors import FrameError
 
 # A lease pins blocks until its deadline: an infinite, NaN or year-long one would pin them for
 # good (the deadline comparison is never true for NaN). The worker's default TTL may be higher.
 MAX_LEASE_TTL_S = 600.0
+DEFAULT_LEASE_TTL_S = 30.0  # a reservation the router never fills expires after this
 
 
 def lease_ttl_problem(ttl_s, max_ttl_s: float = MAX_LEASE_TTL_S) -> str | None:
@@ -43,7 +44,7 @@ class Lease:
     # commit time + ttl_s (the window for the Decode call to attach), so the blocks of a
     # committed lease that nobody attaches (the router crashed, the client left) come back.
     deadline: float
-    ttl_s: float = 30.0
+    ttl_s: float = DEFAULT_LEASE_TTL_S
     frames_received: int = 0  # kv frames accepted
     bytes_received: int = 0  # kv payload bytes accepted
     committed: threading.Event = field(default_factory=threading.Event)
@@ -69,7 +70,7 @@ class LeaseTable:
 
     MAX_REFUSED = 1024  # refused ids remembered for frames still on their way
 
-    def __init__(self, default_ttl_s: float = 30.0, max_ttl_s: float | None = None):
+    def __init__(self, default_ttl_s: float = DEFAULT_LEASE_TTL_S, max_ttl_s: float | None = None):
         self.max_ttl_s = max(MAX_LEASE_TTL_S, default_ttl_s) if max_ttl_s is None else max_ttl_s
         self._check_ttl(default_ttl_s)
         self.default_ttl_s = default_ttl_s

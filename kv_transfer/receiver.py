@@ -10,7 +10,8 @@ from collections.abc import Callable
 import torch
 
 from kernels.kv_blocks import scatter_kv_blocks
-from kv_transfer.frame import FrameError, FrameHeader, decode_frame
+from kv_transfer.errors import FrameError
+from kv_transfer.frame import FrameHeader, decode_frame
 from kv_transfer.lease import Lease, LeaseTable
 
 log = logging.getLogger("pdserve.kv")

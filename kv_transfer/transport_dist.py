@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from grpc_plumbing.auth import OpenBindError, is_loopback
-from kv_transfer.frame import MAX_FRAME_BYTES, MAX_HEADER_BYTES, FrameError
+from kv_transfer.errors import FrameError
+from kv_transfer.frame import MAX_FRAME_BYTES, MAX_HEADER_BYTES
 from kv_transfer.sender import Channel, Link, ReceiverServer
 
 log = logging.getLogger("pdserve.kv")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 
-from kv_transfer.frame import FrameError
+from kv_transfer.errors import FrameError
 from kv_transfer.sender import Channel, Link, ReceiverServer
 
 _registry: dict[str, object] = {}  # name -> KVReceiver

@@ -17,6 +17,7 @@ from decode_worker.launch import DecodeSettings
 from engine.config import KV_DTYPES, WEIGHT_FORMATS, WEIGHT_GROUPS, check_device_name
 from engine.errors import PdserveError
 from engine.settings import EngineSettings
+from kv_transfer.lease import MAX_LEASE_TTL_S
 from kv_transfer.transports import WORKER_TRANSPORTS
 from router.limits import RequestLimits
 from router.settings import RouterSettings
@@ -141,7 +142,7 @@ class LimitsSection(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     max_stop_strings: int = Field(_LIMITS.max_stop_strings, ge=1)
     max_stop_string_chars: int = Field(_LIMITS.max_stop_string_chars, ge=1)
-    max_lease_seconds: float = Field(600.0, gt=0, allow_inf_nan=False)
+    max_lease_seconds: float = Field(MAX_LEASE_TTL_S, gt=0, allow_inf_nan=False)
 
 
 class ClusterConfig(_Strict):

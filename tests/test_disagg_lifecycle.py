@@ -156,7 +156,7 @@ def test_client_that_leaves_mid_stream_frees_everything(tiny_model):
 def test_reservation_under_a_caller_chosen_lease_id(tiny_model):
     """The router names the lease so it can prefill toward it before Reserve answers; a name in
     use is refused by name, and a reservation that fails tells frames waiting for it."""
-    from kv_transfer.frame import FrameError
+    from kv_transfer.errors import FrameError
 
     with LocalCluster(
         ClusterSpec(model=str(tiny_model), num_blocks=64, max_model_len=128)

@@ -90,7 +90,7 @@ def test_a_prefill_worker_lost_after_its_first_token_fails_the_attempt_at_once(t
 
     import msgpack
 
-    from kv_transfer.frame import FrameError
+    from kv_transfer.errors import FrameError
 
     prompts = [p[:40] for p in mixed_prompts(3, seed=22)]
     reference = engine_reference(tiny_model, prompts, new_tokens=NEW_TOKENS)

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decode_worker.server import StreamBudget, serve_decode_worker
 from decode_worker.worker import DecodeWorker
-from kv_transfer.frame import FrameError
+from kv_transfer.errors import FrameError
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from tests.conftest import tiny_llama_dir
