@@ -36,29 +36,31 @@ def test_quick_profile_records_hardware_model_dtype_and_versions(tiny_profile):
     assert prof.engine.max_model_len == 256
 
 
-def test_plan_writes_table_json_and_plots(tiny_profile, tmp_path, capsys):
-    out = tmp_path / "plan"
-    argv = [
+def _plan_argv(profile, out, rate: float, duration: float, max_requests: int) -> list[str]:
+    """``pdserve plan`` on the tiny profile's short workload with a 50 ms TTFT SLO."""
+    return [
         "plan",
         "--profile",
-        str(tiny_profile),
+        str(profile),
         "--workload",
         "20-60/4-16",
         "--rate",
-        "50",
+        str(rate),
         "--slo-ttft",
         "0.05",
-        "--slo-tpot",
-        "0.01",
-        "--max-workers",
-        "2",
         "--out",
         str(out),
         "--duration",
-        "5",
+        str(duration),
         "--max-requests",
-        "300",
+        str(max_requests),
     ]
+
+
+def test_plan_writes_table_json_and_plots(tiny_profile, tmp_path, capsys):
+    out = tmp_path / "plan"
+    argv = _plan_argv(tiny_profile, out, rate=50, duration=5, max_requests=300)
+    argv += ["--slo-tpot", "0.01", "--max-workers", "2"]
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "recommended:" in text and "1P1D" in text and "colo2" in text
@@ -141,27 +143,8 @@ def test_plan_needs_an_slo(tiny_profile, capsys):
 
 def test_plan_past_unit_max_replicates_units(tiny_profile, tmp_path):
     out = tmp_path / "plan"
-    argv = [
-        "plan",
-        "--profile",
-        str(tiny_profile),
-        "--workload",
-        "20-60/4-16",
-        "--rate",
-        "80",
-        "--slo-ttft",
-        "0.05",
-        "--max-workers",
-        "4",
-        "--unit-max",
-        "2",
-        "--out",
-        str(out),
-        "--duration",
-        "3",
-        "--max-requests",
-        "200",
-    ]
+    argv = _plan_argv(tiny_profile, out, rate=80, duration=3, max_requests=200)
+    argv += ["--max-workers", "4", "--unit-max", "2"]
     assert main(argv) == 0
     data = json.loads((out / "plan.json").read_text())
     assert {s["split"] for s in data["splits"]} == {"1P1D", "colo1", "colo2"}
