@@ -13,6 +13,7 @@ from kv_transfer import transport_faults as faults
 from kv_transfer.transport_faults import FaultPolicy
 from pdserve.client import AsyncClient
 from pdserve.cluster.local import ClusterSpec, LocalCluster
+from router.pool import WorkerHandle
 from tests.cluster_utils import assert_all_blocks_free, generate_concurrently, worker_statuses
 from tests.conftest import tiny_llama_dir
 from tests.test_disagg import engine_reference, mixed_prompts
@@ -45,29 +46,38 @@ def _requests(prompts):
     return [{"token_ids": p, "max_tokens": NEW_TOKENS, "ignore_eos": True} for p in prompts]
 
 
+async def _bounded(cluster, prompts):
+    return await asyncio.wait_for(
+        asyncio.to_thread(generate_concurrently, cluster, _requests(prompts)), BOUND_S
+    )
+
+
 def test_faulty_transfers_are_sent_again_and_outputs_stay_exact(tiny_model, monkeypatch):
-    prompts = [p[:70] for p in mixed_prompts(24, seed=51)]  # up to 5 blocks: several frames
-    reference = engine_reference(tiny_model, prompts, new_tokens=NEW_TOKENS)
     policy = FaultPolicy(
         seed=7, delay_p=0.3, delay_s=0.02, drop_p=0.1, corrupt_p=0.1, disconnect_p=0.05
     )
     before = dict(faults.injected)
+    # A failed transfer takes its prefill worker out of routing for a while (a second, or the
+    # breaker's cooldown); with both out, prompts are prefilled on the decode worker and
+    # nothing crosses the faulty link. Keep them in routing so every attempt meets the link.
+    marked = []
+    monkeypatch.setattr(WorkerHandle, "mark_failed", lambda self, *a: marked.append(self))
     with _cluster(tiny_model, monkeypatch, policy) as cluster:
-        # Half of all transfers fail here; no request may run out of migrations for it (the
-        # giving-up path is the next test's).
+        # Half of all transfers fail here; no request may run out of migrations or attempts
+        # for it (the giving-up path is the next test's).
         cluster.router.flow.cfg.max_migrations = 100
+        cluster.router.flow.cfg.max_attempts = 100
         (decode_before,) = [s for s in worker_statuses(cluster) if s.role == "decode"]
-
-        async def bounded():
-            return await asyncio.wait_for(
-                asyncio.to_thread(generate_concurrently, cluster, _requests(prompts)), BOUND_S
-            )
 
         kinds = ("delay", "drop", "corrupt", "disconnect")
         # The draws are seeded per link, but which frame meets which draw depends on how the
         # concurrent streams interleave: go again (at most 4 rounds) until every kind was met.
-        for _ in range(4):
-            outs = asyncio.run(bounded())
+        # Each round sends new prompts (up to 5 blocks: several frames), so each round's KV is
+        # transferred afresh rather than found in a cache.
+        for round_number in range(4):
+            prompts = [p[:70] for p in mixed_prompts(24, seed=51 + round_number)]
+            reference = engine_reference(tiny_model, prompts, new_tokens=NEW_TOKENS)
+            outs = asyncio.run(_bounded(cluster, prompts))
             assert [o.token_ids for o in outs] == reference
             assert [o.finish_reason for o in outs] == ["length"] * len(prompts)
             got = {k: faults.injected[k] - before.get(k, 0) for k in faults.injected}
@@ -77,6 +87,7 @@ def test_faulty_transfers_are_sent_again_and_outputs_stay_exact(tiny_model, monk
         (decode_after,) = [s for s in worker_statuses(cluster) if s.role == "decode"]
         assert decode_after.frames_rejected > decode_before.frames_rejected  # caught there
         assert cluster.router.metrics.migrations._value.get() >= 1
+        assert {w.role for w in marked} == {"prefill"}  # each failed attempt was counted
         assert_all_blocks_free(cluster)
 
 
