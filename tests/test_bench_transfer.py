@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from pdserve.bench import main as bench_main
 from pdserve.bench.micro.transfer import (
@@ -30,6 +31,11 @@ def test_kv_shape_counts_bytes_of_every_layer():
     assert SMALL.bytes_per_push == 2 * 3 * 8 * 4 * 2 * 8 * 4
     smollm2 = KVShape()
     assert smollm2.bytes_per_push == 2 * 30 * 1024 * 3 * 64 * 4  # 45 MiB per 1,024 tokens
+    # int8 rows: 64 codes and a 4-byte scale per token and head, 12,240 bytes a token
+    int8 = KVShape(kv_dtype="int8")
+    assert int8.bytes_per_push == 1024 * 12_240
+    (k, v), *_ = int8.make_cache()
+    assert k.dtype == v.dtype == torch.int8 and k.shape == (64, 16, 3, 68)
 
 
 def test_loopback_moves_every_byte():
@@ -69,6 +75,27 @@ def test_transfer_report_covers_every_transport_and_bytes_match():
     json.dumps(d)
 
 
+def test_transfer_report_pushes_each_kv_format_side_by_side():
+    report = run_transfer_bench(
+        SMALL,
+        ["local", "grpc"],
+        repeats=1,
+        loopback_bytes=4 * MiB,
+        ttft_model=None,
+        log=lambda _: None,
+        kv_dtypes=("fp32", "int8"),
+    )
+    got = [(t.transport, t.kv_dtype, t.bytes_per_push, t.bytes_ok) for t in report.transports]
+    int8_bytes = 2 * 3 * 8 * 4 * 2 * (8 + 4)  # K+V, layers, blocks, block, heads, codes+scale
+    assert got == [
+        ("local", "fp32", SMALL.bytes_per_push, True),
+        ("grpc", "fp32", SMALL.bytes_per_push, True),
+        ("local", "int8", int8_bytes, True),
+        ("grpc", "int8", int8_bytes, True),
+    ]
+    assert "int8" in format_report(report)
+
+
 def test_ttft_share_on_a_tiny_model(tmp_path):
     path, _ = tiny_llama_dir(tmp_path, num_heads=4, num_kv_heads=2, layers=2, seed=1)
     share = measure_ttft_share(str(path), "local", prompt_tokens=64, runs=2)
@@ -76,6 +103,13 @@ def test_ttft_share_on_a_tiny_model(tmp_path):
     assert share.kv_bytes == 2 * 2 * 64 * 2 * 16 * 4  # K+V, layers, tokens, kv heads, head dim
     assert 0 < share.prefill_s <= share.ttft_s
     assert 0 <= share.kv_transfer_s <= share.ttft_s and 0 <= share.share_of_ttft <= 1
+    int8 = measure_ttft_share(str(path), "local", prompt_tokens=64, runs=1, kv_dtype="int8")
+    assert int8.kv_dtype == "int8" and int8.kv_bytes == 2 * 2 * 64 * 2 * (16 + 4)
+
+
+def test_bench_transfer_names_an_unknown_kv_dtype():
+    with pytest.raises(SystemExit, match="--kv-dtypes"):
+        bench_main(["transfer", "--kv-dtypes", "fp8", "--ttft-transports", ""])
 
 
 def test_bench_transfer_command_writes_json(tmp_path, capsys):

@@ -23,13 +23,14 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from engine.config import CacheConfig
+from engine.config import KV_DTYPES, CacheConfig
+from kernels.kv_int8 import row_width
 from kv_transfer.transports import WORKER_TRANSPORTS
 from pdserve.bench.micro.transfer_limits import (
     MiB,
@@ -43,14 +44,25 @@ TRANSPORT_NAMES = (*WORKER_TRANSPORTS, "local")  # the registry's, less the test
 
 @dataclass(frozen=True)
 class KVShape:
-    """A KV cache shaped like the embedded SmolLM2-135M by default."""
+    """A KV cache shaped like the embedded SmolLM2-135M by default. ``kv_dtype`` is the
+    cache's format as the engine stores it: fp32, or int8 rows of head_dim codes plus a 4-byte
+    scale (kernels/kv_int8.py), which is what the transports carry."""
 
     num_layers: int = 30
     block_size: int = CacheConfig.block_size
     num_kv_heads: int = 3
     head_dim: int = 64
     tokens: int = 1024  # the prompt whose KV is pushed
-    dtype: torch.dtype = torch.float32
+    kv_dtype: str = "fp32"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.int8 if self.kv_dtype == "int8" else torch.float32
+
+    @property
+    def row_width(self) -> int:
+        """Elements per token and head in the cache."""
+        return row_width(self.head_dim) if self.kv_dtype == "int8" else self.head_dim
 
     @property
     def num_blocks(self) -> int:
@@ -59,21 +71,26 @@ class KVShape:
     @property
     def bytes_per_push(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        per_block = self.block_size * self.num_kv_heads * self.head_dim * elem
+        per_block = self.block_size * self.num_kv_heads * self.row_width * elem
         return 2 * self.num_layers * self.num_blocks * per_block
 
     def make_cache(self, zero: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        new = torch.zeros if zero else torch.randn
-        return [
-            (new(shape, dtype=self.dtype), new(shape, dtype=self.dtype))
-            for _ in range(self.num_layers)
-        ]
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.row_width)
+
+        def new():
+            if zero:
+                return torch.zeros(shape, dtype=self.dtype)
+            if self.kv_dtype == "int8":  # any bytes: the transports do not interpret them
+                return torch.randint(-128, 128, shape, dtype=torch.int8)
+            return torch.randn(shape)
+
+        return [(new(), new()) for _ in range(self.num_layers)]
 
 
 @dataclass
 class TransportResult:
     transport: str
+    kv_dtype: str
     bytes_per_push: int
     seconds: list[float]  # one per timed push
     best_mb_s: float  # MB = 1e6 bytes
@@ -86,6 +103,7 @@ class TransportResult:
 @dataclass
 class TTFTShare:
     transport: str
+    kv_dtype: str
     prompt_tokens: int
     runs: int
     prefill_s: float  # medians over runs
@@ -162,6 +180,7 @@ def measure_transport(
     best = max(rates)
     return TransportResult(
         name,
+        shape.kv_dtype,
         shape.bytes_per_push,
         seconds,
         best,
@@ -176,10 +195,11 @@ def measure_transport(
 
 
 def measure_ttft_share(
-    model: str, transport: str, prompt_tokens: int, runs: int, seed: int = 0
+    model: str, transport: str, prompt_tokens: int, runs: int, seed: int = 0, kv_dtype="fp32"
 ) -> TTFTShare:
     """Prompts of ``prompt_tokens`` random token ids (fresh per request: no prefix-cache hits)
-    through a one-prefill, one-decode local cluster; one warm-up request first."""
+    through a one-prefill, one-decode local cluster whose KV cache is ``kv_dtype``; one
+    warm-up request first."""
     from engine.loader import load_config
     from pdserve.client import Client
     from pdserve.cluster.local import ClusterSpec, LocalCluster
@@ -193,6 +213,7 @@ def measure_ttft_share(
         num_blocks=4 * per_request,
         max_model_len=per_request * block_size,
         max_num_batched_tokens=max(512, prompt_tokens),
+        kv_dtype=kv_dtype,
     )
     rng = np.random.default_rng(seed)
     rows = []
@@ -208,7 +229,9 @@ def measure_ttft_share(
         raise RuntimeError("the cluster returned no timings")
     prefill, kv, ttft, nbytes = (statistics.median(col) for col in zip(*rows))
     share = statistics.median(r[1] / r[2] for r in rows if r[2] > 0)
-    return TTFTShare(transport, prompt_tokens, len(rows), prefill, kv, ttft, int(nbytes), share)
+    return TTFTShare(
+        transport, kv_dtype, prompt_tokens, len(rows), prefill, kv, ttft, int(nbytes), share
+    )
 
 
 # ---- report -------------------------------------------------------------------------------
@@ -223,7 +246,10 @@ def run_transfer_bench(
     ttft_transports=(),
     ttft_runs: int = 3,
     log=print,
+    kv_dtypes=("fp32",),
 ) -> TransferReport:
+    """Every transport, then every TTFT transport, once per KV format in ``kv_dtypes`` (the
+    report's shape is ``shape``'s; each result names its format and bytes)."""
     loop = loopback_mb_s(loopback_bytes, repeats)
     report = TransferReport(
         {
@@ -239,15 +265,20 @@ def run_transfer_bench(
     log(f"loopback TCP: {report.loopback_best_mb_s:,.0f} MB/s (best of {repeats})")
     log(f"bare gRPC stream: {report.grpc_stack_best_mb_s:,.0f} MB/s")
     log(f"bare Flight stream: {report.flight_stack_best_mb_s:,.0f} MB/s")
-    for name in transports:
-        res = measure_transport(name, shape, repeats, report.loopback_best_mb_s)
-        report.transports.append(res)
-        log(f"{name:>10}: {res.best_mb_s:,.0f} MB/s = {res.ratio_to_loopback:.2f} x loopback")
-    if ttft_model:
+    for kv_dtype in kv_dtypes:
+        dtype_shape = replace(shape, kv_dtype=kv_dtype)
+        for name in transports:
+            res = measure_transport(name, dtype_shape, repeats, report.loopback_best_mb_s)
+            report.transports.append(res)
+            log(
+                f"{name:>10} {kv_dtype}: {res.best_mb_s:,.0f} MB/s = "
+                f"{res.ratio_to_loopback:.2f} x loopback"
+            )
+    for kv_dtype in kv_dtypes if ttft_model else ():
         for name in ttft_transports:
-            share = measure_ttft_share(ttft_model, name, shape.tokens, ttft_runs)
+            share = measure_ttft_share(ttft_model, name, shape.tokens, ttft_runs, kv_dtype=kv_dtype)
             report.ttft.append(share)
-            log(f"{name:>10}: kv_transfer_s / ttft_s = {share.share_of_ttft:.1%}")
+            log(f"{name:>10} {kv_dtype}: kv_transfer_s / ttft_s = {share.share_of_ttft:.1%}")
     return report
 
 
@@ -278,25 +309,25 @@ def format_report(r: TransferReport) -> str:
         f"{r.flight_stack_best_mb_s / r.loopback_best_mb_s:.2f} x loopback"
     )
     header = (
-        f"{'transport':<12}{'best MB/s':>12}{'median MB/s':>13}{'x loopback':>12}"
+        f"{'transport':<12}{'KV':>6}{'MiB':>7}{'best MB/s':>12}{'median MB/s':>13}{'x loopback':>12}"
         f"{'x stack':>9}{'frames':>8}{'bytes ok':>10}"
     )
     lines = [f"{' KV Transfer Benchmark ':=^78}", kv, limit, header]
     d = r.to_dict()
     for t in r.transports:
         lines.append(
-            f"{t.transport:<12}{t.best_mb_s:>12,.0f}{t.median_mb_s:>13,.0f}"
+            f"{t.transport:<12}{t.kv_dtype:>6}{t.bytes_per_push / MiB:>7.1f}{t.best_mb_s:>12,.0f}{t.median_mb_s:>13,.0f}"
             f"{t.ratio_to_loopback:>12.2f}{own_stack_ratio(d, t.transport, t.best_mb_s):>9}"
             f"{t.frames_per_push:>8}{t.bytes_ok!s:>10}"
         )
     if r.ttft:
         lines.append(
-            f"{'transport':<12}{'prompt':>8}{'prefill s':>11}{'kv exposed s':>14}"
+            f"{'transport':<12}{'KV':>6}{'prompt':>8}{'prefill s':>11}{'kv exposed s':>14}"
             f"{'TTFT s':>9}{'KV MiB':>8}{'share':>8}"
         )
     for t in r.ttft:
         lines.append(
-            f"{t.transport:<12}{t.prompt_tokens:>8}{t.prefill_s:>11.3f}"
+            f"{t.transport:<12}{t.kv_dtype:>6}{t.prompt_tokens:>8}{t.prefill_s:>11.3f}"
             f"{t.kv_transfer_s:>14.4f}{t.ttft_s:>9.3f}{t.kv_bytes / MiB:>8.1f}"
             f"{t.share_of_ttft:>8.1%}"
         )
@@ -317,6 +348,11 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="embedded", help="model for the TTFT share")
     p.add_argument("--ttft-transports", default="grpc", help="comma-separated; '' skips")
     p.add_argument("--ttft-runs", type=int, default=3)
+    p.add_argument(
+        "--kv-dtypes",
+        default="fp32",
+        help=f"comma-separated KV cache formats to push and serve, side by side: {KV_DTYPES}",
+    )
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=cmd_transfer)
 
@@ -329,7 +365,16 @@ def _names(csv: str) -> list[str]:
     return names
 
 
+def _kv_dtypes(csv: str) -> list[str]:
+    names = [n.strip() for n in csv.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(KV_DTYPES))
+    if unknown or not names:
+        raise SystemExit(f"--kv-dtypes: unknown or empty {unknown}; known: {KV_DTYPES}")
+    return names
+
+
 def cmd_transfer(args) -> int:
+    kv_dtypes = _kv_dtypes(args.kv_dtypes)
     shape = KVShape(args.layers, args.block_size, args.kv_heads, args.head_dim, args.tokens)
     report = run_transfer_bench(
         shape,
@@ -340,6 +385,7 @@ def cmd_transfer(args) -> int:
         _names(args.ttft_transports),
         args.ttft_runs,
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
+        kv_dtypes=kv_dtypes,
     )
     print(format_report(report))
     if args.json_out:
