@@ -8,9 +8,17 @@ C-contiguous tensor ``[2, n_blocks, block_size, num_kv_heads, head_dim]`` (K the
 (little-endian) byte order. A "commit" frame has an empty payload and tells the receiver how many
 kv frames it should have accepted for the lease. The header is a msgpack map:
 
-    {"version": 3, "kind": "kv" | "commit", "request_id": str, "lease_id": str,
+    {"version": 4, "kind": "kv" | "commit", "request_id": str, "lease_id": str,
      "layer": int, "blocks": [int], "dtype": str, "shape": [int], "checksum": int,
-     "num_frames": int}
+     "num_frames": int, "header_crc": bin(4)}
+
+``header_crc``, always the map's last entry, is 4 bytes (msgpack bin 8, so the header ends
+``c4 04`` + the CRC): the CRC-32C, little-endian, of every header byte before it. It covers
+the fields the payload's checksum cannot: a bit flipped in ``layer``, ``blocks``,
+``lease_id`` or ``num_frames`` would otherwise turn one valid header into another and land KV
+in the wrong block, silently. A CRC-32C catches every error of up to 32 bits in a row, so any
+damaged header byte is refused before a field is read. The receiver checks it over the bytes
+it got (no re-encoding), then unpacks.
 
 ``checksum`` is the CRC-32C (Castagnoli) of the payload, with the CPU's CRC instruction: the
 ``crc32c`` package here (~20 GB/s on one core), or on CPU caches the sender's block gather,
@@ -32,15 +40,19 @@ import torch
 
 from kv_transfer.errors import FrameError
 
-# 3: blocks named by position in the lease (2 sent the decode side's block ids);
-# 2: CRC-32C checksums (1 was zlib's CRC-32).
-FORMAT_VERSION = 3
+# 4: a CRC-32C over the header (header_crc); 3: blocks named by position in the lease (2 sent
+# the decode side's block ids); 2: CRC-32C checksums (1 was zlib's CRC-32).
+FORMAT_VERSION = 4
 # gRPC's default message limit is 4 MiB; leave room for the header and protobuf framing.
 MAX_FRAME_BYTES = 3 * 1024 * 1024 + 512 * 1024
 # Bounds the header (block list) so a hostile header cannot make us allocate much.
 MAX_HEADER_BYTES = 64 * 1024
 MAX_BLOCKS_PER_FRAME = 4096
 MAX_ID_LEN = 256
+HEADER_CRC_KEY = "header_crc"
+# msgpack's bin 8 marker for a 4-byte value: the header's last value is its CRC, in place.
+_HEADER_CRC_MARK = b"\xc4\x04"
+_HEADER_CRC_BYTES = 4
 
 KINDS = ("kv", "commit")
 # Only plain numeric dtypes travel; names map to torch dtypes without getattr on user input.
@@ -119,7 +131,7 @@ def encode_kv_frame(
         "checksum": checksum(payload) if crc is None else int(crc),
         "num_frames": 0,
     }
-    return msgpack.packb(header), payload
+    return seal_header(header), payload
 
 
 def encode_commit_frame(request_id: str, lease_id: str, num_frames: int) -> tuple[bytes, bytes]:
@@ -135,23 +147,43 @@ def encode_commit_frame(request_id: str, lease_id: str, num_frames: int) -> tupl
         "checksum": checksum(b""),
         "num_frames": int(num_frames),
     }
-    return msgpack.packb(header), b""
+    return seal_header(header), b""
+
+
+def seal_header(fields: dict) -> bytes:
+    """Pack header ``fields`` as a msgpack map ending with their ``header_crc``."""
+    fields = {k: v for k, v in fields.items() if k != HEADER_CRC_KEY}
+    fields[HEADER_CRC_KEY] = bytes(_HEADER_CRC_BYTES)  # a placeholder of the CRC's size
+    body = msgpack.packb(fields)[:-_HEADER_CRC_BYTES]
+    return body + checksum(body).to_bytes(_HEADER_CRC_BYTES, "little")
+
+
+def _check_header_crc(raw: memoryview) -> None:
+    """Refuse a header whose bytes are not the ones its sender sealed."""
+    mark_at = raw.nbytes - _HEADER_CRC_BYTES - len(_HEADER_CRC_MARK)
+    if mark_at < 0 or raw[mark_at : mark_at + len(_HEADER_CRC_MARK)] != _HEADER_CRC_MARK:
+        raise FrameError("malformed header: it does not end with its header_crc")
+    body = raw[: raw.nbytes - _HEADER_CRC_BYTES]
+    sent = int.from_bytes(raw[raw.nbytes - _HEADER_CRC_BYTES :], "little")
+    if checksum(body) != sent:
+        raise FrameError("header checksum mismatch")
 
 
 def _unpack_header(header) -> dict:
     try:
-        raw = memoryview(header)
-    except TypeError:
+        raw = memoryview(header).cast("B")
+    except (TypeError, ValueError):
         raise FrameError(f"header is {type(header).__name__}, not bytes") from None
     if raw.nbytes > MAX_HEADER_BYTES:
         raise FrameError(f"header of {raw.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
+    _check_header_crc(raw)
     try:
         fields = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
     # msgpack raises many exception types on garbage; all of them mean "not a header".
     except Exception as e:  # noqa: BLE001
         raise FrameError(f"malformed header: {type(e).__name__}") from None
-    if not isinstance(fields, dict):
-        raise FrameError(f"header is a msgpack {type(fields).__name__}, not a map")
+    if not isinstance(fields, dict) or list(fields)[-1:] != [HEADER_CRC_KEY]:
+        raise FrameError("malformed header: not a msgpack map ending with its header_crc")
     return fields
 
 

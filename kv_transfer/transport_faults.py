@@ -16,8 +16,10 @@ What each fault does, and what must catch it:
 - drop: a kv frame is lost; the commit's frame count no longer matches and the receiver
   rejects the commit. (A reliable stream loses no message silently; a lost commit would be a
   lost link, which ``disconnect`` covers.)
-- corrupt: one payload byte is flipped (the CRC-32C rejects it), or a commit's header bytes are
-  replaced by random ones (the header parser rejects them).
+- corrupt: one bit of the header is flipped (a field such as the layer, a block position, the
+  lease id or a commit's frame count: the header's CRC-32C rejects it), or for a share of kv
+  frames (1 - ``corrupt_header_share``) one payload byte (the payload's CRC-32C rejects it).
+  Header hits are also counted as ``corrupt_header``.
 - disconnect: the link breaks at this frame: the stream fails, the link reports ``broken``,
   and the sender connects a new one for the next stream.
 """
@@ -50,12 +52,14 @@ class FaultPolicy:
     delay_s: float = 0.0  # the longest wait (uniform in [0, delay_s])
     drop_p: float = 0.0  # chance that a kv frame is lost
     corrupt_p: float = 0.0  # chance that a frame's bytes are damaged
+    corrupt_header_share: float = 0.5  # of damaged kv frames, those hit in the header
     disconnect_p: float = 0.0  # chance that the link breaks at a frame
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name.endswith("_p") and not 0.0 <= value <= 1.0:
+            is_share = f.name.endswith(("_p", "_share"))
+            if is_share and not 0.0 <= value <= 1.0:
                 raise ValueError(f"{f.name}={value} is not a probability")
         if self.delay_s < 0:
             raise ValueError(f"delay_s={self.delay_s} is negative")
@@ -162,17 +166,23 @@ class _FaultLink(Link):
             return None, None
         if corrupt:
             _count("corrupt")
-            return _corrupted(header, payload, position)
+            return _corrupted(header, payload, position, p.corrupt_header_share)
         return header, payload
 
 
-def _corrupted(header, payload, position: float):
-    """A copy of the frame with one payload byte flipped, or (no payload) a garbled header."""
-    if len(payload):
-        damaged = bytearray(payload)
-        damaged[int(position * len(damaged))] ^= 0xFF
-        return header, memoryview(damaged)
-    return os.urandom(len(header)), payload
+def _corrupted(header, payload, position: float, header_share: float):
+    """A copy of the frame with one header bit flipped (always when there is no payload), or
+    one payload byte. ``position`` in [0, 1) picks which, and where."""
+    share = header_share if len(payload) else 1.0
+    if position < share:
+        _count("corrupt_header")
+        bit = int(position / share * len(header) * 8)
+        damaged = bytearray(header)
+        damaged[bit // 8] ^= 1 << (bit % 8)
+        return bytes(damaged), payload
+    damaged = bytearray(payload)
+    damaged[int((position - share) / (1.0 - share) * len(damaged))] ^= 0xFF
+    return header, memoryview(damaged)
 
 
 class FaultReceiverServer(ReceiverServer):

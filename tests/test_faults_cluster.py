@@ -69,7 +69,7 @@ def test_faulty_transfers_are_sent_again_and_outputs_stay_exact(tiny_model, monk
         cluster.router.flow.cfg.max_attempts = 100
         (decode_before,) = [s for s in worker_statuses(cluster) if s.role == "decode"]
 
-        kinds = ("delay", "drop", "corrupt", "disconnect")
+        kinds = ("delay", "drop", "corrupt", "corrupt_header", "disconnect")
         # The draws are seeded per link, but which frame meets which draw depends on how the
         # concurrent streams interleave: go again (at most 4 rounds) until every kind was met.
         # Each round sends new prompts (up to 5 blocks: several frames), so each round's KV is

@@ -18,6 +18,7 @@ from kv_transfer.frame import (
     decode_frame,
     encode_commit_frame,
     encode_kv_frame,
+    seal_header,
 )
 from kv_transfer.lease import LeaseTable
 from kv_transfer.receiver import KVReceiver
@@ -40,9 +41,10 @@ def kv_for(n_blocks: int, dtype=torch.float32) -> torch.Tensor:
 
 
 def repack(header: bytes, **changes) -> bytes:
+    """The header with ``changes``, sealed again: its fields, not its CRC, are what is wrong."""
     fields = msgpack.unpackb(header)
     fields.update(changes)
-    return msgpack.packb(fields)
+    return seal_header(fields)
 
 
 @pytest.fixture
@@ -102,6 +104,21 @@ def test_decode_accepts_a_uint8_tensor_payload():
     assert torch.equal(out, kv)
 
 
+def without_header_crc(header: bytes) -> dict:
+    return {k: v for k, v in msgpack.unpackb(header).items() if k != "header_crc"}
+
+
+def sealed_bytes(body: bytes) -> bytes:
+    """``body`` followed by its CRC-32C: it passes the header CRC, whatever it holds."""
+    return body + checksum(body).to_bytes(4, "little")
+
+
+def with_crc_first(header: bytes) -> bytes:
+    """A map that ends with a valid CRC trailer but names header_crc first, not last."""
+    fields = {"header_crc": b"0000", **without_header_crc(header), "pad": b"\0\0\0\0"}
+    return sealed_bytes(msgpack.packb(fields)[:-4])
+
+
 def garbage_headers():
     good, _ = encode_commit_frame("r", "l", 0)
     rng = torch.Generator().manual_seed(0)
@@ -117,7 +134,10 @@ def garbage_headers():
         "version is bool": repack(good, version=True),
         "blocks not ints": repack(good, blocks=["a"]),
         "negative block": repack(good, blocks=[-1]),
-        "lease id missing": msgpack.packb({"version": 1, "kind": "commit"}),
+        "lease id missing": seal_header({"version": FORMAT_VERSION, "kind": "commit"}),
+        "no header crc": msgpack.packb(without_header_crc(good)),
+        "header crc not last": with_crc_first(good),
+        "sealed non-msgpack": sealed_bytes(b"\xc1garbage\xc4\x04"),
         "not bytes": 12345,
         "huge header": b"\x00" * (65 * 1024),
         "os random": os.urandom(200),
@@ -170,7 +190,7 @@ def test_receiver_rejects_each_malformed_frame_then_keeps_serving(receiver):
         "outside lease": encode_kv_frame("req", lease.lease_id, 1, [3, 9], kv),
         "out of range": encode_kv_frame("req", lease.lease_id, LAYERS, [2, 3], kv),
         "another request": encode_kv_frame("other", lease.lease_id, 1, [2, 3], kv),
-        "malformed header": (b"\xc1garbage", payload),
+        "does not end with its header_crc": (b"\xc1garbage", payload),
     }
     for expected, (bad_header, bad_payload) in cases.items():
         assert expected in reject_reason(receiver, bad_header, bad_payload)
@@ -277,3 +297,54 @@ def test_a_wait_for_a_refused_or_absent_lease_fails():
         table.refuse(f"r{i}", "full")
     with pytest.raises(FrameError, match="unknown lease"):
         table.wait_for("gone", timeout=0.0)
+
+
+def flipped_bits(header: bytes):
+    """Every copy of ``header`` with one bit flipped: (byte index, damaged header)."""
+    for i in range(len(header)):
+        for bit in range(8):
+            damaged = bytearray(header)
+            damaged[i] ^= 1 << bit
+            yield i, bytes(damaged)
+
+
+def test_every_flipped_header_bit_is_refused_before_a_field_is_read():
+    """The payload CRC cannot see the header: a flipped bit in ``layer``, ``blocks``,
+    ``lease_id`` or ``num_frames`` could make another valid header. The header CRC refuses
+    every one, for kv and commit frames alike."""
+    kv_header, payload = encode_kv_frame("req", "lease-7", 1, [2, 3], kv_for(2))
+    commit_header, _ = encode_commit_frame("req", "lease-7", 5)
+    for header, body in ((kv_header, bytes(payload)), (commit_header, b"")):
+        assert decode_frame(header, body)[0].lease_id == "lease-7"  # intact, it decodes
+        for i, damaged in flipped_bits(header):
+            with pytest.raises(FrameError, match="header") as err:
+                decode_frame(damaged, body)
+            assert "checksum mismatch" in err.value.reason or i >= len(header) - 6, i
+
+
+def test_a_resealed_header_field_decodes_so_only_the_header_crc_guards_it():
+    # Why the header needs its own CRC: the payload's checksum passes another layer as well.
+    header, payload = encode_kv_frame("req", "lease-7", 1, [2, 3], kv_for(2))
+    h, _ = decode_frame(repack(header, layer=0, blocks=[3, 2]), payload)
+    assert (h.layer, h.blocks) == (0, (3, 2))
+
+
+def test_receiver_applies_no_frame_with_a_flipped_header_bit_and_keeps_serving(receiver):
+    lease = receiver.leases.open("req", [4, 5, 6, 7])
+    kv = kv_for(2)
+    header, payload = encode_kv_frame("req", lease.lease_id, 1, [2, 3], kv)
+    commit, _ = encode_commit_frame("req", lease.lease_id, 1)
+    rejected = 0
+    for frame, body in ((header, bytes(payload)), (commit, b"")):
+        for _, damaged in flipped_bits(frame):
+            reject_reason(receiver, damaged, body)
+            rejected += 1
+    assert receiver.frames_rejected == rejected and receiver.frames_accepted == 0
+    assert lease.frames_received == 0 and not lease.is_committed and receiver.events == []
+    assert all(torch.count_nonzero(k) == 0 for k, _ in receiver.kv_caches)  # nothing landed
+
+    receiver.accept(header, payload)  # the intact frames still go where they belong
+    receiver.accept(commit, b"")
+    k_cache, v_cache = receiver.kv_caches[1]
+    assert torch.equal(k_cache[[6, 7]], kv[0]) and torch.equal(v_cache[[6, 7]], kv[1])
+    assert lease.is_committed

@@ -69,6 +69,12 @@ def _kv_frame(num_kv_heads: int, head_dim: int, lease_id="no-such-lease"):
     return encode_kv_frame("garbage", lease_id, 0, [0], kv)
 
 
+def _flip_a_bit(data: bytes, rng: random.Random) -> bytes:
+    damaged = bytearray(data)
+    damaged[rng.randrange(len(damaged))] ^= 1 << rng.randrange(8)
+    return bytes(damaged)
+
+
 def malformed_kv_frames(rng: random.Random, heads: int, head_dim: int) -> list[bytes]:
     """KvFrame messages (protobuf bytes) that are wrong in every way the parser sees first."""
     header, payload = _kv_frame(heads, head_dim)
@@ -80,6 +86,7 @@ def malformed_kv_frames(rng: random.Random, heads: int, head_dim: int) -> list[b
         b"\x0b\x00",  # a wire type protobuf does not have (3, start group)
         serialize_kv_frame((rng.randbytes(64), payload)),  # random header bytes
         serialize_kv_frame((header[: len(header) // 2], payload)),  # msgpack cut short
+        serialize_kv_frame((_flip_a_bit(header, rng), payload)),  # a header field damaged
         serialize_kv_frame((header, memoryview(bytes(payload)[:-7]))),  # payload cut short
         serialize_kv_frame((b"", b"")),  # nothing at all
         serialize_kv_frame(encode_commit_frame("garbage", "x" * 300, 1)),  # id too long
@@ -164,6 +171,7 @@ def test_garbage_on_the_kv_port_is_rejected_and_the_worker_keeps_serving(tiny_mo
             assert len(ack.errors) == len(garbage)
             assert any("malformed KvFrame" in e for e in ack.errors)
             assert any("payload is" in e for e in ack.errors)  # the cut payload, by size
+            assert any("header checksum mismatch" in e for e in ack.errors)
             abandon_grpc_stream(kv, garbage[:3])  # none parses: none reaches the receiver
             errors = list(ack.errors)
         else:
