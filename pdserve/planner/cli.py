@@ -18,6 +18,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -48,8 +58,42 @@ def add_profile(sub) -> None:
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--quick", action="store_true", help="a tiny grid (tests, tiny models)")
     p.add_argument("--skip-router", action="store_true", help="assume 2 ms for the router")
+    p.add_argument(
+        "--cpu-costs-only",
+        action="store_true",
+        help="measure only sampling and router CPU, into the existing profile at --out",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_profile)
+
+
+def cmd_cpu_costs(args, cfg) -> int:
+    """Re-measure a profile's CPU costs (sampling, router) and keep its tables."""
+    import dataclasses
+    import os
+
+    from engine.settings import build_engine
+    from pdserve.planner.measure import engine_dir, measure_cpu_costs
+    from pdserve.planner.profile import load_profile
+
+    try:
+        prof = load_profile(args.out)
+    except ValueError as e:
+        print(f"pdserve profile: error: argument --out: {e}", file=sys.stderr)
+        return 2
+    engine = build_engine(dataclasses.replace(prof.engine, num_blocks=64))
+    router_dir = None if args.skip_router else str(engine_dir(cfg.model))
+    costs = measure_cpu_costs(engine, router_dir)
+    meta = {
+        **prof.meta,
+        "cpu_costs": {
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "load_average": os.getloadavg()[0],
+        },
+    }
+    dataclasses.replace(prof, **costs, meta=meta).save(args.out)
+    print(f"wrote {args.out}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in costs.items()))
+    return 0
 
 
 def cmd_profile(args) -> int:
@@ -59,6 +103,8 @@ def cmd_profile(args) -> int:
     cfg = load_config(args.config)
     if args.model:
         cfg = cfg.with_overrides(model=args.model)
+    if args.cpu_costs_only:
+        return cmd_cpu_costs(args, cfg)
     started = time.time()
     prof = run_profile(cfg, args.device, args.quick, args.skip_router, not args.no_progress)
     prof.save(args.out)
@@ -117,6 +163,12 @@ def add_plan(sub) -> None:
         type=positive_int,
         default=None,
         help="workers share this many cores (one small machine); default: own hardware",
+    )
+    p.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=1.0,
+        help="the clients' sampling temperature (OpenAI's default 1; 0: greedy)",
     )
     p.set_defaults(func=cmd_plan)
 
@@ -178,6 +230,7 @@ def cmd_plan(args) -> int:
         decode_policy=args.decode_policy,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         cpu_cores=args.cpu_cores,
+        temperature=args.temperature,
     )
     started = time.time()
     result = plan(

@@ -6,7 +6,10 @@
   and context per sequence, so the scheduler's own cost per step is in the figure;
 - KV transfer: one request's KV pushed and committed over the configured transport, over sizes;
 - router: the time to first token through the router with instant fake workers
-  (pdserve.bench.micro.router_overhead), which is what the router adds to a request's TTFT.
+  (pdserve.bench.micro.router_overhead), which is what the router adds to a request's TTFT;
+- CPU beside the forward: what a row sampled at a temperature costs over a greedy one (the
+  tables are timed greedy), and the router's and its client's CPU per request and per streamed
+  token (measure_router.py), which compete with the workers for a small machine's cores.
 
 Each figure is the fastest of a few repeats (a shared machine disturbs upward only).
 """
@@ -185,6 +188,45 @@ def measure_co_run_slowdown(timer: WorkerTimer, model_dir: str) -> tuple[float, 
     return max(1.0, decode_beside / decode_alone), max(1.0, prefill_beside / prefill_alone)
 
 
+def measure_sample_cost(engine, batch: int = 8, reps: int = 15) -> float:
+    """Seconds a row sampled at temperature 1 (top-p 1, as OpenAI's defaults) costs over a
+    greedy row, from the engine's own sampler on ``batch`` rows of random logits. Thread CPU
+    time, best of ``reps``: on one thread it is the wall time when alone, and a busy machine
+    barely moves it (wall time there is mostly waiting for a core)."""
+    from engine.request import Request, SamplingParams
+
+    vocab = engine.config.model.vocab_size
+    logits = torch.randn(batch, vocab)
+
+    def best(temperature: float) -> float:
+        params = SamplingParams(max_tokens=2, temperature=temperature)
+        reqs = [Request(f"s{i}", [5], params) for i in range(batch)]
+        times = []
+        for _ in range(reps):
+            t = time.thread_time()
+            engine.sampler.sample(logits, reqs)
+            times.append(time.thread_time() - t)
+        return min(times)
+
+    return max(0.0, (best(1.0) - best(0.0)) / batch)
+
+
+def measure_cpu_costs(engine, router_model_dir: str | None) -> dict:
+    """The profile's CPU costs beside the forward (profile.CPU_COST_FIELDS); the router's
+    only with the model folder whose tokenizer it serves (else they stay 0: not modelled)."""
+    from pdserve.planner.measure_router import measure_router_cpu
+
+    costs = {"sample_seconds_per_row": measure_sample_cost(engine)}
+    if router_model_dir is not None:
+        cpu = measure_router_cpu(router_model_dir)
+        costs.update(
+            router_cpu_per_request_s=cpu.per_request_s,
+            router_cpu_per_token_s=cpu.per_token_s,
+            stream_cpu_per_token_s=cpu.worker_per_token_s,
+        )
+    return costs
+
+
 def measure_router_overhead(prompt_tokens: int = 256) -> float:
     from pdserve.bench.micro.router_overhead import _measure
 
@@ -259,7 +301,7 @@ def run_profile(
     settings = replace(settings, max_model_len=engine.config.max_model_len)
     timer = WorkerTimer(engine, grid)
     total = len(grid.prefill_tokens) * len(grid.offsets) + len(grid.batches) * len(grid.contexts)
-    bar = tqdm(total=total + 3, desc="profile", unit="pt", disable=not progress)
+    bar = tqdm(total=total + 4, desc="profile", unit="pt", disable=not progress)
     prefill = []
     for n in grid.prefill_tokens:
         prefill.append(tuple(timer.prefill(n, c) for c in grid.offsets))
@@ -277,6 +319,10 @@ def run_profile(
     bar.update(1)
     bar.set_postfix_str("router")
     router_s = QUICK_ROUTER_OVERHEAD_S if quick or skip_router else measure_router_overhead()
+    bar.update(1)
+    bar.set_postfix_str("sampling, router CPU")
+    router_model = None if quick or skip_router else str(engine_dir(cfg.model))
+    cpu_costs = measure_cpu_costs(engine, router_model)
     bar.update(1)
     bar.close()
     # One token's K and V rows as the cache holds them (an int8 cache's rows carry scales).
@@ -308,6 +354,7 @@ def run_profile(
         router_overhead_s=router_s,
         co_run_slowdown=co_run[0],
         co_run_slowdown_prefill=co_run[1],
+        **cpu_costs,
         kv_bytes_per_token=kv_per_token,
         num_layers=model_cfg.num_layers,
         engine=settings,

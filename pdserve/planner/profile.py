@@ -11,6 +11,8 @@ A step's cost, from the scheduler's plan (``step_seconds``):
   mixed         prefill[new tokens + decode rows][offset] + the decode rows' attention, i.e.
                 decode[b][context] - decode[b][smallest context]: decode rows are more GEMM
                 rows, and their attention is what grows with context.
+  plus, in every kind, ``sample_seconds_per_row`` for each row it samples at a temperature
+  (the tables are timed greedy; a temperature row sorts the vocabulary for top-p).
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ from pathlib import Path
 from engine.settings import EngineSettings  # the worker settings a profile was measured with
 
 PROFILE_VERSION = 1
+# Costs newer profiles record; an older profile without them reads 0 (not modelled).
+CPU_COST_FIELDS = (
+    "sample_seconds_per_row",
+    "router_cpu_per_request_s",
+    "router_cpu_per_token_s",
+    "stream_cpu_per_token_s",
+)
 
 
 def interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -98,6 +107,14 @@ class Profile:
     co_run_slowdown: float = 1.0  # a decode step's
     # A prefill step's, measured apart (None in older profiles: the decode step's figure).
     co_run_slowdown_prefill: float | None = None
+    # What a row sampled at a temperature costs over a greedy one (the tables are greedy).
+    sample_seconds_per_row: float = 0.0
+    # CPU the router and its client spend, beside the workers on a small machine: per request
+    # (tokenize, template, reserve, prefill call) and per streamed token (gRPC receive,
+    # detokenize, SSE); and the decode worker's gRPC threads per streamed token.
+    router_cpu_per_request_s: float = 0.0
+    router_cpu_per_token_s: float = 0.0
+    stream_cpu_per_token_s: float = 0.0
     meta: dict = field(default_factory=dict)  # hardware, model, dtype, versions, date
 
     # ---- latencies -----------------------------------------------------------------------
@@ -129,7 +146,12 @@ class Profile:
         )
 
     def step_seconds(self, scheduled) -> float:
-        """One forward over a scheduler plan's ``scheduled`` sequences."""
+        """One forward over a scheduler plan's ``scheduled`` sequences, and its sampling."""
+        sampled = sum(1 for s in scheduled if s.samples and not s.request.sampling.is_greedy)
+        return self.forward_seconds(scheduled) + sampled * self.sample_seconds_per_row
+
+    def forward_seconds(self, scheduled) -> float:
+        """The forward (and a greedy sample per row, as the tables were timed)."""
         dec_n = dec_ctx = pre_n = pre_work = 0
         for s in scheduled:
             done = s.request.num_computed_tokens
@@ -173,6 +195,7 @@ class Profile:
                 engine=EngineSettings(**d.get("engine", {})),
                 co_run_slowdown=float(d.get("co_run_slowdown", 1.0)),
                 co_run_slowdown_prefill=_optional_float(d.get("co_run_slowdown_prefill")),
+                **{k: float(d.get(k, 0.0)) for k in CPU_COST_FIELDS},
                 meta=dict(d.get("meta", {})),
             )
         except (KeyError, TypeError, ValueError) as e:

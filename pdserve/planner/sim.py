@@ -80,6 +80,9 @@ class SimConfig:
     first_token_waits_for_kv: bool = False
     # Workers sharing this many CPU cores (one small machine); None: each has its own.
     cpu_cores: int | None = None
+    # Every request's sampling temperature: OpenAI's default (1.0) unless clients ask for
+    # greedy (0); a sampled row costs the profile's sample_seconds_per_row more.
+    temperature: float = 1.0
 
 
 @dataclass
@@ -124,10 +127,15 @@ class SimCluster:
         cpu = CpuShare(
             cfg.cpu_cores, threads, profile.co_run_slowdown, profile.co_run_slowdown_prefill
         )
+        self.cpu = cpu
+        # The router's and client's CPU per streamed token, with the decode worker's gRPC
+        # threads' (another process, but the same cores: one background queue for both).
+        self.cpu_per_token_s = profile.router_cpu_per_token_s + profile.stream_cpu_per_token_s
         args = (self.clock, profile, self.engine)
+        kw = {"temperature": cfg.temperature}
         self.prefill = [
             SimPrefillWorker(
-                *args, self.engine.num_blocks, f"p{i}", cpu, on_first_token=self._first
+                *args, self.engine.num_blocks, f"p{i}", cpu, on_first_token=self._first, **kw
             )
             for i in range(cfg.split.num_prefill)
         ]
@@ -140,6 +148,7 @@ class SimCluster:
                 cpu,
                 on_token=self._token,
                 on_preempted=self._preempted,
+                **kw,
             )
             for i in range(cfg.split.num_decode)
         ]
@@ -147,6 +156,7 @@ class SimCluster:
 
     # ---- arrivals and dispatch ------------------------------------------------------------
     def arrive(self, req: _Req) -> None:
+        self.cpu.charge(self.clock.now, self.profile.router_cpu_per_request_s)
         self.clock.at(self.clock.now + self.profile.router_overhead_s, self._dispatch, req)
 
     def _dispatch(self, req: _Req) -> None:
@@ -223,6 +233,7 @@ class SimCluster:
         self.arrive(req)
 
     def _emit(self, req: _Req, t: float) -> None:
+        self.cpu.charge(self.clock.now, self.cpu_per_token_s)
         req.outputs += 1
         req.record.token_times.append(t)
 

@@ -58,11 +58,13 @@ class Clock:
 class CpuShare:
     """Workers that share ``cores`` CPU cores (several workers on one small machine): a step
     that starts while ``k`` workers compute, each with ``threads`` threads, runs
-    max(1, k x threads / cores) times slower (processor sharing, judged at the step's start),
-    and slower again while another worker computes beside it, by the slowdown the profile
-    measured for the step's kind: a decode step (bound by memory bandwidth) loses more to a
-    neighbour than a prefill step (bound by its own core's FLOPs). ``cores`` None: every
-    worker has its own hardware, as on GPUs."""
+    max(1, (k x threads + b) / cores) times slower (processor sharing, judged at the step's
+    start), and slower again while another worker computes beside it, by the slowdown the
+    profile measured for the step's kind: a decode step (bound by memory bandwidth) loses more to
+    a neighbour than a prefill step (bound by its own core's FLOPs). ``b`` is the background's
+    share of the step: the router's and its client's CPU work (``charge``), worked through in
+    order by one thread (one GIL), its backlog spread over the step (at most one core).
+    ``cores`` None: every worker has its own hardware, as on GPUs."""
 
     def __init__(
         self,
@@ -76,15 +78,25 @@ class CpuShare:
         prefill = co_run_slowdown if co_run_slowdown_prefill is None else co_run_slowdown_prefill
         self.slowdown = {"decode": co_run_slowdown, "prefill": prefill}
         self.busy = 0
+        self.background_until = 0.0  # when the background thread has done what it was given
+        self.background_s = 0.0  # all it was given
 
-    def start(self, kind: str = "decode") -> float:
-        """A step of ``kind`` ("prefill": it computes prompt tokens; else "decode") starts;
-        returns how many times slower than alone it runs."""
+    def charge(self, now: float, cpu_s: float) -> None:
+        """``cpu_s`` of background CPU work arrives at ``now``."""
+        if self.cores and cpu_s > 0:
+            self.background_until = max(self.background_until, now) + cpu_s
+            self.background_s += cpu_s
+
+    def start(self, kind: str = "decode", now: float = 0.0, alone_s: float = 0.0) -> float:
+        """A step of ``kind`` ("prefill": it computes prompt tokens; else "decode") starts at
+        ``now`` and takes ``alone_s`` on its own; returns how many times slower it runs."""
         self.busy += 1
         if not self.cores:
             return 1.0
         shared = self.slowdown[kind] if self.busy > 1 else 1.0
-        return max(1.0, self.busy * self.threads / self.cores) * shared
+        backlog = max(0.0, self.background_until - now)
+        background = min(1.0, backlog / alone_s) if alone_s > 0 else 0.0
+        return max(1.0, (self.busy * self.threads + background) / self.cores) * shared
 
     def end(self) -> None:
         self.busy -= 1
@@ -105,8 +117,10 @@ class SimWorker(StepHooks):
         num_blocks: int,
         name: str,
         cpu: CpuShare | None = None,
+        temperature: float = 0.0,
     ):
         self.clock = clock
+        self.temperature = temperature  # every request's: the profile charges sampled rows
         self.cpu = cpu or CpuShare()
         self.profile = profile
         self.address = name
@@ -142,7 +156,8 @@ class SimWorker(StepHooks):
         """The executor: the forward takes the profile's latency; the tokens come at its end."""
         self.busy = True
         kind = "prefill" if self.profile.has_prefill(plan.scheduled) else "decode"
-        dt = self.profile.step_seconds(plan.scheduled) * self.cpu.start(kind)
+        alone = self.profile.step_seconds(plan.scheduled)
+        dt = alone * self.cpu.start(kind, self.clock.now, alone)
         self.busy_s += dt
         self.steps += 1
         tokens = [TOKEN] * sum(1 for s in plan.scheduled if s.samples)
@@ -155,7 +170,9 @@ class SimWorker(StepHooks):
         self.wake()
 
     def new_request(self, rid: str, prompt_tokens: int, outputs: int, max_tokens: int) -> Request:
-        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sampling = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, temperature=self.temperature
+        )
         return _SimRequest(
             rid, [TOKEN] * prompt_tokens, sampling, output_token_ids=[TOKEN] * outputs
         )

@@ -1,0 +1,72 @@
+"""Re-simulate stored fidelity runs (scripts/planner_fidelity.py's JSON) on a profile.
+
+A stored run keeps its measured summary, not its requests; the requests are rebuilt exactly as
+the run made them: the load generator's seeded workload (``make_workload``; the nonce only
+changes a few prompt tokens) through the router's tokenizer and chat template for the prompt
+lengths, ``max_tokens`` for the output lengths (the runs use ``ignore_eos``), and the seeded
+Poisson schedule for the send times. So a new simulator model is scored against the same real
+measurements without running a cluster again.
+"""
+
+from __future__ import annotations
+
+from pdserve.bench.loadgen.metrics import SLO, BenchResult
+from pdserve.planner.profile import Profile
+from pdserve.planner.sim import SimConfig, Split, simulate
+from pdserve.planner.workload import TraceRequest
+
+METRICS = ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "goodput")
+NONCE = "0" * 8  # as long as new_nonce()'s: the preamble tokenizes to the same length
+
+
+def summary(res: BenchResult) -> dict:
+    return {
+        "p50_ttft_ms": res.ttft_ms.median,
+        "p90_ttft_ms": res.ttft_ms.p90,
+        "p50_tpot_ms": res.tpot_ms.median,
+        "goodput": res.request_goodput or 0.0,
+        "attainment": res.slo_attainment or 0.0,
+        "completed": res.completed,
+    }
+
+
+def err(sim: float, real: float) -> float:
+    return abs(sim - real) / real if real else (0.0 if sim == 0 else 1.0)
+
+
+def mape(rows: list[dict]) -> dict:
+    return {m: sum(r["error"][m] for r in rows) / len(rows) for m in METRICS}
+
+
+def rebuild_requests(workload: str, n: int, rate: float, seed: int, tokenizer) -> list:
+    """The ``n`` requests a seeded fidelity run sent: TraceRequests of (send offset, prompt
+    tokens, output tokens)."""
+    from pdserve.bench.loadgen.serve import poisson_schedule
+    from pdserve.bench.loadgen.workloads import make_workload
+    from router.tokenize import tokenize
+
+    reqs = make_workload(workload, n, seed, NONCE).requests
+    offsets = poisson_schedule(n, rate, seed).tolist()
+    return [
+        TraceRequest(t, len(tokenize(tokenizer, None, r.as_messages())), r.max_tokens)
+        for t, r in zip(offsets, reqs, strict=True)
+    ]
+
+
+def replay(profile: Profile, split: Split, trace: list, slo: SLO, cores: int) -> BenchResult:
+    """A run's requests through the simulator, the workers sharing ``cores`` cores."""
+    return simulate(profile, trace, SimConfig(split, cpu_cores=cores), slo).result
+
+
+def resimulate(report: dict, profile: Profile, slos: dict, tokenizer, seed: int = 0) -> dict:
+    """``report`` (a fidelity JSON) with every run's simulated side, errors and MAPE redone on
+    ``profile``; the measured side is kept. ``slos``: workload -> SLO the runs were scored on."""
+    cores = int(report.get("cpu_cores") or 2)
+    rows = []
+    for row in report["fidelity"]:
+        trace = rebuild_requests(row["workload"], row["requests"], row["rate"], seed, tokenizer)
+        sim = replay(profile, Split.parse(row["split"]), trace, slos[row["workload"]], cores)
+        new = {**row, "sim": summary(sim)}
+        new["error"] = {m: err(new["sim"][m], row["real"][m]) for m in METRICS}
+        rows.append(new)
+    return {**report, "fidelity": rows, "mape": mape(rows)}
