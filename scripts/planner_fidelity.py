@@ -14,6 +14,9 @@ goodput is compared with the best measured one.
 
     python scripts/planner_fidelity.py --profile docs/results/planner/profile_cpu_smollm2.json \
         --json docs/results/planner/fidelity.json
+
+``--resimulate FILE`` re-scores a stored run (its measured side kept, its requests rebuilt from
+the seeded workload: pdserve/planner/fidelity_replay.py) on ``--profile``, with no cluster.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pdserve.bench.loadgen.metrics import SLO, BenchResult
 from pdserve.bench.loadgen.serve import ServeConfig, run_benchmark
 from pdserve.cluster.local import ClusterSpec, LocalCluster
+from pdserve.planner.fidelity_replay import METRICS, err, mape, replay, resimulate, summary
 from pdserve.planner.profile import load_profile
-from pdserve.planner.sim import SimConfig, Split, simulate
+from pdserve.planner.sim import SimConfig, Split
 from pdserve.planner.workload import TraceRequest
 
 # (split, workload, SLO). Rates: LOW and NEAR x the simulated capacity (highest rate at 90%).
@@ -46,18 +50,6 @@ LOW, NEAR = 0.4, 0.85
 # (workload, SLO, share of the recommended split's simulated capacity to run at)
 RECOMMEND = [("longdoc", SLO(12.0, 0.2), 0.9), ("chat", SLO(2.0, 0.15), 0.9)]
 FALLBACK_RATE = 0.1  # when the simulation holds no rate at 90%
-METRICS = ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "goodput")
-
-
-def summary(res: BenchResult) -> dict:
-    return {
-        "p50_ttft_ms": res.ttft_ms.median,
-        "p90_ttft_ms": res.ttft_ms.p90,
-        "p50_tpot_ms": res.tpot_ms.median,
-        "goodput": res.request_goodput or 0.0,
-        "attainment": res.slo_attainment or 0.0,
-        "completed": res.completed,
-    }
 
 
 def run_real(split: Split, workload: str, rate: float, n: int, slo: SLO, seed: int):
@@ -83,12 +75,6 @@ def run_real(split: Split, workload: str, rate: float, n: int, slo: SLO, seed: i
         return asyncio.run(run_benchmark(cfg))
 
 
-def replay(profile, split: Split, raw_sends, slo: SLO, cores: int) -> BenchResult:
-    """The real run's requests (send offsets, lengths) through the simulator."""
-    trace = [TraceRequest(t, p, o) for t, p, o in raw_sends]
-    return simulate(profile, trace, SimConfig(split, cpu_cores=cores), slo).result
-
-
 def sim_capacity(profile, split: Split, workload: str, slo: SLO, cores: int) -> float:
     from pdserve.planner.search import Evaluator, synthetic_workload
 
@@ -104,10 +90,6 @@ def sends_of(res: BenchResult, rate: float, seed: int, n: int):
     return list(zip(offsets.tolist(), res.input_lens, res.output_lens, strict=False))
 
 
-def err(sim: float, real: float) -> float:
-    return abs(sim - real) / real if real else (0.0 if sim == 0 else 1.0)
-
-
 def fidelity(profile, seed: int, scale: float, cores: int) -> list[dict]:
     rows = []
     for label, workload, slo in SETUPS:
@@ -121,7 +103,8 @@ def fidelity(profile, seed: int, scale: float, cores: int) -> list[dict]:
             if real.completed < n:
                 print(f"  {label} @ {rate}: {real.failed} failed: {real.errors[:2]}", flush=True)
             sends = sends_of(real, rate, seed, n)
-            sim = replay(profile, split, sends, slo, cores)
+            trace = [TraceRequest(t, p, o) for t, p, o in sends]
+            sim = replay(profile, split, trace, slo, cores)
             row = {
                 "load_average": os.getloadavg()[0],
                 "split": label,
@@ -143,10 +126,6 @@ def format_row(r: dict) -> str:
     for m in METRICS:
         cells.append(f"{m} {r['sim'][m]:.3g}/{r['real'][m]:.3g} ({r['error'][m]:.0%})")
     return "  ".join(cells)
-
-
-def mape(rows: list[dict]) -> dict:
-    return {m: sum(r["error"][m] for r in rows) / len(rows) for m in METRICS}
 
 
 def recommendation(profile, seed: int, max_workers: int, scale: float, cores: int) -> list[dict]:
@@ -191,6 +170,23 @@ def recommendation(profile, seed: int, max_workers: int, scale: float, cores: in
     return out
 
 
+def rescore(args, profile) -> int:
+    """A stored run's simulated side redone on ``profile`` (the measured side kept)."""
+    from engine.tokenizer import Tokenizer
+    from pdserve.planner.measure import engine_dir
+
+    stored = json.loads(Path(args.resimulate).read_text())
+    slos = {workload: slo for _, workload, slo in SETUPS}
+    report = resimulate(stored, profile, slos, Tokenizer(engine_dir("embedded")), args.seed)
+    report.update(profile=args.profile, resimulated=time.strftime("%Y-%m-%d %H:%M:%S"))
+    for row in report["fidelity"]:
+        print(format_row(row))
+    print("MAPE " + "  ".join(f"{m} {v:.1%}" for m, v in report["mape"].items()), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", required=True)
@@ -200,8 +196,11 @@ def main() -> int:
     ap.add_argument("--part", choices=("fidelity", "recommend", "all"), default="all")
     ap.add_argument("--max-workers", type=int, default=2, help="part 2's pool size")
     ap.add_argument("--cpu-cores", type=int, default=os.cpu_count(), help="cores the workers share")
+    ap.add_argument("--resimulate", default=None, help="a stored fidelity JSON to re-score")
     args = ap.parse_args()
     profile = load_profile(args.profile)
+    if args.resimulate:
+        return rescore(args, profile)
     report: dict = {
         "profile": args.profile,
         "cpu_cores": args.cpu_cores,

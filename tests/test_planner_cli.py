@@ -34,6 +34,22 @@ def test_quick_profile_records_hardware_model_dtype_and_versions(tiny_profile):
     assert prof.decode_seconds(4, 64) > 0
     assert prof.transfer_seconds_for(128) > 0
     assert prof.engine.max_model_len == 256
+    assert prof.sample_seconds_per_row > 0  # measured even on the quick grid
+    assert prof.router_cpu_per_token_s == 0  # --quick starts no router
+
+
+def test_cpu_costs_only_remeasures_sampling_and_keeps_the_tables(tiny_profile, tmp_path):
+    import dataclasses
+
+    copy = tmp_path / "p.json"
+    before = dataclasses.replace(load_profile(tiny_profile), sample_seconds_per_row=9.0)
+    before.save(copy)
+    argv = ["profile", "--config", str(tiny_profile.parent / "tiny.yaml"), "--out", str(copy)]
+    assert main([*argv, "--cpu-costs-only", "--skip-router"]) == 0
+    after = load_profile(copy)
+    assert 0 < after.sample_seconds_per_row < 9.0
+    assert after.decode == before.decode and after.prefill == before.prefill
+    assert "load_average" in after.meta["cpu_costs"]
 
 
 def _plan_argv(profile, out, rate: float, duration: float, max_requests: int) -> list[str]:
@@ -102,6 +118,7 @@ def test_plan_replays_a_trace_at_its_own_rate(tiny_profile, tmp_path, capsys):
         (["--rate", "1", "--prefill-policy", "best"], "--prefill-policy"),
         (["--rate", "1", "--profile", "/no/such.json"], "--profile"),
         (["--rate", "1", "--slo-ttft", "-2"], "--slo-ttft"),
+        (["--rate", "1", "--temperature", "-1"], "--temperature"),
     ],
 )
 def test_plan_names_a_bad_argument(tiny_profile, extra, named, capsys):

@@ -1,0 +1,184 @@
+"""The profile's CPU costs beside the forward (temperature sampling, the router's and client's
+CPU) and how the simulator charges them, against closed forms."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.request import Request, SamplingParams
+from engine.scheduler import ScheduledSequence
+from pdserve.planner.profile import CPU_COST_FIELDS, Profile, load_profile
+from pdserve.planner.sim import SimConfig, Split, simulate
+from pdserve.planner.sim_workers import CpuShare
+from pdserve.planner.workload import TraceRequest
+from tests.conftest import needs_embedded
+from tests.test_planner_sim import toy_profile
+
+SAMPLE_S = 0.004
+
+
+def with_costs(**costs) -> Profile:
+    return Profile(**{**toy_profile().__dict__, **costs})
+
+
+def decode_rows(n: int, temperature: float, context: int = 100) -> list[ScheduledSequence]:
+    params = SamplingParams(max_tokens=50, temperature=temperature)
+    rows = []
+    for i in range(n):
+        req = Request(f"r{i}", [3] * context, params, output_token_ids=[3])
+        req.num_computed_tokens = context
+        rows.append(ScheduledSequence(req, 1, True))
+    return rows
+
+
+def test_a_sampled_row_costs_the_profiles_figure_and_a_greedy_row_nothing():
+    prof = with_costs(sample_seconds_per_row=SAMPLE_S)
+    greedy, sampled = decode_rows(8, 0.0), decode_rows(8, 1.0)
+    forward = prof.decode_seconds(8, 101)
+    assert prof.step_seconds(greedy) == pytest.approx(forward)
+    assert prof.step_seconds(sampled) == pytest.approx(forward + 8 * SAMPLE_S)
+    # A prefill chunk that does not reach the prompt's end samples nothing.
+    req = Request("p", [3] * 300, SamplingParams(max_tokens=4, temperature=1.0))
+    assert prof.step_seconds([ScheduledSequence(req, 128, False)]) == pytest.approx(
+        prof.prefill_seconds(128, 0)
+    )
+
+
+def test_cpu_costs_round_trip_and_an_older_profile_reads_zero(tmp_path):
+    costs = dict(zip(CPU_COST_FIELDS, (0.004, 0.003, 3e-4, 1e-4), strict=True))
+    with_costs(**costs).save(tmp_path / "p.json")
+    again = load_profile(tmp_path / "p.json")
+    assert {k: getattr(again, k) for k in CPU_COST_FIELDS} == costs
+    old = json.loads((tmp_path / "p.json").read_text())
+    for k in CPU_COST_FIELDS:
+        del old[k]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert all(getattr(load_profile(tmp_path / "old.json"), k) == 0 for k in CPU_COST_FIELDS)
+
+
+def test_zero_load_tpot_is_a_decode_step_plus_one_sampled_row():
+    prof = with_costs(sample_seconds_per_row=SAMPLE_S)
+    trace = [TraceRequest(0.0, 100, 20)]
+    greedy = simulate(prof, trace, SimConfig(Split(0, 1), temperature=0.0)).result
+    sampled = simulate(prof, trace, SimConfig(Split(0, 1), temperature=1.0)).result
+    assert sampled.tpot_ms.median == pytest.approx(greedy.tpot_ms.median + SAMPLE_S * 1e3)
+    assert sampled.ttfts[0] == pytest.approx(greedy.ttfts[0] + SAMPLE_S)
+
+
+def test_background_cpu_slows_a_step_only_past_the_cores():
+    cpu = CpuShare(cores=2, threads=1)
+    cpu.charge(0.0, 0.05)  # half of a 0.1 s step
+    assert cpu.start("decode", 0.0, 0.1) == 1.0  # one worker + half a thread fit on 2 cores
+    assert cpu.start("decode", 0.0, 0.1) == pytest.approx((2 + 0.5) / 2)
+    cpu.charge(0.0, 1.0)  # a backlog longer than the step: at most one core
+    assert cpu.start("decode", 0.0, 0.1) == pytest.approx((3 + 1) / 2)
+    own = CpuShare(None)
+    own.charge(0.0, 1.0)  # own hardware: the router has cores of its own
+    assert own.start("decode", 0.0, 0.1) == 1.0 and own.background_s == 0
+
+
+def test_on_one_core_every_streamed_tokens_router_cpu_adds_to_the_next_step():
+    """One worker, one core: the step after a token starts with that token's router work queued
+    (per_token of it), which shares the core: the step takes decode + per_token exactly."""
+    per_token = 0.002
+    prof = with_costs(router_cpu_per_token_s=per_token / 2, stream_cpu_per_token_s=per_token / 2)
+    trace = [TraceRequest(0.0, 100, 20)]
+    plain = simulate(with_costs(), trace, SimConfig(Split(0, 1), cpu_cores=1)).result
+    taxed = simulate(prof, trace, SimConfig(Split(0, 1), cpu_cores=1)).result
+    assert taxed.tpot_ms.median == pytest.approx(plain.tpot_ms.median + per_token * 1e3)
+    # With its own hardware (no cpu_cores) the router costs the workers nothing.
+    own = simulate(prof, trace, SimConfig(Split(0, 1))).result
+    assert own.tpot_ms.median == pytest.approx(
+        simulate(with_costs(), trace, SimConfig(Split(0, 1))).result.tpot_ms.median
+    )
+
+
+def test_router_cpu_per_request_delays_a_step_that_starts_behind_it():
+    prof = with_costs(router_cpu_per_request_s=0.05)
+    trace = [TraceRequest(0.0, 100, 2)]
+    plain = simulate(with_costs(), trace, SimConfig(Split(0, 1), cpu_cores=1)).result
+    taxed = simulate(prof, trace, SimConfig(Split(0, 1), cpu_cores=1)).result
+    # The request's 50 ms of router work is still queued when its prefill starts (1 ms later).
+    assert taxed.ttfts[0] == pytest.approx(plain.ttfts[0] + 0.05 - prof.router_overhead_s)
+
+
+def test_two_runs_give_the_cost_per_request_and_per_token():
+    from pdserve.planner.measure_router import solve_costs
+
+    idle, per_req, per_tok, stream = 0.01, 0.004, 3e-4, 1e-4
+    # (cpu, fake worker cpu, wall, tokens) of 64 requests streaming 2 and 64 tokens each
+    runs = [
+        (idle * wall + 64 * per_req + tokens * per_tok, tokens * stream + 0.2, wall, tokens)
+        for wall, tokens in ((1.0, 128), (5.0, 4096))
+    ]
+    got = solve_costs(*runs, requests=64, idle=idle)
+    assert got.per_request_s == pytest.approx(per_req)
+    assert got.per_token_s == pytest.approx(per_tok)
+    assert got.worker_per_token_s == pytest.approx(stream)
+    with pytest.raises(ValueError):
+        solve_costs(runs[1], runs[0], 64, idle)
+
+
+class _Tokenizer:
+    """Counts words: enough to check which prompt each rebuilt request carries."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return " ".join(m["content"] for m in messages) + " <assistant>"
+
+    def encode(self, text, add_special_tokens=False):
+        return text.split()
+
+
+def test_a_stored_run_is_rebuilt_with_its_seeded_sends_and_lengths():
+    from pdserve.bench.loadgen.serve import poisson_schedule
+    from pdserve.bench.loadgen.workloads import make_workload
+    from pdserve.planner.fidelity_replay import NONCE, rebuild_requests
+
+    got = rebuild_requests("mixed", 20, 1.5, 0, _Tokenizer())
+    want = make_workload("mixed", 20, 0, NONCE).requests
+    assert [r.arrival_s for r in got] == pytest.approx(poisson_schedule(20, 1.5, 0).tolist())
+    assert [r.output_tokens for r in got] == [r.max_tokens for r in want]
+    words = [len(r.as_messages()[0]["content"].split()) + 1 for r in want]
+    assert [r.prompt_tokens for r in got] == words
+    assert max(words) > 500 > min(words)  # long documents among the chats
+
+
+def test_resimulate_keeps_the_measured_side_and_scores_the_new_one():
+    from pdserve.bench.loadgen.metrics import SLO
+    from pdserve.planner.fidelity_replay import METRICS, resimulate
+
+    real = {"p50_ttft_ms": 100.0, "p90_ttft_ms": 200.0, "p50_tpot_ms": 50.0, "goodput": 1.0}
+    row = {"split": "1P1D", "workload": "chat", "rate": 1.0, "requests": 20, "real": real}
+    report = {"cpu_cores": 2, "fidelity": [row, {**row, "split": "colo2"}]}
+    out = resimulate(report, toy_profile(), {"chat": SLO(2.0, 0.2)}, _Tokenizer())
+    assert [r["real"] for r in out["fidelity"]] == [real, real]
+    for r in out["fidelity"]:
+        for m in METRICS:
+            assert r["error"][m] == pytest.approx(abs(r["sim"][m] - real[m]) / real[m])
+    assert out["mape"]["goodput"] == pytest.approx(
+        sum(r["error"]["goodput"] for r in out["fidelity"]) / 2
+    )
+
+
+def test_sampling_cost_measures_more_for_a_temperature_than_greedy(make_engine, tmp_path):
+    from pdserve.planner.measure import measure_sample_cost
+    from tests.conftest import tiny_llama_dir
+
+    path, _ = tiny_llama_dir(tmp_path, vocab=4096)
+    # A temperature row sorts the vocabulary and draws noise; a greedy one takes an argmax.
+    assert 0 < measure_sample_cost(make_engine(path), batch=4, reps=3) < 0.1
+
+
+@pytest.mark.slow
+@needs_embedded
+def test_router_cpu_is_measured_per_request_and_per_token():
+    from pdserve.planner.measure import engine_dir
+    from pdserve.planner.measure_router import measure_router_cpu
+
+    cpu = measure_router_cpu(str(engine_dir("embedded")), requests=24, tokens=32)
+    # Per request: a tokenize, the chat template, a reservation, a prefill call; per token a
+    # gRPC receive, a detokenize and an SSE line: tens of microseconds at the least.
+    assert cpu.per_request_s > cpu.per_token_s > 1e-5
+    assert 0 < cpu.worker_per_token_s < cpu.per_request_s
