@@ -16,7 +16,7 @@ from engine.errors import InvalidRequestError
 from engine.request import SamplingParams, check_token_ids, sampling_from_message
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from protos import pdserve_pb2 as pb
-from router.flow import FlowConfig, FlowTimings, Overloaded, RequestFlow
+from router.flow import FlowConfig, FlowRequest, FlowTimings, Overloaded, RequestFlow
 from router.limits import FirstTokenQueue, check_request_limits
 from router.metrics import Metrics
 from router.policies import get_policy
@@ -227,7 +227,7 @@ class Router:
         texts = [_StopText(self.tokenizer, inp.params.stop) for _ in range(inp.params.n)]
         running = set(range(inp.params.n))
         n_out = 0
-        flow = self.flow.run(inp.request_id, inp.prompt_ids, inp.sampling, timings)
+        flow = self.flow.run(FlowRequest(inp.request_id, inp.prompt_ids, inp.sampling, timings))
         try:
             async for item in flow:
                 i, tokens, reason, logprobs = item.index, item.ids, item.reason, item.logprobs

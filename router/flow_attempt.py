@@ -1,16 +1,18 @@
-"""One attempt of a request's disaggregated path (decode lease, prefill call, KV transfer),
-and the streaming steps that read its calls: a flow step's worker calls and what they mean."""
+"""One attempt of a request (its id at the workers, the lease, the calls, the load it puts on
+workers, how it ended), and the streaming steps that read its calls."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
 import grpc
 
 from protos import pdserve_pb2 as pb
-from router.flow_types import FlowTimings, Tokens, WorkerLost
+from router.flow_request import FlowRequest
+from router.flow_types import AttemptEnded, AttemptOutcome, Tokens
 from router.pool import WorkerHandle
 
 log = logging.getLogger("pdserve.router")
@@ -18,19 +20,33 @@ log = logging.getLogger("pdserve.router")
 
 @dataclass
 class Attempt:
-    decode: WorkerHandle
-    destination: pb.KvDestination
+    attempt_id: str  # the request's id at the workers for this attempt
+    local: bool  # the decode worker prefills (no lease, no prefill worker)
+    concurrent: bool = False  # Reserve goes out beside the Prefill, not before it
+    decode: WorkerHandle | None = None  # where the lease is (or the local Decode runs)
+    destination: pb.KvDestination | None = None  # the lease, as the prefill worker fills it
     # -> pb.ReserveResponse; raises AioRpcError if refused. None until it is sent.
-    reservation: asyncio.Future | None
-    calls: list = field(default_factory=list)
-    transfer: asyncio.Future | None = None
-    attached: bool = False
+    reservation: asyncio.Future | None = None
     prefill: WorkerHandle | None = None  # where the prefill runs, once sent
+    transfer: asyncio.Future | None = None  # the Prefill call's TransferDone, once first token
+    attached: bool = False  # the decode worker took the lease's blocks over
+    calls: list = field(default_factory=list)  # worker calls to cancel with the attempt
     waiters: list = field(default_factory=list)  # futures to cancel with the attempt
+    # The load this attempt puts on workers (WorkerHandle.load): given back with the attempt.
+    loads: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    outcome: AttemptOutcome | None = None  # set once the attempt is over
+    ended: AttemptEnded | None = None  # the worker call that ended it early, if one did
 
     @property
     def lease_id(self) -> str:
-        return self.destination.lease_id
+        return self.destination.lease_id if self.destination is not None else ""
+
+    def end(self, outcome: AttemptOutcome, ended: AttemptEnded | None = None) -> None:
+        self.outcome, self.ended = outcome, ended
+
+    def hold_load(self, worker: WorkerHandle, tokens: int = 0) -> None:
+        """Count this attempt on ``worker`` until it is over (see cleanup)."""
+        self.loads.enter_context(worker.load(tokens))
 
     async def lease(self) -> pb.ReserveResponse | None:
         """The reservation's answer once it is in; None if it was refused, failed or never
@@ -42,15 +58,21 @@ class Attempt:
         except grpc.aio.AioRpcError:
             return None
 
+    async def refused(self) -> bool:
+        """A reservation was sent and did not give a lease."""
+        return self.reservation is not None and await self.lease() is None
+
     async def cleanup(self) -> None:
-        """Cancel its calls and waiters, and release the lease unless the decode worker took it
-        over or it was never held. Every way an attempt ends comes through here."""
+        """Cancel its calls and waiters, give back its load, and release the lease unless the
+        decode worker took it over or it was never held. Every way an attempt ends comes
+        through here."""
         for call in self.calls:
             call.cancel()
         for waiter in self.waiters:
             waiter.cancel()
         if self.transfer is not None and not self.transfer.done():
             self.transfer.cancel()
+        self.loads.close()
         if self.attached or await self.lease() is None:  # taken over, or never held
             return
         try:
@@ -59,11 +81,13 @@ class Attempt:
             log.warning("release of lease %s failed: %s", self.lease_id, e.code().name)
 
 
-async def transfer_done(call, timings: FlowTimings, prefill: WorkerHandle) -> None:
+async def transfer_done(call, request: FlowRequest, prefill: WorkerHandle) -> None:
+    """The Prefill call's second event: the KV is delivered (or the call fails, and with it
+    the transfer: see raise_if_transfer_lost)."""
     event = await call.read()
     if event is not grpc.aio.EOF and event.HasField("transfer_done"):
-        timings.kv_transfer_s += event.transfer_done.exposed_s
-        timings.kv_bytes += event.transfer_done.bytes
+        request.timings.kv_transfer_s += event.transfer_done.exposed_s
+        request.timings.kv_bytes += event.transfer_done.bytes
         prefill.mark_succeeded()  # prefilled and delivered: its circuit breaker closes
 
 
@@ -79,17 +103,19 @@ async def wait_first_chunk_or_lost_transfer(call, attempt: Attempt) -> None:
     raise_if_transfer_lost(attempt)
 
 
-async def stream_tokens(call, outputs, timings, transfer=None):
+async def stream_tokens(call, request: FlowRequest, transfer=None):
+    """The Decode call's tokens as ``Tokens``; sequence 0's go onto the request's outputs
+    (the other sequences' are kept by RequestFlow._run_n)."""
     first = True
     async for chunk in call:
         if first:
-            timings.decode_queue_s += chunk.decode_queue_s
+            request.timings.decode_queue_s += chunk.decode_queue_s
             first = False
             if transfer is not None:
                 # Decoding starts only after the commit, so TransferDone is (nearly) in.
                 await asyncio.wait([transfer], timeout=1.0)
-        if chunk.index == 0:  # the others' are kept by _run_n
-            outputs.extend(chunk.token_ids)
+        if chunk.index == 0:
+            request.outputs.extend(chunk.token_ids)
         yield Tokens(
             list(chunk.token_ids),
             chunk.finish_reason or None,
@@ -106,4 +132,8 @@ def raise_if_transfer_lost(attempt: Attempt) -> None:
     error = transfer.exception()
     if error is not None:
         detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else repr(error)
-        raise WorkerLost(attempt.prefill, f"KV transfer failed after the first token: {detail}")
+        raise AttemptEnded(
+            AttemptOutcome.TRANSFER_FAILED,
+            attempt.prefill,
+            f"KV transfer failed after the first token: {detail}",
+        )

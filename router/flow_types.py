@@ -1,21 +1,27 @@
-"""What a request's flow is made of: its config, its timings, what it yields (``Tokens``),
-the errors that end it, and the per-attempt sampling messages."""
+"""What a request's flow is made of: its config, its timings, what it yields (``Tokens``), how
+an attempt ends (``AttemptOutcome``), the errors that end a request, and the per-attempt
+sampling messages."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import grpc
 
 from protos import pdserve_pb2 as pb
 
-PREEMPTED = "preempted"
-REFUSED = "lease refused"  # the concurrent reservation was refused after the first token
-WORKER_LOST = "worker lost"  # a worker died, was cut off or failed the attempt mid-way
+# The decode worker's finish reason for a sequence it preempted (out of blocks): not the
+# client's, the router sends the request around again with its tokens kept (recompute).
+WIRE_PREEMPTED = "preempted"
+# A worker call that ends with INTERNAL and details starting so failed inside the engine for
+# this request alone (the workers' side of the contract): an error to the client, not retried.
+ENGINE_ERROR_PREFIX = "engine error:"
 
 # A worker call ending with one of these lost its worker (killed, restarted, drained, cut
 # off) or its KV transfer: the request goes around again elsewhere with its tokens kept.
 # INVALID_ARGUMENT, NOT_FOUND, UNAUTHENTICATED and the like are the request's own and end it.
+# (INTERNAL is here for transport faults such as RST_STREAM; an engine error is not lost.)
 LOST_CODES = frozenset(
     {
         grpc.StatusCode.UNAVAILABLE,
@@ -26,12 +32,33 @@ LOST_CODES = frozenset(
         grpc.StatusCode.INTERNAL,
     }
 )
+# A Decode call on a lease ending with one of these: the decode worker no longer knows the
+# lease (it expired before the attach, or its KV did not arrive before its deadline).
+LEASE_GONE_CODES = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+class AttemptOutcome(enum.Enum):
+    """How one attempt of a request ended; the retry loop (``RequestFlow.run``) decides on
+    this, never on the client's finish reasons ("stop", "length", "abort")."""
+
+    FINISHED = "finished"  # the request's last token is out, with the client's finish reason
+    PREEMPTED = "preempted"  # the decode worker ran out of blocks: again, tokens kept
+    LEASE_REFUSED = "lease refused"  # the concurrent reservation was refused: again, reserve first
+    LEASE_EXPIRED = "lease expired"  # the decode worker lost the lease before the attach: again
+    TRANSFER_FAILED = "transfer failed"  # the KV transfer broke after the first token: migrate
+    WORKER_LOST = "worker lost"  # a worker died, was cut off or drained mid-way: migrate
+    FAILED = "failed"  # an engine error of this request: the client gets it, no retry
+
+    @property
+    def migrates(self) -> bool:
+        """Counted as a migration: the worker it is charged to leaves routing for a while."""
+        return self in (AttemptOutcome.TRANSFER_FAILED, AttemptOutcome.WORKER_LOST)
 
 
 @dataclass
 class Tokens:
     """What a request's flow yields: new tokens of sequence ``index`` and, with the last,
-    why it finished."""
+    why it finished (the client's finish reason)."""
 
     ids: list[int]
     reason: str | None = None
@@ -48,35 +75,55 @@ class WorkerFailure(Exception):
     """A worker failed the request and retries are used up (503 / UNAVAILABLE)."""
 
 
-class WorkerLost(Exception):
-    """A worker call of an attempt failed with one of LOST_CODES (see ``RequestFlow.run``)."""
+class EngineFailure(WorkerFailure):
+    """The engine failed this request (a worker's INTERNAL "engine error: ..."): an error to
+    the client (gRPC INTERNAL, HTTP 500), never a normal finish, and not retried."""
 
-    def __init__(self, worker, error: grpc.aio.AioRpcError | str):
-        self.worker = worker  # router.pool.WorkerHandle
+
+class AttemptEnded(Exception):
+    """A worker call ended its attempt before the request finished: ``outcome`` says how,
+    ``worker`` (a router.pool.WorkerHandle) where."""
+
+    def __init__(self, outcome: AttemptOutcome, worker, error: grpc.aio.AioRpcError | str):
+        self.outcome = outcome
+        self.worker = worker
         self.error = error
         detail = error if isinstance(error, str) else f"{error.code().name}: {error.details()}"
         super().__init__(f"{worker.role} worker {worker.address}: {detail}")
 
 
-def lost_or_raise(worker, error: grpc.aio.AioRpcError) -> WorkerLost:
-    """The WorkerLost for a failed call of ``worker``, or ``error`` re-raised when it is the
-    request's own."""
-    if error.code() in LOST_CODES:
-        return WorkerLost(worker, error)
+def is_engine_error(error: grpc.aio.AioRpcError) -> bool:
+    details = error.details() or ""
+    return error.code() == grpc.StatusCode.INTERNAL and details.startswith(ENGINE_ERROR_PREFIX)
+
+
+def ended_by(worker, error: grpc.aio.AioRpcError, on_lease: bool = False) -> AttemptEnded:
+    """The AttemptEnded for a failed Prefill or Decode call of ``worker`` (``on_lease``: a
+    Decode that attaches a lease), or ``error`` re-raised when it is the request's own."""
+    code = error.code()
+    if is_engine_error(error):
+        return AttemptEnded(AttemptOutcome.FAILED, worker, error)
+    if on_lease and code in LEASE_GONE_CODES:
+        return AttemptEnded(AttemptOutcome.LEASE_EXPIRED, worker, error)
+    if code in LOST_CODES:
+        return AttemptEnded(AttemptOutcome.WORKER_LOST, worker, error)
     raise error
 
 
 @dataclass
 class FlowTimings:
-    prefill_queue_s: float = 0.0
-    prefill_s: float = 0.0
-    kv_transfer_s: float = 0.0
-    decode_queue_s: float = 0.0
-    ttft_s: float = 0.0
+    """A request's timings and counts, summed over its attempts (seconds, bytes, tokens)."""
+
+    prefill_queue_s: float = 0.0  # waiting at the prefill worker
+    prefill_s: float = 0.0  # the prefill itself
+    kv_transfer_s: float = 0.0  # transfer time not hidden behind the prefill
+    decode_queue_s: float = 0.0  # KV complete to the first decode step
+    ttft_s: float = 0.0  # the flow's start to its first token
+    e2e_s: float = 0.0  # the request's start to its last token (set by router.core)
     kv_bytes: int = 0
-    cached_tokens: int = 0
-    preemptions: int = 0
-    migrations: int = 0  # attempts lost to a failed worker and retried
+    cached_tokens: int = 0  # prompt tokens found in a prefix cache (the best attempt's)
+    preemptions: int = 0  # attempts the decode worker preempted
+    migrations: int = 0  # attempts lost to a failed worker or transfer and retried
 
 
 @dataclass

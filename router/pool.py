@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -44,6 +46,7 @@ class WorkerHandle:
     draining: bool = False
     healthy: bool = False
     # What the router itself has in flight there: exact for a single router, no polling lag.
+    # Changed only by load() below.
     inflight_tokens: int = 0
     inflight_requests: int = 0
     served_requests: int = 0
@@ -71,6 +74,20 @@ class WorkerHandle:
         if self.consecutive_failures < self.breaker.failures:
             return "closed"
         return "open" if time.monotonic() < self.circuit_open_until else "half_open"
+
+    @contextlib.contextmanager
+    def load(self, tokens: int = 0) -> Iterator[None]:
+        """Count one request (and ``tokens`` prompt tokens) in flight here while the block
+        runs. The only place the load counters change, so no path (finish, error, cancel)
+        can leave one behind."""
+        self.served_requests += 1
+        self.inflight_requests += 1
+        self.inflight_tokens += tokens
+        try:
+            yield
+        finally:
+            self.inflight_requests -= 1
+            self.inflight_tokens -= tokens
 
     def mark_failed(self, seconds: float = SUSPECT_S) -> None:
         """An attempt failed here as if the worker were lost; the breaker counts it."""

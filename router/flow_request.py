@@ -1,0 +1,72 @@
+"""The router's state of one request on its way through the flow: what every attempt reads
+(prompt, sampling) and what each leaves for the next (outputs so far, timings, counts)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from protos import pdserve_pb2 as pb
+from router.flow_types import FlowTimings, Tokens, without_prompt_logprobs
+
+
+@dataclass
+class FlowRequest:
+    request_id: str  # the client's (or, for one of n sequences run alone, "<id>#n<i>")
+    prompt: list[int]  # prompt token ids
+    sampling: pb.SamplingParams  # prompt logprobs dropped once computed (later attempts)
+    timings: FlowTimings = field(default_factory=FlowTimings)
+    outputs: list[int] = field(default_factory=list)  # sequence 0's tokens streamed so far
+    attempts: int = 0  # attempts begun
+    started: float = field(default_factory=time.monotonic)  # for the time to first token
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens an attempt prefills: the prompt plus every token generated so far."""
+        return len(self.prompt) + len(self.outputs)
+
+    def begin_attempt(self) -> str:
+        """Count an attempt and name it. Workers abort by request id when a call ends, and
+        that can land after the next attempt arrived: each attempt goes under its own id
+        ('#' is the router's own: client ids may not hold it, see Router.prepare)."""
+        number = self.attempts
+        self.attempts += 1
+        return self.request_id if number == 0 else f"{self.request_id}#{number}"
+
+    def took(self, tokens: Tokens) -> None:
+        """Note what an attempt yielded: the first token's time, and prompt logprobs, which
+        are computed once (later attempts need not again)."""
+        if tokens.ids and not self.timings.ttft_s:
+            self.timings.ttft_s = time.monotonic() - self.started
+        if tokens.prompt_logprobs:
+            self.sampling = without_prompt_logprobs(self.sampling)
+
+    def took_first_token(self, first: pb.FirstToken) -> None:
+        """A prefill's first token: its timings, and the token itself onto the outputs."""
+        self.timings.prefill_queue_s += first.queue_s
+        self.timings.prefill_s += first.prefill_s
+        self.timings.cached_tokens = max(self.timings.cached_tokens, first.cached_tokens)
+        self.outputs.append(first.token_id)
+
+    def prefill_message(self, attempt_id: str, destination: pb.KvDestination) -> pb.PrefillRequest:
+        return pb.PrefillRequest(
+            request_id=attempt_id,
+            prompt_token_ids=self.prompt,
+            output_token_ids=self.outputs,
+            sampling=self.sampling,
+            destination=destination,
+        )
+
+    def decode_message(
+        self, attempt_id: str, lease_id: str = "", forks: list[int] = ()
+    ) -> pb.DecodeRequest:
+        """Decode on a lease (its KV prefilled elsewhere), or without one: the decode worker
+        prefills the prompt and the outputs so far itself."""
+        return pb.DecodeRequest(
+            request_id=attempt_id,
+            lease_id=lease_id,
+            prompt_token_ids=self.prompt,
+            output_token_ids=self.outputs,
+            sampling=self.sampling,
+            fork_token_ids=forks,
+        )
