@@ -178,7 +178,11 @@ def rescore(args, profile) -> int:
     stored = json.loads(Path(args.resimulate).read_text())
     slos = {workload: slo for _, workload, slo in SETUPS}
     report = resimulate(stored, profile, slos, Tokenizer(engine_dir("embedded")), args.seed)
-    report.update(profile=args.profile, resimulated=time.strftime("%Y-%m-%d %H:%M:%S"))
+    report.update(
+        profile=args.profile,
+        resimulated=time.strftime("%Y-%m-%d %H:%M:%S"),
+        mape_as_stored=stored.get("mape"),  # the simulated side this replaced
+    )
     for row in report["fidelity"]:
         print(format_row(row))
     print("MAPE " + "  ".join(f"{m} {v:.1%}" for m, v in report["mape"].items()), flush=True)
