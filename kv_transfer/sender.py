@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -119,6 +120,12 @@ class KVStream:
         self._errors: list[str] = []  # set by the sender thread when the link fails
         self._aborted = False
         self._closed = False
+        self._committed = False  # commit() returned or raised
+
+    @property
+    def finished(self) -> bool:
+        """Committed (or its commit failed) or aborted: it will use its sender no more."""
+        return self._committed or self._aborted
 
     def send_layer(self, layer, src_block_ids, lease_blocks, k_cache, v_cache) -> None:
         """Queue one layer's blocks ``src_block_ids`` of the local cache, to land in the
@@ -155,6 +162,8 @@ class KVStream:
         except Exception as e:
             self._channel.cancel()
             raise TransferError([f"commit failed: {type(e).__name__}: {e}"]) from e
+        finally:
+            self._committed = True
         if errors:
             raise TransferError(errors)
         return TransferStats(self._bytes, self._frames, time.monotonic() - self._opened_at)
@@ -218,6 +227,11 @@ class KVSender:
         self._connect = connect  # makes a new link to the endpoint once this one broke
         self._link_lock = threading.Lock()
         self.reconnects = 0  # broken links replaced
+        # Streams not yet finished (weak: a stream its caller dropped uncommitted is not
+        # "in use"), and when it was last asked for anything: SenderPool closes idle senders.
+        self._streams: weakref.WeakSet[KVStream] = weakref.WeakSet()
+        self._streams_lock = threading.Lock()
+        self._last_used = time.monotonic()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"kv-send {endpoint}", daemon=True)
         self._thread.start()
@@ -226,8 +240,32 @@ class KVSender:
     def open_stream(self, request_id: str, lease_id: str) -> KVStream:
         if self._closed:
             raise RuntimeError(f"sender to {self.endpoint} is closed")
+        self.touch()
         link = self._usable_link()
-        return KVStream(self, request_id, lease_id, link.open_channel(request_id, lease_id))
+        stream = KVStream(self, request_id, lease_id, link.open_channel(request_id, lease_id))
+        with self._streams_lock:
+            self._streams.add(stream)
+        return stream
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def link_broken(self) -> bool:
+        return self._link.broken
+
+    def touch(self) -> None:
+        """Mark the sender used now (a pool handing it out does, before its open_stream)."""
+        self._last_used = time.monotonic()
+
+    def idle_s(self, now: float | None = None) -> float:
+        """Seconds since it was last used, 0 while a stream is unfinished or work queued."""
+        with self._streams_lock:
+            in_use = any(not s.finished for s in list(self._streams))
+        if in_use or not self._jobs.empty():
+            return 0.0
+        return max(0.0, (time.monotonic() if now is None else now) - self._last_used)
 
     def _usable_link(self) -> Link:
         """The link, replaced first when it broke (its peer died or restarted): a broken link
@@ -254,6 +292,7 @@ class KVSender:
             self._link.close()
 
     def _submit(self, stream: KVStream, job) -> None:
+        self._last_used = time.monotonic()
         self._jobs.put((stream, job))
 
     def _run(self) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import grpc
@@ -14,42 +13,13 @@ from engine.wire import logprob_message, logprob_messages
 from grpc_plumbing.auth import resolve_cluster_token
 from grpc_plumbing.server import worker_server
 from kv_transfer.health import add_worker_health
-from kv_transfer.sender import KVSender, TransferError, make_sender
-from kv_transfer.transports import TLS_TRANSPORTS, TOKEN_TRANSPORTS
+from kv_transfer.sender import TransferError
+from kv_transfer.sender_pool import SenderPool
 from prefill_worker.worker import PrefillWorker
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger("pdserve.prefill")
-
-
-class SenderPool:
-    """One KV sender per (transport, endpoint), reused across requests."""
-
-    def __init__(self, cluster_token: str | None = None, tls=None):
-        self._senders: dict[tuple[str, str], KVSender] = {}
-        self._token = cluster_token
-        self._tls = tls  # grpc_plumbing.tls.ClusterTls for gRPC and Flight KV
-        self._lock = threading.Lock()
-
-    def get(self, transport: str, endpoint: str) -> KVSender:
-        with self._lock:
-            sender = self._senders.get((transport, endpoint))
-            if sender is None:
-                # Every socket transport carries the cluster token (torch_dist at its rendezvous).
-                use_token = self._token and transport in TOKEN_TRANSPORTS
-                opts = {"token": self._token} if use_token else {}
-                if self._tls is not None and transport in TLS_TRANSPORTS:
-                    opts["tls"] = self._tls
-                sender = make_sender(transport, endpoint, **opts)
-                self._senders[(transport, endpoint)] = sender
-            return sender
-
-    def close(self) -> None:
-        with self._lock:
-            for sender in self._senders.values():
-                sender.close()
-            self._senders.clear()
 
 
 class PrefillServicer(pb_grpc.PrefillWorkerServicer):
