@@ -15,7 +15,7 @@ from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from router.auth import ApiKeyInterceptor
 from router.core import Router
-from router.flow import Overloaded, WorkerFailure
+from router.flow import EngineFailure, Overloaded, WorkerFailure
 from router.health import GENERATION_SERVICE, HEALTH_SERVICE, RouterHealth
 from router.limits import RETRY_AFTER_S
 from router.tokenize import detokenize, tokenize
@@ -83,6 +83,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except Overloaded as e:
             retry = (("retry-after", str(RETRY_AFTER_S)),)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), retry)
+        except EngineFailure as e:  # the engine failed this request: its own error, not ours
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
         except WorkerFailure as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except grpc.aio.AioRpcError as e:

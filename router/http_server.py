@@ -5,7 +5,7 @@ Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent ev
 ``"stream": true``), GET /v1/models, POST /tokenize and /detokenize (vLLM's), GET /health (503 until every pool has a ready worker),
 GET /metrics (Prometheus). Errors use OpenAI's shape ``{"error": {message, type, param,
 code}}``: 400 bad parameter (named in ``param``), 401 bad API key, 404 unknown model or route,
-429 overloaded, 503 workers failed.
+429 overloaded, 500 an engine error of the request, 503 workers failed.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.errors import InvalidRequestError
 from router.auth import bearer_ok
 from router.core import Router
-from router.flow import Overloaded, WorkerFailure
+from router.flow import EngineFailure, Overloaded, WorkerFailure
 from router.http_tokenize import add_tokenize_routes
 from router.limits import RETRY_AFTER_S
 from router.openai_batch import merge_prompts
@@ -99,6 +99,8 @@ def _worker_error(e: Exception) -> ApiError:
     if isinstance(e, Overloaded):
         retry = {"Retry-After": str(RETRY_AFTER_S)}
         return ApiError(429, f"overloaded: {e}", code="overloaded", headers=retry)
+    if isinstance(e, EngineFailure):  # the request's own failure in the engine, not retried
+        return ApiError(500, str(e), code="engine_error")
     if isinstance(e, grpc.aio.AioRpcError):
         log.warning("request failed at a worker: %s %s", e.code().name, e.details())
         return ApiError(503, f"worker error: {e.details()}")
