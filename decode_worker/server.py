@@ -10,7 +10,7 @@ import time
 import grpc
 
 from decode_worker.worker import DecodeWorker, ReservationError
-from engine.errors import InvalidRequestError
+from engine.errors import EngineError, InvalidRequestError
 from engine.wire import logprob_message, logprob_messages
 from grpc_plumbing.auth import resolve_cluster_token
 from grpc_plumbing.server import worker_server
@@ -148,7 +148,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         req = stream.req
         first, running = True, stream.n
         while running:
-            for chunk in _drain(stream.items):
+            chunks, error = _drain(stream.items)
+            for chunk in chunks:
                 if first and "scheduled" in req.events:
                     ready = req.events.get("kv_ready", req.events["arrived"])
                     chunk.decode_queue_s = req.events["scheduled"] - ready
@@ -156,19 +157,24 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                     first = False
                 running -= bool(chunk.finish_reason)
                 yield chunk
+            if error is not None:
+                context.abort(grpc.StatusCode[error.status_code], str(error))
 
     def Status(self, request, context):
         st = self.worker.status()
         return pb.WorkerStatus(kv_endpoint=self.kv_endpoint, kv_transport=self.kv_transport, **st)
 
 
-def _drain(items: queue.Queue) -> list[pb.TokenChunk]:
+def _drain(items: queue.Queue) -> tuple[list[pb.TokenChunk], EngineError | None]:
     """Block for one item, then take whatever else is ready (a slow reader gets bigger
-    chunks): one chunk per run of items of the same sequence, a finish reason ending it."""
+    chunks): one chunk per run of items of the same sequence, a finish reason ending it.
+    An error item ends the call: the chunks before it, and the error."""
     chunks: list[pb.TokenChunk] = []
     item = items.get()
     while True:
         index, token_or_reason, logprob = item
+        if isinstance(token_or_reason, EngineError):
+            return chunks, token_or_reason
         if not chunks or chunks[-1].index != index or chunks[-1].finish_reason:
             chunks.append(pb.TokenChunk(index=index))
         chunk = chunks[-1]
@@ -181,7 +187,7 @@ def _drain(items: queue.Queue) -> list[pb.TokenChunk]:
         try:
             item = items.get_nowait()
         except queue.Empty:
-            return chunks
+            return chunks, None
 
 
 def serve_decode_worker(

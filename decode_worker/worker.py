@@ -17,7 +17,7 @@ import time
 
 from decode_worker.stop_strings import StopStrings
 from engine.block_manager import NoFreeBlocksError
-from engine.errors import InvalidRequestError
+from engine.errors import EngineError, InvalidRequestError, WorkerError
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus, sampling_from_message
 from engine.scheduler import SchedulerOutput
@@ -38,7 +38,7 @@ class ReservationError(Exception):
 class _Stream:
     """Tokens of one request's sequences on their way from the engine thread to its Decode RPC:
     items are (sequence index, token, logprob) and, last for each sequence, (index, finish
-    reason, None)."""
+    reason, None); or, last for the whole call, (0, EngineError, None) when it failed."""
 
     def __init__(self, req: Request, n: int = 1):
         self.req = req  # sequence 0
@@ -280,12 +280,32 @@ class DecodeWorker(EngineWorker):
             for i in range(len(stream.seqs), stream.n):  # the router runs each on its own
                 stream.items.put((i, PREEMPTED, None))
 
+    def on_failed(self, req: Request, error: EngineError) -> None:
+        """``req`` failed inside a step (finished by the step already): its Decode call ends
+        with the error, and so do the other sequences of an n > 1 request, since one call
+        carries them all. The rest of the batch goes on."""
+        stream = self._streams.get(req.request_id)
+        if stream is not None:
+            self._fail_stream(stream, error)
+
     def _fail_all(self, error: BaseException) -> None:
+        """The engine thread's step raised outside any request: every stream ends with a
+        worker error (UNAVAILABLE; the router moves them to another worker)."""
+        failure = error if isinstance(error, WorkerError) else WorkerError(error)
         with self.loop.lock:
             for stream in {id(s): s for s in self._streams.values()}.values():
-                for seq in stream.seqs:
-                    if seq.request_id in self._streams:
-                        self._finish(seq, RequestStatus.FINISHED_ABORTED)
+                self._fail_stream(stream, failure)
+
+    def _fail_stream(self, stream: _Stream, error: EngineError) -> None:
+        """End every live sequence of ``stream`` FINISHED_ERROR and the call with ``error``."""
+        for seq in stream.seqs:
+            if self._streams.pop(seq.request_id, None) is None:
+                continue  # ended already
+            seq.error = seq.error or str(error)
+            self.scheduler.finish(seq, RequestStatus.FINISHED_ERROR)
+            self.engine.sampler.release(seq.request_id)
+            self.stop_strings.forget(seq.request_id)
+        stream.items.put((0, error, None))
 
     # ---- status ------------------------------------------------------------------------
     def status(self) -> dict:

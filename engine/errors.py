@@ -20,3 +20,24 @@ class InvalidRequestError(PdserveError, ValueError):
         super().__init__(f"{param}: {message}")
         self.param = param
         self.reason = message
+
+
+class EngineError(PdserveError):
+    """A request failed inside an engine step (its sampling, its bookkeeping, or a forward that
+    fails whenever it is in the batch). It fails alone; its client gets this as an error
+    (gRPC INTERNAL, details "engine error: <cause>"), never a normal finish."""
+
+    prefix = "engine error"
+    status_code = "INTERNAL"  # the gRPC status a worker ends the request's call with
+
+    def __init__(self, cause: BaseException | str):
+        self.cause = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
+        super().__init__(f"{self.prefix}: {self.cause}")
+
+
+class WorkerError(EngineError):
+    """A step failed for every request in it, alone too: the worker is broken, not the request
+    (gRPC UNAVAILABLE, details "worker error: <cause>": the router runs it elsewhere)."""
+
+    prefix = "worker error"
+    status_code = "UNAVAILABLE"

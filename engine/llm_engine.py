@@ -9,7 +9,7 @@ from pathlib import Path
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.errors import InvalidRequestError
+from engine.errors import EngineError, InvalidRequestError
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus, SamplingParams, check_token_ids
@@ -25,7 +25,11 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
+    # "stop" | "length" | "abort" | "error"; with "error" the request failed inside a step
+    # (alone: the others went on) and ``error`` says why: "engine error: <cause>", or
+    # "worker error: <cause>" when the step failed for every request in it.
     finish_reason: str | None
+    error: str | None = None
 
 
 class LLMEngine(StepHooks):
@@ -102,15 +106,24 @@ class LLMEngine(StepHooks):
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step's outputs: a token for each request that got one, and a finished output
+        (finish_reason "error", no token) for each request that failed in it."""
         self._step_outputs = []
         self.step_loop.step()
         return self._step_outputs
 
     def on_updated(self, updated: list[Request]) -> None:
-        self._step_outputs = [self._output(req) for req in updated]
+        self._step_outputs += [self._output(req) for req in updated]
+
+    def on_failed(self, req: Request, error: EngineError) -> None:
+        self._forget(req.request_id)
+        self._step_outputs.append(
+            RequestOutput(req.request_id, [], "", True, req.status.finish_reason, str(error))
+        )
 
     def generate(self, prompts: list[str | list[int]], sampling: SamplingParams | None = None):
-        """Run prompts to completion as one continuous batch; returns finished ``Request``s."""
+        """Run prompts to completion as one continuous batch; returns finished ``Request``s (one
+        that failed has status FINISHED_ERROR and the cause in ``Request.error``)."""
         ids = [self.add_request(p, sampling) for p in prompts]
         while self.has_unfinished():
             self.step()

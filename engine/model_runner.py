@@ -75,6 +75,9 @@ class ModelRunner:
             start = req.num_computed_tokens
             if start == 0 or req.prompt_logprobs is None:  # a recompute starts over
                 req.prompt_logprobs = []
+            # One entry per position before ``start``: a chunk run again (a failed forward's
+            # isolation, engine/step_isolation.py) replaces its entries instead of adding more.
+            del req.prompt_logprobs[start:]
             # Position p predicts token p + 1; the last prompt position is sampled instead.
             stop = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
             for lo in range(start, stop, PROMPT_LOGPROB_ROWS):  # bounded logits memory

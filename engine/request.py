@@ -17,6 +17,9 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    # Failed inside an engine step (Request.error says why): an error to its client, never a
+    # normal finish.
+    FINISHED_ERROR = "finished_error"
 
     @property
     def is_finished(self) -> bool:
@@ -28,6 +31,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED: "stop",
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
         }.get(self)
 
 
@@ -35,6 +39,7 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
 }
 
 
@@ -165,6 +170,8 @@ class Request:
     # With sampling.n > 1, set by the sampler with the first token: the first tokens (and
     # logprobs) of sequences 1..n-1, drawn from the same logits with seeds seed + i.
     fork_first: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)
+    # Why the request ended FINISHED_ERROR: "engine error: ..." or "worker error: ...".
+    error: str | None = None
     # Lifecycle timestamps (time.monotonic()), DistServe-style, feeding metrics.
     events: dict[str, float] = field(default_factory=dict)
 

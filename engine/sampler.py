@@ -11,12 +11,15 @@ what vLLM's V0 sampler reports (its "processed" logprobs, less the top-k/top-p m
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from engine.penalties import Penalties
 from engine.request import Request, TokenLogprob
+
+log = logging.getLogger("pdserve.engine")
 
 # What a logprob of -inf is reported as (JSON has no infinity); vLLM uses the same value.
 MIN_LOGPROB = -9999.0
@@ -36,6 +39,34 @@ class Sampler:
         self._record_logprobs(logits, requests, out)
         self._sample_forks(logits, requests)
         return out
+
+    def sample_isolated(
+        self, logits: torch.Tensor, requests: Sequence[Request]
+    ) -> tuple[list[int | None], dict[int, BaseException]]:
+        """``sample``, where one request's failure is its own: (tokens, errors by row). If the
+        batched pass raises, what it left on the requests is undone and each row is sampled
+        alone; a row that raises alone gets None and its exception. Every row is independent
+        (its own logits, seed and penalty state), so the rows that succeed get the tokens the
+        batch would have given them. While nothing fails the cost is a count per request."""
+        # What the batched pass may append, to undo before sampling again (a fork's first
+        # tokens are assigned whole, so a second pass just replaces them).
+        num_logprobs = [len(r.output_logprobs) for r in requests]
+        try:
+            return list(self.sample(logits, requests)), {}
+        except Exception as e:  # noqa: BLE001 - isolated row by row below
+            log.warning("sampling %d rows failed (%r); sampling each alone", len(requests), e)
+        tokens: list[int | None] = []
+        errors: dict[int, BaseException] = {}
+        for i, req in enumerate(requests):
+            del req.output_logprobs[num_logprobs[i] :]
+            try:
+                tokens.append(self.sample(logits[i : i + 1], [req])[0])
+            except Exception as e:  # noqa: BLE001 - this row's own failure
+                del req.output_logprobs[num_logprobs[i] :]
+                self.release(req.request_id)
+                tokens.append(None)
+                errors[i] = e
+        return tokens, errors
 
     def _draw(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         out = logits.argmax(dim=-1).tolist()

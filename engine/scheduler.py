@@ -14,6 +14,7 @@ without allocation: prefilled and local requests share one queue and one policy.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, NoFreeBlocksError
@@ -126,31 +127,48 @@ class Scheduler:
         return out
 
     def update(
-        self, plan: SchedulerOutput, sampled: list[int], check_stop: bool = True
+        self,
+        plan: SchedulerOutput,
+        sampled: list[int],
+        check_stop: bool = True,
+        on_error: Callable[[Request, BaseException], None] | None = None,
     ) -> list[Request]:
         """Advance every scheduled request; ``sampled`` has one token per sampling sequence.
 
         Returns the requests that got a new token this step. A prefill worker passes
         ``check_stop=False``: its requests leave through ``detach`` once their KV is shipped.
+        With ``on_error``, a request whose bookkeeping raises is handed to it (to fail alone)
+        and the others go on; without, the exception propagates.
         """
         tokens = iter(sampled)
         updated = []
         for s in plan.scheduled:
-            req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            if req.num_computed_tokens // self.blocks.block_size > len(req.block_hashes):
-                self.blocks.cache_full_blocks(
-                    req.block_table, req.block_hashes, req.all_token_ids, req.num_computed_tokens
-                )
-            if not s.samples:
-                continue
-            req.output_token_ids.append(next(tokens))
-            req.mark("first_token")
-            updated.append(req)
-            status = self.check_stop(req) if check_stop else None
-            if status is not None:
-                self.finish(req, status)
+            token = next(tokens) if s.samples else None
+            try:
+                if self._advance(s, token, check_stop):
+                    updated.append(s.request)
+            except Exception as e:
+                if on_error is None:
+                    raise
+                on_error(s.request, e)
         return updated
+
+    def _advance(self, s: ScheduledSequence, token: int | None, check_stop: bool) -> bool:
+        """One request's update: its computed tokens, cached blocks, new token and stop."""
+        req = s.request
+        req.num_computed_tokens += s.num_new_tokens
+        if req.num_computed_tokens // self.blocks.block_size > len(req.block_hashes):
+            self.blocks.cache_full_blocks(
+                req.block_table, req.block_hashes, req.all_token_ids, req.num_computed_tokens
+            )
+        if token is None:
+            return False
+        req.output_token_ids.append(token)
+        req.mark("first_token")
+        status = self.check_stop(req) if check_stop else None
+        if status is not None:
+            self.finish(req, status)
+        return True
 
     def check_stop(self, req: Request) -> RequestStatus | None:
         """Token-level stop conditions (stop strings are the engine's, on text)."""

@@ -4,15 +4,23 @@ and the planner's simulator. What differs between them are the hooks and the exe
 Locking: ``lock`` is held while the scheduler plans and while it takes the tokens back, never
 while the executor runs, so an RPC thread that admits a request (reserve, submit, abort) waits
 for at most a scheduling pass, not a whole forward.
+
+Failures are the request's own (engine/step_isolation.py): work done per request (sampling,
+bookkeeping, the hooks) that raises fails that request alone (FINISHED_ERROR, ``on_failed``);
+a forward that raises is run again on halves of the batch to find the request(s) it fails for.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Protocol
 
+from engine.errors import EngineError
+from engine.request import RequestStatus
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.step_isolation import isolate_failed_forward
 
 if TYPE_CHECKING:
     from engine.model import LayerCallback
@@ -20,7 +28,16 @@ if TYPE_CHECKING:
     from engine.request import Request
     from engine.sampler import Sampler
 
-TokensDone = Callable[[list[int]], None]
+log = logging.getLogger("pdserve.engine")
+
+# Called as done(tokens, failed=None): one token per sampling sequence of the plan, less those
+# in ``failed`` (request id -> the exception its own sampling raised).
+TokensDone = Callable[..., None]
+
+
+class StepUpdateError(RuntimeError):
+    """The update after a forward raised outside any one request's work: the step is not run
+    again (its tokens were already taken), and the loop's owner fails what is in flight."""
 
 
 class StepHooks:
@@ -42,7 +59,13 @@ class StepHooks:
         return None
 
     def on_updated(self, updated: list[Request]) -> None:
-        """The requests that got a token this step (some may have finished)."""
+        """A request that got a token this step (some may have finished). Called once per
+        request, ``[req]``, so that what raises for one request fails it alone."""
+
+    def on_failed(self, req: Request, error: EngineError) -> None:
+        """``req`` failed inside the step and is finished already (FINISHED_ERROR, its blocks
+        freed, ``req.error`` set): tell its client. ``error`` is a ``WorkerError`` when the
+        step failed for every request in it."""
 
 
 class Executor(Protocol):
@@ -65,7 +88,10 @@ class ModelExecutor:
         self, plan: SchedulerOutput, after_layer: LayerCallback | None, done: TokensDone
     ) -> None:
         logits = self.runner.execute(plan.scheduled, after_layer)
-        done(self.sampler.sample(logits, [s.request for s in plan.scheduled if s.samples]))
+        requests = [s.request for s in plan.scheduled if s.samples]
+        tokens, errors = self.sampler.sample_isolated(logits, requests)
+        failed = {requests[i].request_id: e for i, e in errors.items()}
+        done([t for i, t in enumerate(tokens) if i not in errors], failed)
 
 
 class StepLoop:
@@ -83,6 +109,9 @@ class StepLoop:
         self.executor = executor
         self.hooks = hooks
         self.lock = lock if lock is not None else nullcontext()
+        self.forward_ok = True  # whether the last forward ran (a lone failing request's alibi)
+        self.num_request_errors = 0  # requests failed alone, engine errors
+        self.num_worker_errors = 0  # steps that failed for every request in them
 
     def step(self) -> bool:
         """Plan and start one step; False when there was nothing to run."""
@@ -92,11 +121,55 @@ class StepLoop:
             self.hooks.on_planned(plan)
         if plan.is_empty:
             return False
-        after_layer = self.hooks.layer_callback(plan)
-        self.executor.run(plan, after_layer, lambda tokens: self._update(plan, tokens))
+        try:
+            self.run(plan)
+        except StepUpdateError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the forward: find whom it fails for
+            isolate_failed_forward(self, plan, error)
+        else:
+            self.forward_ok = True
         return True
 
-    def _update(self, plan: SchedulerOutput, tokens: list[int]) -> None:
+    def run(self, plan: SchedulerOutput) -> None:
+        """The executor on ``plan`` (all of a step, or a part of it being isolated)."""
+        after_layer = self.hooks.layer_callback(plan)
+        self.executor.run(
+            plan, after_layer, lambda tokens, failed=None: self._done(plan, tokens, failed)
+        )
+
+    def fail(self, req: Request, error: BaseException) -> None:
+        """Finish ``req`` alone with FINISHED_ERROR (blocks freed once, by the scheduler) and
+        tell its owner. Call with the lock held."""
+        error = error if isinstance(error, EngineError) else EngineError(error)
+        log.warning("request %s failed: %s", req.request_id, error)
+        req.error = str(error)
+        if req.is_finished:  # failed in a hook after it finished: its blocks are gone already
+            req.status = RequestStatus.FINISHED_ERROR
+        else:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        self.num_request_errors += 1
+        self.hooks.on_failed(req, error)
+
+    def _done(self, plan: SchedulerOutput, tokens: list[int], failed) -> None:
+        try:
+            self._update(plan, tokens, failed or {})
+        except Exception as e:
+            raise StepUpdateError(f"step update failed: {type(e).__name__}: {e}") from e
+
+    def _update(self, plan: SchedulerOutput, tokens: list[int], failed: dict) -> None:
         with self.lock:
-            updated = self.scheduler.update(plan, tokens, check_stop=self.hooks.check_stop)
-            self.hooks.on_updated(updated)
+            if failed:
+                for s in plan.scheduled:
+                    if s.request.request_id in failed:
+                        self.fail(s.request, failed[s.request.request_id])
+                kept = [s for s in plan.scheduled if s.request.request_id not in failed]
+                plan = SchedulerOutput(kept)
+            updated = self.scheduler.update(
+                plan, tokens, check_stop=self.hooks.check_stop, on_error=self.fail
+            )
+            for req in updated:
+                try:
+                    self.hooks.on_updated([req])
+                except Exception as e:  # noqa: BLE001 - this request's bookkeeping: its own
+                    self.fail(req, e)

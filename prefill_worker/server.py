@@ -7,7 +7,7 @@ import time
 
 import grpc
 
-from engine.errors import InvalidRequestError
+from engine.errors import EngineError, InvalidRequestError
 from engine.request import sampling_from_message
 from engine.wire import logprob_message, logprob_messages
 from grpc_plumbing.auth import resolve_cluster_token
@@ -57,6 +57,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         context.add_callback(lambda: self.worker.abort(request.request_id))
         try:
             item = job.events.get()
+            if isinstance(item, EngineError):  # INTERNAL, or UNAVAILABLE for a WorkerError
+                context.abort(grpc.StatusCode[item.status_code], str(item))
             if isinstance(item, BaseException):
                 context.abort(grpc.StatusCode.ABORTED, f"prefill failed: {item}")
             yield pb.PrefillEvent(first_token=_first_token(job.req, item))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.errors import InvalidRequestError
+from engine.errors import EngineError, InvalidRequestError, WorkerError
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus
 from engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -145,13 +145,26 @@ class PrefillWorker(EngineWorker):
             job.events.put(RuntimeError("aborted"))
         self._aborts.clear()
 
+    def on_failed(self, req: Request, error: EngineError) -> None:
+        """``req`` failed inside a step (finished by the step, its blocks freed unless the
+        transfer still holds them: finish_transfer frees those): its Prefill call ends with
+        the error; the rest of the batch goes on."""
+        job = self._jobs.pop(req.request_id, None)
+        if job is not None:
+            job.stream.abort()
+            job.events.put(error)
+
     def _fail_all(self, error: BaseException) -> None:
+        """The engine thread's step raised outside any request: every job ends with a worker
+        error (UNAVAILABLE; the router prefills it elsewhere)."""
+        failure = error if isinstance(error, WorkerError) else WorkerError(error)
         with self.loop.lock:
             for job in list(self._jobs.values()):
                 if not job.req.is_finished:
-                    self.scheduler.finish(job.req, RequestStatus.FINISHED_ABORTED)
+                    job.req.error = str(failure)
+                    self.scheduler.finish(job.req, RequestStatus.FINISHED_ERROR)
                 job.stream.abort()
-                job.events.put(error)
+                job.events.put(failure)
             self._jobs.clear()
 
     # ---- status ------------------------------------------------------------------------
