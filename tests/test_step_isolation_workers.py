@@ -160,3 +160,72 @@ def test_a_step_failing_for_everyone_ends_the_streams_unavailable(decode_worker,
     again = decode_all(stub, {"seeded": ORDINARY["seeded"]})
     assert again == {"seeded": (reference["seeded"], "length")}
     assert_all_free(worker)
+
+
+def _prefill_directly(cluster, request_id: str, prompt: list[int]) -> grpc.RpcError | None:
+    """A Prefill sent straight to the prefill worker toward a real lease on the decode worker
+    (which is released after); returns the error it ended with, None if it finished."""
+    decode = pb_grpc.DecodeWorkerStub(grpc.insecure_channel(cluster.decode_addresses[0]))
+    prefill = pb_grpc.PrefillWorkerStub(grpc.insecure_channel(cluster.prefill_addresses[0]))
+    lease = decode.Reserve(pb.ReserveRequest(request_id=request_id, num_tokens=16))
+    dest = pb.KvDestination(
+        endpoint=lease.kv_endpoint,
+        transport=lease.kv_transport,
+        lease_id=lease.lease_id,
+        block_size=lease.block_size,
+        num_blocks=len(lease.block_ids),
+    )
+    req = pb.PrefillRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=pb.SamplingParams(max_tokens=MAX_TOKENS),
+        destination=dest,
+    )
+    try:
+        list(prefill.Prefill(req, timeout=30))
+    except grpc.RpcError as e:
+        return e
+    finally:
+        decode.Release(pb.ReleaseRequest(lease_id=lease.lease_id))
+    return None
+
+
+def test_a_request_failing_in_the_prefill_workers_step_ends_its_call_internal(tiny, reference):
+    """The prefill worker's side: the bad prefill's call ends INTERNAL "engine error:", while
+    ordinary prompts through the router, prefilled on the same worker, finish exactly."""
+    import asyncio
+
+    from pdserve.client import AsyncClient
+    from pdserve.cluster.local import ClusterSpec, LocalCluster
+    from tests.cluster_utils import assert_all_blocks_free
+
+    spec = ClusterSpec(model=str(tiny), num_blocks=128, max_model_len=64)
+    with LocalCluster(spec) as cluster:
+        sampler = cluster.prefill_workers[0].engine.sampler
+        original = sampler._apply_min_tokens
+
+        def processor(logits, requests):
+            if any(r.request_id == BAD for r in requests):
+                raise IndexError("index 4096 is out of bounds for dimension 1 with size 128")
+            return original(logits, requests)
+
+        sampler._apply_min_tokens = processor
+
+        async def run():
+            client = AsyncClient(cluster.address)
+            ordinary = [
+                client.generate(token_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True, **extra)
+                for p, extra in ORDINARY.values()
+            ]
+            bad = asyncio.to_thread(_prefill_directly, cluster, BAD, [20, 21, 22, 23])
+            try:
+                return await asyncio.gather(bad, *ordinary)
+            finally:
+                await client.close()
+
+        error, *outs = asyncio.run(run())
+        assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.INTERNAL
+        assert error.details().startswith("engine error: IndexError: index 4096")
+        assert [o.finish_reason for o in outs] == ["length"] * len(ORDINARY)
+        assert [o.token_ids for o in outs] == [reference[rid] for rid in ORDINARY]
+        assert_all_blocks_free(cluster)
