@@ -22,8 +22,10 @@ class EngineThread:
         name: str,
         lock: threading.RLock | None = None,
     ):
-        """``step()`` returns whether it did work; ``on_error`` fails in-flight requests;
-        ``lock`` is the one ``step`` takes around scheduling (a new one if None)."""
+        """``step()`` returns whether it did work; ``on_error`` fails in-flight requests as a
+        worker error (the step raised outside any one request: a failing request or forward is
+        handled inside the step, engine/step_isolation.py); ``lock`` is the one ``step`` takes
+        around scheduling (a new one if None)."""
         self.lock = lock if lock is not None else threading.RLock()
         self._step = step
         self._on_error = on_error
