@@ -237,3 +237,56 @@ def test_a_forward_that_fails_for_every_request_is_a_worker_error(tiny, make_eng
     assert out.finish_reason == "error" and out.error.startswith("engine error:")
     for rid in ("alone", "alone-2"):
         assert engine.requests.pop(rid).status is RequestStatus.FINISHED_ERROR
+
+
+class CulpritExecutor:
+    """A forward that raises whenever one of ``culprits`` is in the batch; 9 for every row."""
+
+    def __init__(self, culprits: set[str]):
+        self.culprits = culprits
+        self.runs: list[list[str]] = []
+
+    def run(self, plan, after_layer, done):
+        ids = [s.request.request_id for s in plan.scheduled]
+        self.runs.append(ids)
+        if self.culprits & set(ids):
+            raise RuntimeError(f"bad rows {sorted(self.culprits & set(ids))}")
+        done([9] * sum(s.samples for s in plan.scheduled))
+
+
+@pytest.mark.parametrize(
+    "batch, culprits",
+    [(8, {0}), (8, {3}), (8, {7}), (5, {4}), (2, {1}), (3, {0, 2}), (16, {5, 12})],
+)
+def test_bisection_finds_every_culprit_within_its_bound(batch, culprits):
+    """At most 2 * ceil(log2(batch)) re-runs a step; a culprit it did not reach stays in the
+    batch and is found by a later step. Every other request gets each token once."""
+    from engine.block_manager import BlockManager
+    from engine.config import SchedulerConfig
+    from engine.request import Request
+    from engine.scheduler import Scheduler
+    from engine.step import StepHooks, StepLoop
+
+    sched = Scheduler(SchedulerConfig(), BlockManager(64, 4), 64)
+    reqs = [Request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=2)) for i in range(batch)]
+    for r in reqs:
+        sched.add(r)
+    executor = CulpritExecutor({f"r{i}" for i in culprits})
+    loop = StepLoop(sched, executor, StepHooks())
+    while True:
+        before = len(executor.runs)
+        if not loop.step():
+            break
+        failed_first = bool(executor.culprits & set(executor.runs[before]))
+        reruns = len(executor.runs) - before - 1
+        assert reruns <= (
+            2 * math.ceil(math.log2(len(executor.runs[before]))) if failed_first else 0
+        )
+    for i, r in enumerate(reqs):
+        if i in culprits:
+            assert r.status is RequestStatus.FINISHED_ERROR and "bad rows" in r.error
+            assert r.error.startswith("engine error: RuntimeError")
+        else:
+            assert r.status is RequestStatus.FINISHED_LENGTH and r.output_token_ids == [9, 9]
+    assert loop.num_request_errors == len(culprits) and loop.num_worker_errors == 0
+    assert sched.blocks.num_free == sched.blocks.num_total
