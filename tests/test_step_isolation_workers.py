@@ -190,26 +190,55 @@ def _prefill_directly(cluster, request_id: str, prompt: list[int]) -> grpc.RpcEr
     return None
 
 
-def test_a_request_failing_in_the_prefill_workers_step_ends_its_call_internal(tiny, reference):
+def _fail_the_bad_prefill(worker, where: str) -> list[list[str]]:
+    """Make ``worker`` raise for BAD in its sampling, or in a forward that ran every layer (and
+    sent each to the decode worker) first; returns the batches of the forwards that raised."""
+    failed: list[list[str]] = []
+    cause = "index 4096 is out of bounds for dimension 1 with size 128"
+    if where == "sampler":
+        original = worker.engine.sampler._apply_min_tokens
+
+        def processor(logits, requests):
+            if any(r.request_id == BAD for r in requests):
+                failed.append([r.request_id for r in requests])
+                raise IndexError(cause)
+            return original(logits, requests)
+
+        worker.engine.sampler._apply_min_tokens = processor
+        return failed
+    forward = worker.engine.runner.execute
+
+    def execute(batch, after_layer=None):
+        logits = forward(batch, after_layer)
+        if any(s.request.request_id == BAD for s in batch):
+            failed.append([s.request.request_id for s in batch])
+            raise IndexError(cause)
+        return logits
+
+    worker.engine.runner.execute = execute
+    return failed
+
+
+@pytest.mark.parametrize("where", ["sampler", "forward"])
+def test_a_request_failing_in_the_prefill_workers_step_ends_its_call_internal(
+    tiny, reference, where
+):
     """The prefill worker's side: the bad prefill's call ends INTERNAL "engine error:", while
-    ordinary prompts through the router, prefilled on the same worker, finish exactly."""
+    ordinary prompts through the router, prefilled in the same batch, finish exactly: after a
+    failed forward their KV is computed and sent again, and the decode worker takes it."""
     import asyncio
 
     from pdserve.client import AsyncClient
     from pdserve.cluster.local import ClusterSpec, LocalCluster
     from tests.cluster_utils import assert_all_blocks_free
 
-    spec = ClusterSpec(model=str(tiny), num_blocks=128, max_model_len=64)
+    spec = ClusterSpec(
+        model=str(tiny), num_blocks=128, max_model_len=64, local_prefill_max_tokens=0
+    )
     with LocalCluster(spec) as cluster:
-        sampler = cluster.prefill_workers[0].engine.sampler
-        original = sampler._apply_min_tokens
-
-        def processor(logits, requests):
-            if any(r.request_id == BAD for r in requests):
-                raise IndexError("index 4096 is out of bounds for dimension 1 with size 128")
-            return original(logits, requests)
-
-        sampler._apply_min_tokens = processor
+        worker = cluster.prefill_workers[0]
+        failed = _fail_the_bad_prefill(worker, where)
+        hold_until_all_queued(worker, len(ORDINARY) + 1)
 
         async def run():
             client = AsyncClient(cluster.address)
@@ -226,6 +255,8 @@ def test_a_request_failing_in_the_prefill_workers_step_ends_its_call_internal(ti
         error, *outs = asyncio.run(run())
         assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.INTERNAL
         assert error.details().startswith("engine error: IndexError: index 4096")
+        assert len(failed[0]) == len(ORDINARY) + 1  # the bad one failed the whole batch first
         assert [o.finish_reason for o in outs] == ["length"] * len(ORDINARY)
         assert [o.token_ids for o in outs] == [reference[rid] for rid in ORDINARY]
+        assert worker.step_loop.num_request_errors == 1
         assert_all_blocks_free(cluster)
