@@ -260,3 +260,25 @@ def test_a_request_failing_in_the_prefill_workers_step_ends_its_call_internal(
         assert [o.token_ids for o in outs] == [reference[rid] for rid in ORDINARY]
         assert worker.step_loop.num_request_errors == 1
         assert_all_blocks_free(cluster)
+
+
+def test_a_failing_sequence_of_an_n_request_ends_its_whole_call(decode_worker, reference):
+    """One Decode call carries all n sequences: one failing ends the call INTERNAL, and its
+    sibling sequences finish too, their shared KV blocks coming back once each."""
+    worker, stub = decode_worker
+    original = worker.engine.sampler._apply_min_tokens
+
+    def processor(logits, requests):
+        if any(r.request_id == "multi#n1" and len(r.output_token_ids) == 2 for r in requests):
+            raise IndexError("a broken logits processor")
+        return original(logits, requests)
+
+    worker.engine.sampler._apply_min_tokens = processor
+    hold_until_all_queued(worker, 2)
+    multi = ([40, 41, 42] * 7, {"n": 3, "temperature": 1.0, "seed": 5})  # shares full blocks
+    results = decode_all(stub, {"multi": multi, "greedy-a": ORDINARY["greedy-a"]})
+    error = results["multi"]
+    assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.INTERNAL
+    assert error.details() == "engine error: IndexError: a broken logits processor"
+    assert results["greedy-a"] == (reference["greedy-a"], "length")
+    assert_all_free(worker)
