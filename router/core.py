@@ -201,14 +201,14 @@ class Router:
             full = f"{self.inflight} requests in flight (max {self.cfg.max_inflight_requests})"
         if full is not None:
             self.metrics.rejected.inc()
-            raise Overloaded(full)
+            raise Overloaded(full, self.queue.retry_after_s())
         self.inflight += 1
         self._active_ids.add(inp.request_id)
         tracker = self.metrics.track()
         ticket = self.queue.enter()
         try:
             async for delta in self._generate(inp):
-                self.queue.leave(ticket)
+                self.queue.served(ticket)
                 tracker.on_delta(delta)
                 yield delta
         except Overloaded:

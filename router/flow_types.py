@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from protos import pdserve_pb2 as pb
+from router.limits import RETRY_AFTER_S
 
 # The decode worker's finish reason for a sequence it preempted (out of blocks): not the
 # client's, the router sends the request around again with its tokens kept (recompute).
@@ -68,7 +69,12 @@ class Tokens:
 
 
 class Overloaded(Exception):
-    """No decode worker could reserve blocks in time (429 / RESOURCE_EXHAUSTED)."""
+    """Past an admission bound, or no decode worker could reserve blocks in time (429 /
+    RESOURCE_EXHAUSTED); ``retry_after_s`` is what the 429 tells the client to wait."""
+
+    def __init__(self, reason: str, retry_after_s: int = RETRY_AFTER_S):
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
 
 
 class WorkerFailure(Exception):

@@ -17,7 +17,6 @@ from router.auth import ApiKeyInterceptor
 from router.core import Router
 from router.flow import EngineFailure, Overloaded, WorkerFailure
 from router.health import GENERATION_SERVICE, HEALTH_SERVICE, RouterHealth
-from router.limits import RETRY_AFTER_S
 from router.tokenize import detokenize, tokenize
 
 log = logging.getLogger("pdserve.router")
@@ -81,7 +80,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except InvalidRequestError as e:  # admission: a request id already in flight
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Overloaded as e:
-            retry = (("retry-after", str(RETRY_AFTER_S)),)
+            retry = (("retry-after", str(e.retry_after_s)),)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), retry)
         except EngineFailure as e:  # the engine failed this request: its own error, not ours
             await context.abort(grpc.StatusCode.INTERNAL, str(e))

@@ -27,7 +27,6 @@ from router.auth import bearer_ok
 from router.core import Router
 from router.flow import EngineFailure, Overloaded, WorkerFailure
 from router.http_tokenize import add_tokenize_routes
-from router.limits import RETRY_AFTER_S
 from router.openai_batch import merge_prompts
 from router.openai_models import ChatCompletionRequest, CompletionRequest, openapi_body
 from router.openai_responses import (
@@ -97,7 +96,7 @@ def _validation_error(e: ValidationError) -> ApiError:
 
 def _worker_error(e: Exception) -> ApiError:
     if isinstance(e, Overloaded):
-        retry = {"Retry-After": str(RETRY_AFTER_S)}
+        retry = {"Retry-After": str(e.retry_after_s)}
         return ApiError(429, f"overloaded: {e}", code="overloaded", headers=retry)
     if isinstance(e, EngineFailure):  # the request's own failure in the engine, not retried
         return ApiError(500, str(e), code="engine_error")

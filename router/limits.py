@@ -9,7 +9,9 @@ with their number times their length); max_tokens sizes the KV reservation.
 
 from __future__ import annotations
 
+import collections
 import itertools
+import math
 import time
 from dataclasses import dataclass
 
@@ -72,18 +74,32 @@ def check_request_limits(limits: RequestLimits, prompt_ids, params) -> None:
 
 class FirstTokenQueue:
     """Admitted requests still waiting for their first token, oldest first: the router's view
-    of the queue in front of both pools (a reservation, a prefill behind others). While the
-    oldest has waited longer than ``max_wait_s``, the queue is longer than its deadline allows
-    and a new arrival would wait at least as long: it is refused at once (429), instead of
-    queueing until its KV lease (30 s by default) expires under it. A deadline rather than a
-    count, so the bound follows the cluster's real speed."""
+    of the queue in front of both pools (a reservation, a prefill behind others).
 
-    def __init__(self, max_wait_s: float):
+    A new arrival is admitted only if it can have its first token within ``max_wait_s``: the
+    queue estimates its wait as (requests ahead + 1) / the rate first tokens came out while
+    it was busy (``service_rate``, over the last ``rate_window`` first tokens), and refuses at
+    arrival (429 at once, Retry-After from the estimate) when that passes the deadline,
+    rather than letting it wait and refusing it later. Busy time only, so a quiet queue does
+    not look slow. Until it has seen enough first tokens, or when the estimate misses, the
+    deadline itself is the backstop: while the oldest has waited longer than ``max_wait_s``,
+    new arrivals are refused. A deadline rather than a count: the bound follows the cluster's
+    real speed, and no admitted request's KV lease (30 s by default) expires in the queue."""
+
+    MIN_RATE_SAMPLES = 8  # first tokens seen before the rate is trusted
+
+    def __init__(self, max_wait_s: float, rate_window: int = 64, clock=time.monotonic):
         if not max_wait_s > 0:
             raise ValueError("max_wait_s must be > 0")
         self.max_wait_s = max_wait_s
+        self._clock = clock  # seconds, monotonic (tests pass a fake one)
         self._waiting: dict[int, float] = {}  # ticket -> arrival (insertion order: oldest first)
         self._tickets = itertools.count()
+        # Busy seconds (time with someone waiting) before now, and since when it is busy.
+        self._busy_before = 0.0
+        self._busy_since = 0.0
+        # The busy-seconds clock at each recent first token: their spacing is the service rate.
+        self._served_at: collections.deque[float] = collections.deque(maxlen=rate_window)
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -91,23 +107,68 @@ class FirstTokenQueue:
     def oldest_wait_s(self, now: float | None = None) -> float:
         if not self._waiting:
             return 0.0
-        return (time.monotonic() if now is None else now) - next(iter(self._waiting.values()))
+        return (self._clock() if now is None else now) - next(iter(self._waiting.values()))
 
-    def full(self) -> str | None:
-        """Why a new request is refused now, or None."""
-        waited = self.oldest_wait_s()
-        if waited <= self.max_wait_s:
+    def service_rate(self, now: float | None = None) -> float | None:
+        """First tokens per busy second, recently; None until MIN_RATE_SAMPLES were seen."""
+        if len(self._served_at) < self.MIN_RATE_SAMPLES:
             return None
-        return (
-            f"{len(self)} requests queued, the oldest for {waited:.1f} s "
-            f"(max_queue_wait_s {self.max_wait_s:g})"
-        )
+        span = self._busy_s(self._clock() if now is None else now) - self._served_at[0]
+        return (len(self._served_at) - 1) / span if span > 0 else None
+
+    def estimated_wait_s(self, now: float | None = None) -> float | None:
+        """How long a request arriving now would wait for its first token; None: unknown."""
+        rate = self.service_rate(now)
+        return None if rate is None else (len(self) + 1) / rate
+
+    def full(self, now: float | None = None) -> str | None:
+        """Why a new request is refused now, or None."""
+        now = self._clock() if now is None else now
+        waited = self.oldest_wait_s(now)
+        if waited > self.max_wait_s:
+            return (
+                f"{len(self)} requests queued, the oldest for {waited:.1f} s "
+                f"(max_queue_wait_s {self.max_wait_s:g})"
+            )
+        estimate = self.estimated_wait_s(now)
+        if estimate is not None and estimate > self.max_wait_s:
+            return (
+                f"{len(self)} requests queued, a new one would wait about {estimate:.1f} s "
+                f"for its first token (max_queue_wait_s {self.max_wait_s:g})"
+            )
+        return None
+
+    def retry_after_s(self, now: float | None = None) -> int:
+        """Whole seconds until the queue should admit again: until the estimate is back
+        under the deadline (at least RETRY_AFTER_S, at most the deadline itself)."""
+        estimate = self.estimated_wait_s(now)
+        if estimate is None:
+            return RETRY_AFTER_S
+        over = math.ceil(estimate - self.max_wait_s)
+        return max(RETRY_AFTER_S, min(over, math.ceil(self.max_wait_s)))
 
     def enter(self) -> int:
+        now = self._clock()
+        if not self._waiting:
+            self._busy_since = now
         ticket = next(self._tickets)
-        self._waiting[ticket] = time.monotonic()
+        self._waiting[ticket] = now
         return ticket
 
+    def served(self, ticket: int) -> None:
+        """At the request's first token: it leaves, and counts toward the service rate."""
+        now = self._clock()
+        if ticket in self._waiting:
+            self._served_at.append(self._busy_s(now))
+        self._leave(ticket, now)
+
     def leave(self, ticket: int) -> None:
-        """At the first token, or when the request ends without one (idempotent)."""
-        self._waiting.pop(ticket, None)
+        """When the request ends without a first token (idempotent; after served too)."""
+        self._leave(ticket, self._clock())
+
+    def _leave(self, ticket: int, now: float) -> None:
+        if self._waiting.pop(ticket, None) is not None and not self._waiting:
+            self._busy_before += now - self._busy_since
+
+    def _busy_s(self, now: float) -> float:
+        return self._busy_before + (now - self._busy_since if self._waiting else 0.0)

@@ -14,12 +14,15 @@ import grpc
 import httpx
 import pytest
 
+from pdserve.client import AsyncClient
 from pdserve.cluster.local import ClusterSpec, LocalCluster
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from router.flow import Overloaded
 from router.limits import FirstTokenQueue
 from tests.cluster_utils import assert_all_blocks_free
 from tests.conftest import tiny_llama_dir
+from tests.test_disagg import engine_reference
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +121,74 @@ def test_first_token_queue_refuses_once_its_oldest_waits_past_the_deadline():
     assert len(queue) == 0 and queue.full() is None
 
 
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _serve_at(queue: FirstTokenQueue, clock: FakeClock, n: int, every_s: float) -> None:
+    """n requests queued at once, their first tokens ``every_s`` apart."""
+    tickets = [queue.enter() for _ in range(n)]
+    for ticket in tickets:
+        clock.now += every_s
+        queue.served(ticket)
+
+
+def test_the_queue_refuses_at_arrival_once_its_estimate_passes_the_deadline():
+    clock = FakeClock()
+    queue = FirstTokenQueue(max_wait_s=5.0, clock=clock)
+    assert queue.service_rate() is None  # not enough first tokens seen: the deadline alone
+    _serve_at(queue, clock, 16, every_s=0.1)  # 10 first tokens per busy second
+    assert queue.service_rate() == pytest.approx(10.0)
+    waiting = [queue.enter() for _ in range(49)]
+    assert queue.estimated_wait_s() == pytest.approx(5.0) and queue.full() is None
+    waiting.append(queue.enter())  # 50 ahead: the next would wait 5.1 s, past the deadline
+    reason = queue.full()
+    assert "would wait about 5.1 s" in reason and "max_queue_wait_s 5" in reason
+    assert queue.oldest_wait_s() == 0.0  # refused at once, not after waiting
+    assert queue.retry_after_s() == 1  # 0.1 s over: the shortest Retry-After
+    waiting += [queue.enter() for _ in range(30)]
+    assert queue.retry_after_s() == 4  # 8.1 s of queue: 3.1 s until one fits again
+    waiting += [queue.enter() for _ in range(500)]
+    assert queue.retry_after_s() == 5  # never more than the deadline itself
+    for ticket in waiting[80:]:  # their clients left: they leave, not counted as service
+        queue.leave(ticket)
+    for ticket in waiting[:40]:  # the queue drains at its rate: arrivals are admitted again
+        clock.now += 0.1
+        queue.served(ticket)
+    assert queue.service_rate() == pytest.approx(10.0)
+    assert queue.estimated_wait_s() == pytest.approx(4.1) and queue.full() is None
+
+
+def test_a_quiet_queue_does_not_look_slow():
+    """One request at a time with long idle gaps: only busy time counts, so the rate is
+    the queue's speed (10/s here), not the arrival rate (1 per 10 s)."""
+    clock = FakeClock()
+    queue = FirstTokenQueue(max_wait_s=1.0, clock=clock)
+    for _ in range(16):
+        _serve_at(queue, clock, 1, every_s=0.1)
+        clock.now += 10.0
+    assert queue.service_rate() == pytest.approx(10.0)
+    queue.enter()
+    assert queue.estimated_wait_s() == pytest.approx(0.2) and queue.full() is None
+
+
+def test_a_stalled_queue_slows_its_estimate_down():
+    clock = FakeClock()
+    queue = FirstTokenQueue(max_wait_s=5.0, clock=clock)
+    _serve_at(queue, clock, 16, every_s=0.1)
+    queue.enter()
+    assert queue.full() is None
+    clock.now += 4.0  # no first token for 4 s with one waiting: 15 in 5.5 busy seconds
+    assert queue.service_rate() == pytest.approx(15 / 5.5)
+    assert queue.full() is None  # 2 / 2.7 = 0.73 s
+    queue.leave(queue.enter())  # one left without a first token: not counted as service
+    assert queue.service_rate() == pytest.approx(15 / 5.5)
+
+
 def test_a_queue_older_than_its_deadline_gets_429_at_once(tiny_model):
     """A request waiting for decode blocks ages the queue: the next arrival is refused at
     once with Retry-After, the waiting one still completes once blocks free up."""
@@ -146,6 +217,75 @@ def test_a_queue_older_than_its_deadline_gets_429_at_once(tiny_model):
                     assert decode.Release(pb.ReleaseRequest(lease_id=hog.lease_id)).released
                 done = waiting.result(timeout=30)
             assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 4
+        assert_all_blocks_free(cluster)
+    finally:
+        cluster.stop()
+
+
+async def _grpc_burst(address: str, prompts: list[list[int]], max_tokens: int):
+    """Every prompt at once over gRPC: (token ids or None, status code, retry-after) each."""
+    client = AsyncClient(address)
+
+    async def one(prompt):
+        try:
+            out = await client.generate(token_ids=prompt, max_tokens=max_tokens, ignore_eos=True)
+            return out.token_ids, grpc.StatusCode.OK, None
+        except grpc.aio.AioRpcError as e:
+            return None, e.code(), dict(e.trailing_metadata() or ()).get("retry-after")
+
+    try:
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+    finally:
+        await client.close()
+
+
+def _time_refusals(router) -> list[tuple[float, str]]:
+    """(seconds from the request reaching the router to its 429, reason) of each refusal:
+    the router's own answer time, apart from the test process's load."""
+    refusals, generate = [], router.generate
+
+    async def timed(inp):
+        start = time.monotonic()
+        try:
+            async for delta in generate(inp):
+                yield delta
+        except Overloaded as e:
+            refusals.append((time.monotonic() - start, str(e)))
+            raise
+
+    router.generate = timed
+    return refusals
+
+
+def test_a_burst_past_what_can_start_in_time_is_refused_at_arrival(tiny_model):
+    """Once the queue has measured its speed, a burst far past what it can start within the
+    deadline is refused as it arrives (429 with Retry-After, decided in the router at once,
+    by the estimate or the deadline, never after waiting); the admitted requests finish with
+    the exact greedy output, no 5xx, every block free."""
+    distinct = [[3 + j, 5 + j % 7, 7] for j in range(50)]
+    prompts = [distinct[i % 50] for i in range(300)]
+    reference = engine_reference(tiny_model, distinct, new_tokens=24)
+    cluster = _tiny_cluster(
+        tiny_model, max_inflight_requests=1024, max_queue_wait_s=0.3, reserve_timeout_s=5.0
+    )
+    try:
+        router = cluster.servers.router
+        for start in range(0, 24, 4):  # a few requests at a time: the queue learns its rate
+            warm = asyncio.run(_grpc_burst(cluster.address, prompts[start : start + 4], 24))
+            assert [ids for ids, _, _ in warm] == reference[start : start + 4]
+        assert router.queue.service_rate() is not None
+        refusals = _time_refusals(router)
+        results = asyncio.run(_grpc_burst(cluster.address, prompts, 24))
+        codes = collections.Counter(code for _, code, _ in results)
+        assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+        for i, (ids, code, retry) in enumerate(results):
+            if code == grpc.StatusCode.OK:
+                assert ids == reference[i % 50]
+            else:
+                assert int(retry) >= 1
+        assert len(refusals) == codes[grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert all(s < 0.1 and "max_queue_wait_s" in why for s, why in refusals), refusals
+        assert any("would wait about" in why for _, why in refusals)  # the estimate refused
         assert_all_blocks_free(cluster)
     finally:
         cluster.stop()
