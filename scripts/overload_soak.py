@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -104,6 +105,7 @@ class Load:
         self.rng = random.Random(seed)
         self.results: list[tuple[int, float]] = []  # (HTTP status or -1 on a transport error, s)
         self.errors: dict[str, int] = {}  # the message of each non-429 error, counted
+        self.refusals: dict[str, list[float]] = {}  # a 429's reason (digits dropped) -> s
 
     def body(self) -> dict:
         prompt = [self.rng.randrange(1000, 20000) for _ in range(self.args.prompt_tokens)]
@@ -123,6 +125,9 @@ class Load:
         except httpx.HTTPError as e:
             status, message = -1, repr(e)[:160]
         self.results.append((status, time.monotonic() - start))
+        if status == 429:
+            reason = re.sub(r"[0-9.]+", "N", resp.json()["error"]["message"])[:100]
+            self.refusals.setdefault(reason, []).append(time.monotonic() - start)
         if message is not None:
             key = f"{status} {message}"
             self.errors[key] = self.errors.get(key, 0) + 1
@@ -194,6 +199,10 @@ async def soak(cluster: LocalCluster, args) -> dict:
         "calibration": summarize(calibration.results, args.calibrate_s),
         "soak": summarize(load.results, elapsed),
         "soak_errors": dict(sorted(load.errors.items(), key=lambda kv: -kv[1])[:10]),
+        "soak_429_reasons": {  # which bound refused, how many, and how fast
+            reason: {"n": len(ts), "p50_s": percentile(ts, 50), "p99_s": percentile(ts, 99)}
+            for reason, ts in sorted(load.refusals.items(), key=lambda kv: -len(kv[1]))
+        },
         "soak_wall_s": round(elapsed, 1),
         "load_average_before": load_before,
         "rss_mib_before": before,
