@@ -69,10 +69,10 @@ class SenderPool:
             }
             for key in unused:
                 del self._senders[key]
+            self.closed_senders += len(unused)
         for (transport, endpoint), sender in unused.items():  # a close may wait on a dead peer
             log.info("closing the %s kv sender to %s (broken or idle)", transport, endpoint)
             _close_quietly(sender)
-        self.closed_senders += len(unused)
         return list(unused.values())
 
     def close(self) -> None:
