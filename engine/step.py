@@ -109,7 +109,6 @@ class StepLoop:
         self.executor = executor
         self.hooks = hooks
         self.lock = lock if lock is not None else nullcontext()
-        self.forward_ok = True  # whether the last forward ran (a lone failing request's alibi)
         self.num_request_errors = 0  # requests failed alone, engine errors
         self.num_worker_errors = 0  # steps that failed for every request in them
 
@@ -127,8 +126,6 @@ class StepLoop:
             raise
         except Exception as error:  # noqa: BLE001 - the forward: find whom it fails for
             isolate_failed_forward(self, plan, error)
-        else:
-            self.forward_ok = True
         return True
 
     def run(self, plan: SchedulerOutput) -> None:

@@ -12,11 +12,13 @@ succeeds on the halves and fails nobody). Sequences not reached when the budget 
 in the batch for the next step, which finds at least one more culprit. Nothing here runs
 unless a forward raised.
 
-Who is to blame: a single sequence whose forward fails alone is a culprit (an engine error,
-its client's), unless nothing at all ran in this step: then the worker is broken (every
-request of the step fails with a ``WorkerError``, which the router moves elsewhere). A step
-of one request has nothing to compare with, so the step before it is its witness: if the
-last forward ran, the request is the culprit.
+Who is to blame: a single sequence whose forward fails alone while another part of the same
+step ran is a culprit (an engine error, its client's). When nothing at all ran in the step,
+a lone request's step included, the worker is to blame: every request of the step fails
+with a ``WorkerError``, which the router moves elsewhere. Blaming a lone request instead would
+fail a good request whenever a worker breaks (its first failing step, the circuit breaker's
+case); a request that really breaks every forward goes around on other workers only until
+the router's migration limit, then fails with the cause.
 """
 
 from __future__ import annotations
@@ -77,8 +79,7 @@ def isolate_failed_forward(loop: StepLoop, plan: SchedulerOutput, error: BaseExc
     log.warning("a forward of %d sequences failed (%r); isolating the cause", len(seqs), error)
     search = _Bisection(loop, len(seqs))
     search.find(seqs, error)
-    worker_broken = not search.any_ran if len(seqs) > 1 else not loop.forward_ok
-    loop.forward_ok = search.any_ran
+    worker_broken = not search.any_ran
     with loop.lock:
         if worker_broken:
             loop.num_worker_errors += 1
