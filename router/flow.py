@@ -181,8 +181,9 @@ class RequestFlow:
         n = request.sampling.n
         outputs = [request.outputs] + [[] for _ in range(1, n)]  # 0's: extended by the steps
         finished = [False] * n
-        # Reserve first: forks grow past the lease.
-        attempt = Attempt(request.begin_attempt(), self.prefill_locally(request.num_tokens))
+        local = self.prefill_locally(request.num_tokens)
+        # Reserve first (not concurrently): the forks grow past the lease.
+        attempt = Attempt(request.begin_attempt(), local, concurrent=False)
         async with contextlib.aclosing(self._steps(request, attempt)) as steps:
             async for tokens in steps:
                 request.took(tokens)
