@@ -152,20 +152,41 @@ class Sampler:
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """Each row's distribution at its temperature, cut to its top-k and top-p. Only rows
+        with a top-p below 1 pay for sorting the vocabulary (about 3 ms a row at 49k tokens
+        on one core); a top-k alone takes its k-th largest as the cut, and a row with
+        neither (OpenAI's defaults) is a plain softmax."""
         temps = torch.tensor([r.sampling.temperature for r in requests], dtype=logits.dtype)
         logits = logits / temps.unsqueeze(1)
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
-        top_k = torch.tensor([r.sampling.top_k or vocab for r in requests])
-        ranks = torch.arange(vocab).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
-        top_p = torch.tensor([r.sampling.top_p for r in requests], dtype=logits.dtype)
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
-        filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-        return filtered.softmax(dim=-1)
+        top_k = [r.sampling.top_k if 0 < r.sampling.top_k < vocab else 0 for r in requests]
+        top_p = [r.sampling.top_p for r in requests]
+        by_mass = [i for i, p in enumerate(top_p) if p < 1.0]
+        by_rank = [i for i, k in enumerate(top_k) if k and top_p[i] >= 1.0]
+        if by_rank:
+            rows = torch.tensor(by_rank)
+            ks = torch.tensor([top_k[i] for i in by_rank])
+            top = logits[rows].topk(int(ks.max()), dim=-1).values
+            kth = top.gather(1, (ks - 1).unsqueeze(1))  # ties with the k-th stay in
+            logits[rows] = logits[rows].masked_fill(logits[rows] < kth, float("-inf"))
+        if by_mass:
+            rows = torch.tensor(by_mass)
+            ks = torch.tensor([top_k[i] or vocab for i in by_mass])
+            ps = torch.tensor([top_p[i] for i in by_mass], dtype=logits.dtype)
+            logits[rows] = _cut_by_rank_and_mass(logits[rows], ks, ps)
+        return logits.softmax(dim=-1)
+
+
+def _cut_by_rank_and_mass(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
+    """Rows cut to their ``top_k`` best tokens, then to the smallest prefix whose mass reaches
+    ``top_p`` (always at least the top token); the rest -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1]).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
 def logprob_entries(
