@@ -42,11 +42,16 @@ def cmd_generate(args) -> int:
     if not args.raw and engine.tokenizer is not None and engine.tokenizer.chat_template:
         prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     request_id = engine.add_request(prompt, params)
+    error = None
     while engine.has_unfinished():
         for out in engine.step():
             if out.request_id == request_id:
                 print(out.new_text, end="", flush=True)
+                error = out.error or error
     print()
+    if error:  # the engine failed the request (finish_reason "error"), not a normal end
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

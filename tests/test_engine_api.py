@@ -17,7 +17,7 @@ from tests.conftest import tiny_llama_dir
 
 @pytest.fixture
 def tiny(tmp_path):
-    path, hf_model = tiny_llama_dir(tmp_path, num_heads=4, num_kv_heads=2)
+    path, _ = tiny_llama_dir(tmp_path, num_heads=4, num_kv_heads=2)
     return path
 
 
@@ -44,6 +44,21 @@ def test_cli_reports_errors_without_traceback(capsys):
     assert cli_main(["generate", "hi", "--model", "/no/such/model"]) == 2
     err = capsys.readouterr().err
     assert "does not exist" in err and "Traceback" not in err
+
+
+def test_cli_generate_reports_an_engine_error_and_fails(tiny, capsys, monkeypatch):
+    """A request the engine fails (finish_reason "error") is an error on stderr and exit
+    status 1, not an empty answer that looks normal."""
+    from engine.sampler import Sampler
+
+    def broken(self, logits, requests):
+        raise IndexError("the sampler broke")
+
+    monkeypatch.setattr(Sampler, "_apply_min_tokens", broken)
+    argv = ["generate", "hi", "--model", str(tiny), "--max-tokens", "3", "--raw"]
+    assert cli_main(argv) == 1
+    err = capsys.readouterr().err
+    assert "error: engine error: IndexError: the sampler broke" in err and "Traceback" not in err
 
 
 def test_prompt_longer_than_context_is_rejected(make_engine, tiny):
