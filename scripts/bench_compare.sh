@@ -8,11 +8,16 @@
 #   bash scripts/bench_compare.sh                    # RATES=0.1,0.2,0.3 N=20 by default
 #   PEER_URL=http://127.0.0.1:8011 bash scripts/bench_compare.sh
 #   ALSO_TRANSPORTS=flight bash scripts/bench_compare.sh   # + disaggregated_flight, and so on
+#   ALSO_ISAS=avx2 bash scripts/bench_compare.sh     # + disaggregated_avx2: the same pair on the
+#                                                    # AVX2 kernels (PDSERVE_CPU_ISA), on any x86
+#   COLOCATED=0 ...                                  # leave the colocated worker out
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${BENCH_OUT:-/tmp/pdserve-bench}
 RATES=${RATES:-0.1,0.2,0.3}
 ALSO_TRANSPORTS=${ALSO_TRANSPORTS:-}
+ALSO_ISAS=${ALSO_ISAS:-}
+COLOCATED=${COLOCATED:-1}
 N=${N:-20}
 SLO_TTFT=${SLO_TTFT:-3}
 SLO_TPOT=${SLO_TPOT:-0.1}
@@ -44,12 +49,20 @@ for transport in ${ALSO_TRANSPORTS//,/ }; do  # the same pair over other KV tran
   start_cluster "disaggregated_$transport" --threads 1 --transport "$transport"
   ALSO+=("disaggregated_$transport")
 done
-start_cluster colocated --num-prefill 0 --threads 2
+for isa in ${ALSO_ISAS//,/ }; do  # the same pair, its workers forced onto these kernels
+  PDSERVE_CPU_ISA=$isa start_cluster "disaggregated_$isa" --threads 1
+  ALSO+=("disaggregated_$isa")
+done
+if [ "$COLOCATED" = 1 ]; then
+  start_cluster colocated --num-prefill 0 --threads 2
+fi
 AGAINST=()
 for name in "${ALSO[@]}"; do
   AGAINST+=(--against "$name=$(url_of "$name")")
 done
-AGAINST+=(--against "colocated=$(url_of colocated)")
+if [ "$COLOCATED" = 1 ]; then
+  AGAINST+=(--against "colocated=$(url_of colocated)")
+fi
 if [ -n "${PEER_URL:-}" ]; then
   AGAINST+=(--against "vllm=$PEER_URL")
 fi
