@@ -256,6 +256,7 @@ def test_a_lease_expired_before_the_attach_goes_around_again(tiny_model, faults)
         assert error is None and (tokens, reason) == (reference, "length")
         assert faults.fired == ["decode_delay"]
         assert _of(faults.decode_calls, "late") == ["late", "late#1"]
+        assert _of(faults.prefill_calls, "late") == ["late", "late#1"]  # prefilled again
         assert _migrations(cluster) == 0
         assert all(w.consecutive_failures == 0 for w in _handles(cluster))
         assert_no_load_left(cluster)
