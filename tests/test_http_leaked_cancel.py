@@ -65,7 +65,9 @@ def test_a_leaked_cancel_before_the_first_token_is_503_json(
 def test_a_leaked_cancel_mid_stream_ends_it_with_an_error_event(
     openai_cluster, served_model, monkeypatch
 ):
-    _leak_cancel(monkeypatch, openai_cluster.router, after_items=2)
+    # The first token comes alone (from the prefill); the decode worker may send the rest in
+    # one chunk, so the leak comes with the second item, which always exists.
+    _leak_cancel(monkeypatch, openai_cluster.router, after_items=1)
     body = {**BODY, "model": served_model, "stream": True}
     conn, resp = open_stream(openai_cluster.http_address, "/v1/completions", body)
     try:
@@ -74,7 +76,7 @@ def test_a_leaked_cancel_mid_stream_ends_it_with_an_error_event(
     finally:
         conn.close()
     chunks = [json.loads(e) for e in events if e != "[DONE]"]
-    assert [c["choices"][0]["text"] != "" for c in chunks[:2]] == [True, True]
+    assert chunks[0]["choices"][0]["text"] != "" and len(chunks) == 2
     assert "cancelled at a worker" in chunks[-1]["error"]["message"]
     assert "[DONE]" not in events  # an error, not a normal end
     monkeypatch.undo()
