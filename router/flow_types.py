@@ -111,6 +111,8 @@ def ended_by(worker, error: grpc.aio.AioRpcError, on_lease: bool = False) -> Att
         return AttemptEnded(AttemptOutcome.FAILED, worker, error)
     if on_lease and code in LEASE_GONE_CODES:
         return AttemptEnded(AttemptOutcome.LEASE_EXPIRED, worker, error)
+    if on_lease and code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # its stream budget is full:
+        return AttemptEnded(AttemptOutcome.LEASE_REFUSED, worker, error)  # reserve again (429)
     if code in LOST_CODES:
         return AttemptEnded(AttemptOutcome.WORKER_LOST, worker, error)
     raise error

@@ -195,6 +195,10 @@ def test_attempt_outcome_of_a_worker_status():
     for code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED):
         gone = ended_by(w, rpc_error(code, "lease expired"), on_lease=True)
         assert gone.outcome is AttemptOutcome.LEASE_EXPIRED
+    # A Decode on a lease refused by the worker's stream budget: reserve again (and answer 429
+    # once no worker takes it), never a 503.
+    full = ended_by(w, rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "streams"), on_lease=True)
+    assert full.outcome is AttemptOutcome.LEASE_REFUSED
     # Without a lease NOT_FOUND is the request's own, as is a bad argument: raised as is.
     for code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
         with pytest.raises(grpc.aio.AioRpcError):
