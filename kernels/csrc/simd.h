@@ -90,5 +90,7 @@ inline vec exp(vec x) {
 #endif
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+// Into L2 only: data a later pass reads, too much of it to park in L1.
+inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 }  // namespace simd
