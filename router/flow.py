@@ -55,6 +55,7 @@ from router.flow_types import (  # FlowConfig, Overloaded, ... are still importe
     Tokens,
     WorkerFailure,
     ended_by,
+    lease_destination,
     sequence_sampling,
 )
 from router.pool import WorkerPool
@@ -319,13 +320,7 @@ class RequestFlow:
         w.free_blocks -= len(lease.block_ids)
         attempt.hold_load(w)
         attempt.decode = w
-        attempt.destination = pb.KvDestination(
-            endpoint=lease.kv_endpoint,
-            transport=lease.kv_transport,
-            lease_id=lease.lease_id,
-            block_size=lease.block_size,
-            num_blocks=len(lease.block_ids),
-        )
+        attempt.destination = lease_destination(lease)
         attempt.reservation = asyncio.get_running_loop().create_future()
         attempt.reservation.set_result(lease)
 

@@ -118,6 +118,17 @@ def ended_by(worker, error: grpc.aio.AioRpcError, on_lease: bool = False) -> Att
     raise error
 
 
+def lease_destination(lease: pb.ReserveResponse) -> pb.KvDestination:
+    """Where a prefill sends the KV for a decode worker's reservation."""
+    return pb.KvDestination(
+        endpoint=lease.kv_endpoint,
+        transport=lease.kv_transport,
+        lease_id=lease.lease_id,
+        block_size=lease.block_size,
+        num_blocks=len(lease.block_ids),
+    )
+
+
 @dataclass
 class FlowTimings:
     """A request's timings and counts, summed over its attempts (seconds, bytes, tokens)."""

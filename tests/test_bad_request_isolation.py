@@ -16,6 +16,7 @@ from pdserve.client import AsyncClient
 from pdserve.cluster.local import ClusterSpec, LocalCluster
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from router.flow_types import lease_destination
 from tests.cluster_utils import assert_all_blocks_free
 from tests.conftest import tiny_llama_dir
 from tests.greedy import assert_same_greedy, hf_greedy
@@ -77,13 +78,7 @@ def _bad_decode(stub) -> grpc.RpcError:
 def _bad_prefill(prefill_stub, decode_stub) -> grpc.RpcError:
     """The bad request sent straight to the prefill worker, toward a real lease."""
     lease = decode_stub.Reserve(pb.ReserveRequest(request_id="bad-prefill", num_tokens=16))
-    dest = pb.KvDestination(
-        endpoint=lease.kv_endpoint,
-        transport=lease.kv_transport,
-        lease_id=lease.lease_id,
-        block_size=lease.block_size,
-        num_blocks=len(lease.block_ids),
-    )
+    dest = lease_destination(lease)
     req = pb.PrefillRequest(
         request_id="bad-prefill",
         prompt_token_ids=[5, 6, 7],

@@ -17,6 +17,7 @@ from engine.request import SamplingParams
 from engine.scheduler import SchedulerOutput
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from router.flow_types import lease_destination
 from tests.conftest import tiny_llama_dir
 
 BAD = "bad"
@@ -168,13 +169,7 @@ def _prefill_directly(cluster, request_id: str, prompt: list[int]) -> grpc.RpcEr
     decode = pb_grpc.DecodeWorkerStub(grpc.insecure_channel(cluster.decode_addresses[0]))
     prefill = pb_grpc.PrefillWorkerStub(grpc.insecure_channel(cluster.prefill_addresses[0]))
     lease = decode.Reserve(pb.ReserveRequest(request_id=request_id, num_tokens=16))
-    dest = pb.KvDestination(
-        endpoint=lease.kv_endpoint,
-        transport=lease.kv_transport,
-        lease_id=lease.lease_id,
-        block_size=lease.block_size,
-        num_blocks=len(lease.block_ids),
-    )
+    dest = lease_destination(lease)
     req = pb.PrefillRequest(
         request_id=request_id,
         prompt_token_ids=prompt,
