@@ -20,6 +20,11 @@ from protos import pdserve_pb2_grpc as pb_grpc
 log = logging.getLogger("pdserve.router")
 
 SUSPECT_S = 1.0  # how long a worker whose call failed stays out of routing
+# Status polls in a row that may time out before a worker leaves routing. A worker busy past
+# the poll's timeout is slow, not gone (under overload its prefill steps hold the CPU), and
+# taking it out sends every request to the local path or a 429; a dead one refuses the
+# connection (UNAVAILABLE) and leaves at its first missed poll, a hung one at this many.
+MAX_SLOW_POLLS = 3
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class WorkerHandle:
     suspect_until: float = 0.0
     breaker: BreakerSettings = BREAKER
     consecutive_failures: int = 0  # failed attempts since the last success
+    slow_polls: int = 0  # status polls in a row that timed out
     circuit_open_until: float = 0.0  # monotonic; the breaker keeps work away until then
     circuit_trips: int = 0  # times the breaker opened
 
@@ -163,13 +169,18 @@ class WorkerPool:
         return [w for w in self.workers.values() if w.routable]
 
     async def poll(self, timeout: float = 2.0) -> None:
-        """Refresh every worker's status; a worker that does not answer is not routable."""
+        """Refresh every worker's status; a worker that cannot be reached, or that has not
+        answered in time MAX_SLOW_POLLS times in a row, is not routable."""
         await asyncio.gather(*(self._poll_one(w, timeout) for w in list(self.workers.values())))
 
     async def _poll_one(self, w: WorkerHandle, timeout: float) -> None:
         try:
             st = await w.stub.Status(pb.StatusRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and w.healthy:
+                w.slow_polls += 1
+                if w.slow_polls < MAX_SLOW_POLLS:
+                    return  # slow to answer, not gone: keep routing on its last status
             if w.healthy:
                 log.warning("%s worker %s is unreachable: %s", self.role, w.address, e.code().name)
             w.healthy = False
@@ -185,6 +196,7 @@ class WorkerPool:
         w.free_blocks = st.num_free_blocks
         w.total_blocks = st.num_total_blocks
         w.healthy = True
+        w.slow_polls = 0
 
     async def close(self) -> None:
         for address in list(self.workers):

@@ -1,4 +1,5 @@
-"""The router's worker pool: status polls survive workers being removed under them."""
+"""The router's worker pool: status polls survive workers being removed under them; a worker
+slow to answer stays in routing for a few polls, a gone one leaves at once."""
 
 from __future__ import annotations
 
@@ -81,3 +82,30 @@ def test_cancelling_a_poll_still_cancels_it():
         assert asyncio.run(run())
     finally:
         server.stop(None)
+
+
+def test_a_slow_worker_stays_routable_for_a_few_polls_and_a_gone_one_leaves_at_once():
+    from router.pool import MAX_SLOW_POLLS
+
+    slow_server, slow = _serve(SlowDecode(delay=0.5))
+    gone_server, gone = _serve(SlowDecode(delay=0.0))
+
+    async def run():
+        pool = WorkerPool("decode")
+        pool.add(slow)
+        pool.add(gone)
+        await pool.poll(timeout=5.0)  # both answer: healthy
+        assert [w.address for w in pool.routable()] == [slow, gone]
+        gone_server.stop(None)  # connection refused from now on
+        seen = []
+        for _ in range(MAX_SLOW_POLLS):
+            await pool.poll(timeout=0.1)  # the slow one times out each time
+            seen.append([w.address for w in pool.routable()])
+        await pool.close()
+        return seen
+
+    try:
+        seen = asyncio.run(run())
+    finally:
+        slow_server.stop(None)
+    assert seen == [[slow]] * (MAX_SLOW_POLLS - 1) + [[]]
