@@ -162,7 +162,13 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
 
     def Status(self, request, context):
         st = self.worker.status()
-        return pb.WorkerStatus(kv_endpoint=self.kv_endpoint, kv_transport=self.kv_transport, **st)
+        return pb.WorkerStatus(
+            kv_endpoint=self.kv_endpoint,
+            kv_transport=self.kv_transport,
+            open_streams=self.budget.open,
+            max_streams=self.budget.max_streams,
+            **st,
+        )
 
 
 def _drain(items: queue.Queue) -> tuple[list[pb.TokenChunk], EngineError | None]:

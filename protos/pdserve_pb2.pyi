@@ -228,7 +228,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "queued_prompt_tokens", "draining", "prefix_hit_tokens", "prefix_query_tokens", "num_preemptions", "num_leases", "frames_rejected", "kv_endpoint", "kv_transport", "num_transfers", "block_size", "cpu_kernels")
+    __slots__ = ("worker_id", "role", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "queued_prompt_tokens", "draining", "prefix_hit_tokens", "prefix_query_tokens", "num_preemptions", "num_leases", "frames_rejected", "kv_endpoint", "kv_transport", "num_transfers", "block_size", "cpu_kernels", "open_streams", "max_streams")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,8 @@ class WorkerStatus(_message.Message):
     NUM_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CPU_KERNELS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STREAMS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_free_blocks: int
@@ -265,7 +267,9 @@ class WorkerStatus(_message.Message):
     num_transfers: int
     block_size: int
     cpu_kernels: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_leases: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., num_transfers: _Optional[int] = ..., block_size: _Optional[int] = ..., cpu_kernels: _Optional[str] = ...) -> None: ...
+    open_streams: int
+    max_streams: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_leases: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., num_transfers: _Optional[int] = ..., block_size: _Optional[int] = ..., cpu_kernels: _Optional[str] = ..., open_streams: _Optional[int] = ..., max_streams: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "num_tokens", "lease_seconds", "lease_id")

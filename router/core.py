@@ -196,7 +196,7 @@ class Router:
             # A second live request under one id would share the first's worker-side state
             # (aborts, leases) and could cancel it: refused, as vLLM does.
             raise InvalidRequestError("request_id", f"{inp.request_id!r} is already in flight")
-        full = self.queue.full()
+        full = self.queue.full() or self._decode_streams_full()
         if self.inflight >= self.cfg.max_inflight_requests:
             full = f"{self.inflight} requests in flight (max {self.cfg.max_inflight_requests})"
         if full is not None:
@@ -218,6 +218,17 @@ class Router:
             self.queue.leave(ticket)
             self.inflight -= 1
             self._active_ids.discard(inp.request_id)
+
+    def _decode_streams_full(self) -> str | None:
+        """Every request ends on a decode worker, holding one of its streams (a worker refuses
+        past its budget): with as many in the router as the routable decode workers have
+        streams, a new one would be refused after its wait; refuse it now instead. None when
+        there is room, or a worker does not say its budget (then its own refusal decides)."""
+        workers = self.decode.routable()
+        budgets = [w.last_status.max_streams if w.last_status else 0 for w in workers]
+        if not workers or not all(budgets) or self.inflight < sum(budgets):
+            return None
+        return f"{self.inflight} requests in flight fill the decode pool's {sum(budgets)} streams"
 
     async def _generate(self, inp: GenerateInput) -> AsyncIterator[Delta]:
         """Deltas of the request's n sequences; each one's last has its finish reason, and

@@ -289,3 +289,39 @@ def test_a_burst_past_what_can_start_in_time_is_refused_at_arrival(tiny_model):
         assert_all_blocks_free(cluster)
     finally:
         cluster.stop()
+
+
+def test_requests_past_the_decode_pool_s_streams_are_refused_at_arrival(tiny_model):
+    """Each request ends on a decode worker holding one of its streams; the worker reports
+    its budget, and with as many requests in the router as the pool has streams the next
+    one is refused at arrival (not after its wait, at the worker). The router's count of
+    requests in flight stands in for that many open streams here."""
+    cluster = _tiny_cluster(tiny_model)
+    try:
+        router = cluster.servers.router
+        (decode,) = router.decode.routable()
+        budget = decode.last_status.max_streams
+        assert budget >= 8 and decode.last_status.open_streams == 0
+        router.inflight = budget
+        with grpc.insecure_channel(cluster.address) as ch:
+            call = pb_grpc.GenerationStub(ch).Generate(
+                pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=[3, 4]), sampling=pb.SamplingParams(max_tokens=2)
+                )
+            )
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                list(call)
+            refused_s = time.monotonic() - start
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"decode pool's {budget} streams" in err.value.details() and refused_s < 0.5
+        router.inflight = budget - 1  # one stream free: admitted, and it finishes
+        resp = httpx.post(
+            f"http://{cluster.http_address}/v1/completions",
+            json={"prompt": [3, 4], "max_tokens": 2},
+        )
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 2
+        router.inflight = 0
+        assert_all_blocks_free(cluster)
+    finally:
+        cluster.stop()
