@@ -14,7 +14,7 @@
 // and prefetch the next group into L2 behind them. At one or two rows the AVX2 build, too,
 // keeps two tiles (two weight streams) in flight. Measured against the previous kernel (1
 // thread, CPU time, SmolLM2's 120 projections + LM head, load 4-8; docs/results/isa_variants.md):
-// 32 rows 21% faster (AVX2) and 7% (AVX-512); 1 row AVX2 14% faster, AVX-512 unchanged.
+// 32 rows 21% faster (AVX2) and 7% (AVX-512); 1 row AVX2 6-16% faster, AVX-512 unchanged.
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
