@@ -130,6 +130,9 @@ def main(argv=None) -> int:
     p.add_argument("--weights", default="fp32,int8,q4")
     p.add_argument("--cpu-kernels", default="", help="pdserve variants, e.g. avx512,avx2")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--llama-gguf", default=None,
+                   help="the GGUF file llama.cpp runs (default: the embedded Q4_1 one); an f32 "
+                        "conversion compares fp32 with fp32")  # fmt: skip
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -144,7 +147,7 @@ def main(argv=None) -> int:
         fmt: bench_engine._engine("embedded", (16,), batches, (args.context + 8,), fmt)[1]
         for fmt in args.weights.split(",")
     }
-    gguf = embedded_gguf_path()
+    gguf = Path(args.llama_gguf) if args.llama_gguf else embedded_gguf_path()
     rounds = [measure_round(engines, variants, llama_bins, gguf, args, batches)
               for _ in range(args.rounds)]  # fmt: skip
     best = best_of(rounds)
