@@ -76,6 +76,20 @@ def test_a_300_request_burst_gets_no_5xx_and_every_429_says_when_to_retry(tiny_m
         cluster.stop()
 
 
+def _refused_generate(address: str) -> tuple[grpc.RpcError, float]:
+    """A short Generate over gRPC that must fail: its error and the seconds it took."""
+    with grpc.insecure_channel(address) as ch:
+        call = pb_grpc.GenerationStub(ch).Generate(
+            pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=[3, 4]), sampling=pb.SamplingParams(max_tokens=2)
+            )
+        )
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        return err.value, time.monotonic() - start
+
+
 def test_429_is_at_once_over_http_and_grpc_with_retry_after(tiny_model):
     """Admission full: the refusal does not wait for anything."""
     cluster = _tiny_cluster(tiny_model, max_inflight_requests=0)
@@ -88,18 +102,9 @@ def test_429_is_at_once_over_http_and_grpc_with_retry_after(tiny_model):
         http_s = time.monotonic() - start
         assert resp.status_code == 429 and resp.json()["error"]["code"] == "overloaded"
         assert int(resp.headers["retry-after"]) >= 1
-        with grpc.insecure_channel(cluster.address) as ch:
-            call = pb_grpc.GenerationStub(ch).Generate(
-                pb.GenerateRequest(
-                    token_ids=pb.TokenIds(ids=[3, 4]), sampling=pb.SamplingParams(max_tokens=2)
-                )
-            )
-            start = time.monotonic()
-            with pytest.raises(grpc.RpcError) as err:
-                list(call)
-            grpc_s = time.monotonic() - start
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert int(dict(err.value.trailing_metadata())["retry-after"]) >= 1
+        err, grpc_s = _refused_generate(cluster.address)
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert int(dict(err.trailing_metadata())["retry-after"]) >= 1
         assert http_s < 0.5 and grpc_s < 0.5, (http_s, grpc_s)
         assert_all_blocks_free(cluster)
     finally:
@@ -303,18 +308,9 @@ def test_requests_past_the_decode_pool_s_streams_are_refused_at_arrival(tiny_mod
         budget = decode.last_status.max_streams
         assert budget >= 8 and decode.last_status.open_streams == 0
         router.inflight = budget
-        with grpc.insecure_channel(cluster.address) as ch:
-            call = pb_grpc.GenerationStub(ch).Generate(
-                pb.GenerateRequest(
-                    token_ids=pb.TokenIds(ids=[3, 4]), sampling=pb.SamplingParams(max_tokens=2)
-                )
-            )
-            start = time.monotonic()
-            with pytest.raises(grpc.RpcError) as err:
-                list(call)
-            refused_s = time.monotonic() - start
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert f"decode pool's {budget} streams" in err.value.details() and refused_s < 0.5
+        err, refused_s = _refused_generate(cluster.address)
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"decode pool's {budget} streams" in err.details() and refused_s < 0.5
         router.inflight = budget - 1  # one stream free: admitted, and it finishes
         resp = httpx.post(
             f"http://{cluster.http_address}/v1/completions",
