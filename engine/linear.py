@@ -2,8 +2,9 @@
 
 A decode step's matmuls have a few rows (one per sequence): there the weight is a stream read
 once, and the C++ extension's skinny kernel (kernels/csrc/skinny_gemm_cpu.cpp, weight in tiles
-of 16 outputs) runs them 13-30% faster than oneDNN from 8 to 32 rows and as fast as MKL's GEMV
-at one row (SmolLM2's projections, 1 thread). Larger batches (prefill chunks) go to oneDNN
+of 16 outputs) is the faster path on both instruction sets: at 32 rows and 2 threads, with the
+CPU's libraries capped at AVX2, 45.5 ms for SmolLM2's projections against oneDNN's 61.2 and
+MKL's 64.9; at one row 16.3 against 28.8 and 18.1 (docs/results/isa_variants.md). Larger batches (prefill chunks) go to oneDNN
 on its own packed weight, as in vLLM's CPU backend: MKL's sgemm repacks the weight on every call
 (~15% slower at prefill sizes). Anywhere else (GPU, other dtypes, no oneDNN, no extension) the
 layer is a plain ``F.linear``.
