@@ -99,6 +99,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not context.is_active():  # the caller gave up (its call timed out): nobody will
+            self.worker.release(lease.lease_id)  # attach or release this lease
+            context.abort(grpc.StatusCode.CANCELLED, "the caller left before its lease")
         return pb.ReserveResponse(
             lease_id=lease.lease_id,
             block_ids=lease.block_ids,
