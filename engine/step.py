@@ -17,7 +17,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Protocol
 
-from engine.errors import EngineError
+from engine.errors import EngineError, WorkerError
 from engine.request import RequestStatus
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step_isolation import isolate_failed_forward
@@ -145,7 +145,7 @@ class StepLoop:
             req.status = RequestStatus.FINISHED_ERROR
         else:
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        self.num_request_errors += 1
+        self.num_request_errors += not isinstance(error, WorkerError)  # those count per step
         self.hooks.on_failed(req, error)
 
     def _done(self, plan: SchedulerOutput, tokens: list[int], failed) -> None:

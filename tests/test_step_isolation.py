@@ -223,6 +223,7 @@ def test_a_forward_that_fails_for_every_request_is_a_worker_error(tiny, make_eng
         assert out.finished and out.finish_reason == "error"
         assert out.error.startswith("worker error: RuntimeError") and "out of bounds" in out.error
     assert engine.step_loop.num_worker_errors == 1 and not engine.has_unfinished()
+    assert engine.step_loop.num_request_errors == 0  # the worker's failure, not theirs
     assert engine.blocks.num_free == engine.blocks.num_total
     # Alone, with the last forward failed too: the worker's failure, not the request's.
     engine.add_request([5, 6, 7], SamplingParams(max_tokens=3), "alone")
