@@ -13,6 +13,9 @@ Quantized weights (``quantize``: bf16, int8, q4; kernels/quant.py) keep that dis
 skinny tiles are the quantized packing (kernels/csrc/quant_gemm_cpu.cpp dequantizes in
 registers, 2-10x faster than fp32 at one row), and the fp32 weight becomes the dequantized
 one, so oneDNN's prefill and every fallback multiply exactly the values decode reads.
+On CUDA, int8 and q4 layers of up to ``triton_quant.MAX_ROWS`` rows (decode) run Triton
+kernels that read the codes (kernels/triton_quant.py); more rows run cuBLAS on the dequantized
+weight.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from kernels import cpu_extension, quant
+
+try:  # Triton's weight-only kernels for CUDA
+    from kernels import triton_quant
+except ImportError:  # no Triton: quantized layers on CUDA multiply the dequantized weight
+    triton_quant = None
 
 
 def onednn_available() -> bool:
@@ -42,6 +50,7 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None  # oneDNN's layout
     skinny: torch.Tensor | None = None  # the skinny kernel's tiles (fp32 or quantized)
     quantized: quant.QuantizedWeight | None = None  # set by quantize
+    cuda_packed: triton_quant.PackedWeight | None = None  # int8 / q4 on CUDA, set by quantize
 
     def quantize(self, fmt: str, group: int = 32) -> None:
         """Store the weight as ``fmt`` (bf16 | int8 | q4 in groups of ``group``); call before
@@ -49,11 +58,13 @@ class Linear(nn.Linear):
         qw = quant.quantize(self.weight.detach(), fmt, group)
         self.weight.data = quant.dequantize(qw).to(self.weight.device)
         self.quantized = qw
+        if self.weight.is_cuda and triton_quant is not None and fmt in ("int8", "q4"):
+            self.cuda_packed = triton_quant.pack(qw)
 
     @property
     def decode_bytes(self) -> int:
         """Bytes a few-row matmul reads: the quantized codes and scales, or the fp32 weight."""
-        if self.quantized is not None and self.skinny is not None:
+        if self.quantized is not None and (self.skinny is not None or self.cuda_packed):
             return self.quantized.nbytes
         return self.weight.numel() * self.weight.element_size()
 
@@ -72,6 +83,9 @@ class Linear(nn.Linear):
         return self.packed is not None or self.skinny is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cuda_packed is not None and x.is_cuda:
+            if x.numel() <= triton_quant.MAX_ROWS * self.in_features:
+                return triton_quant.quant_linear(x, self.cuda_packed, self.bias)
         if x.dtype != torch.float32 or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
