@@ -83,9 +83,9 @@ class Linear(nn.Linear):
         return self.packed is not None or self.skinny is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cuda_packed is not None and x.is_cuda:
-            if x.numel() <= triton_quant.MAX_ROWS * self.in_features:
-                return triton_quant.quant_linear(x, self.cuda_packed, self.bias)
+        on_cuda_kernels = self.cuda_packed is not None and x.is_cuda
+        if on_cuda_kernels and x.numel() <= triton_quant.MAX_ROWS * self.in_features:
+            return triton_quant.quant_linear(x, self.cuda_packed, self.bias)
         if x.dtype != torch.float32 or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
