@@ -55,9 +55,9 @@ class ModelConfig:
         return 2 * self.num_layers * self.kv_size * 4
 
     def kv_bytes_per_token_as(self, kv_dtype: str) -> int:
-        """K and V of one token over every layer in ``kv_dtype``: int8 is head_dim codes plus
-        a 4-byte scale per head (kernels/kv_int8.py)."""
-        if kv_dtype == "int8":
+        """K and V of one token over every layer in ``kv_dtype``: int8 and fp8 are head_dim
+        codes plus a 4-byte scale per head (kernels/kv_int8.py, kernels/kv_fp8.py)."""
+        if kv_dtype in ("int8", "fp8"):
             return 2 * self.num_layers * self.num_kv_heads * (self.head_dim + 4)
         return self.kv_bytes_per_token
 
@@ -125,7 +125,7 @@ class SchedulerConfig:
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "q4")  # kernels/quant.py
 WEIGHT_GROUPS = (32, 64)  # q4 group sizes
-KV_DTYPES = ("fp32", "int8")
+KV_DTYPES = ("fp32", "int8", "fp8")
 
 
 def check_weights(weights: str, group: int = 32) -> str:
@@ -150,8 +150,10 @@ class EngineConfig:
     max_model_len: int = 2048
     weights: str = "fp32"  # how the weights are stored: fp32 | bf16 | int8 | q4
     weight_group: int = 32  # q4: weights per scale along K
-    kv_dtype: str = "fp32"  # the KV cache: fp32 | int8 (a scale per token and head)
+    kv_dtype: str = "fp32"  # the KV cache: fp32 | int8 | fp8 (a scale per token and head)
 
     def __post_init__(self):
         check_weights(self.weights, self.weight_group)
         check_kv_dtype(self.kv_dtype)
+        if self.kv_dtype == "fp8" and self.model.head_dim % 4:  # each row's fp32 scale aligned
+            raise ValueError(f"kv_dtype fp8 needs head_dim % 4 == 0, not {self.model.head_dim}")

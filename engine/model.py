@@ -15,7 +15,7 @@ from torch import nn
 from engine import cpu_stack
 from engine.config import ModelConfig
 from engine.linear import Linear
-from kernels import kv_int8
+from kernels import kv_fp8, kv_int8
 from kernels.metadata import AttentionMetadata
 from kernels.ops import paged_attention, store_kv
 
@@ -185,11 +185,14 @@ class LlamaModel(nn.Module):
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, dtype=torch.float32, kv_dtype: str = "fp32"
     ) -> KVCache:
-        """K and V caches per layer; ``kv_dtype`` "int8" stores each token's head as int8 codes
-        plus its fp32 scale in one row (kernels/kv_int8.py)."""
+        """K and V caches per layer; ``kv_dtype`` "int8" ("fp8") stores each token's head as
+        int8 (float8_e4m3fn) codes plus its fp32 scale in one row (kernels/kv_int8.py,
+        kernels/kv_fp8.py)."""
         head_dim = self.cfg.head_dim
         if kv_dtype == "int8":
             dtype, head_dim = torch.int8, kv_int8.row_width(head_dim)
+        if kv_dtype == "fp8":
+            dtype, head_dim = kv_fp8.DTYPE, kv_fp8.row_width(head_dim)
         shape = (num_blocks, block_size, self.cfg.num_kv_heads, head_dim)
         device = self.embed_tokens.weight.device
         return [

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_extension
+from kernels import cpu_extension, kv_fp8
 
 
 def _extension_for(*tensors: torch.Tensor):
@@ -31,8 +31,9 @@ def gather_kv_blocks(
         out = torch.empty(shape, dtype=dtype)
         return out, ext.gather_kv_blocks(k_cache, v_cache, idx, out)
     out = torch.empty(shape, dtype=dtype, device=k_cache.device)
-    torch.index_select(k_cache, 0, idx, out=out[0])
-    torch.index_select(v_cache, 0, idx, out=out[1])
+    raw = kv_fp8.as_bytes(out)  # torch's index ops lack float8: fp8 caches move as bytes
+    torch.index_select(kv_fp8.as_bytes(k_cache), 0, idx, out=raw[0])
+    torch.index_select(kv_fp8.as_bytes(v_cache), 0, idx, out=raw[1])
     return out.cpu(), None
 
 
@@ -45,6 +46,6 @@ def scatter_kv_blocks(
     if ext is not None:
         ext.scatter_kv_blocks(kv, k_cache, v_cache, idx)
         return
-    kv = kv.to(k_cache.device)
-    k_cache.index_copy_(0, idx, kv[0])
-    v_cache.index_copy_(0, idx, kv[1])
+    kv = kv_fp8.as_bytes(kv.to(k_cache.device))  # fp8 as bytes: no float8 index_copy_
+    kv_fp8.as_bytes(k_cache).index_copy_(0, idx, kv[0])
+    kv_fp8.as_bytes(v_cache).index_copy_(0, idx, kv[1])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_extension, kv_int8
+from kernels import cpu_extension, kv_fp8, kv_int8
 from kernels.metadata import AttentionMetadata
 
 try:
@@ -35,8 +35,8 @@ def kernel_backend(device: torch.device | str, backend: str = "auto") -> str:
 
 
 def _triton(x: torch.Tensor, cache: torch.Tensor, backend: str) -> bool:
-    """Whether the Triton kernels run: they read float caches, so int8 caches (the torch
-    path dequantizes them) never go there."""
+    """Whether the Triton kernels run: they read float and fp8 caches, so int8 caches (the
+    torch path dequantizes them) never go there."""
     chosen = kernel_backend(x.device, backend) == "triton"
     if chosen and kv_int8.is_int8(cache):
         if backend == "triton":
@@ -62,9 +62,12 @@ def store_kv(
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     if kv_int8.is_int8(k_cache):  # rows of codes + scale (kernels/kv_int8.py)
         key, value = kv_int8.quantize(key), kv_int8.quantize(value)
+    if kv_fp8.is_fp8(k_cache):  # the same rows in fp8 (kernels/kv_fp8.py)
+        key, value = kv_fp8.quantize(key), kv_fp8.quantize(value)
     kv_heads, head_dim = k_cache.shape[2:]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    for cache, x in ((k_cache, key), (v_cache, value)):
+        rows = kv_fp8.as_bytes(cache).view(-1, kv_heads, head_dim)  # no float8 index_copy_
+        rows.index_copy_(0, slot_mapping, kv_fp8.as_bytes(x.to(cache.dtype)))
 
 
 def paged_attention(
@@ -116,8 +119,13 @@ def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, length: int)
     block_size, kv_heads, head_dim = cache.shape[1:]
     num_blocks = -(-length // block_size)
     blocks = block_tables[:, :num_blocks].reshape(-1).long()
-    gathered = cache.index_select(0, blocks)
+    gathered = kv_fp8.as_bytes(cache).index_select(0, blocks).view(cache.dtype)
     return gathered.view(block_tables.shape[0], num_blocks * block_size, kv_heads, head_dim)
+
+
+def _as_float(rows: torch.Tensor) -> torch.Tensor:
+    """Gathered cache rows as fp32, whatever the cache dtype (fp32, int8 or fp8 rows)."""
+    return kv_fp8.dequantize(rows) if kv_fp8.is_fp8(rows) else kv_int8.as_float(rows)
 
 
 def _prefill_torch(query, k_cache, v_cache, meta, scale):
@@ -143,8 +151,8 @@ def _prefill_torch(query, k_cache, v_cache, meta, scale):
             )
             continue
         table = meta.block_tables[i : i + 1]
-        k = kv_int8.as_float(_gather_blocks(k_cache, table, seq_len)[:, :seq_len]).transpose(1, 2)
-        v = kv_int8.as_float(_gather_blocks(v_cache, table, seq_len)[:, :seq_len]).transpose(1, 2)
+        k = _as_float(_gather_blocks(k_cache, table, seq_len)[:, :seq_len]).transpose(1, 2)
+        v = _as_float(_gather_blocks(v_cache, table, seq_len)[:, :seq_len]).transpose(1, 2)
         q = query[starts[i] : starts[i] + q_len].transpose(0, 1).unsqueeze(0)
         o = _sdpa_causal(q, k, v, scale)
         out[starts[i] : starts[i] + q_len] = o[0].transpose(0, 1)
@@ -213,8 +221,8 @@ def _decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale):
             query, k_cache, v_cache, block_tables.int(), lens, scale
         )
     num_kv_heads = k_cache.shape[2]
-    k = kv_int8.as_float(_gather_blocks(k_cache, block_tables, max(seq_lens))).transpose(1, 2)
-    v = kv_int8.as_float(_gather_blocks(v_cache, block_tables, max(seq_lens))).transpose(1, 2)
+    k = _as_float(_gather_blocks(k_cache, block_tables, max(seq_lens))).transpose(1, 2)
+    v = _as_float(_gather_blocks(v_cache, block_tables, max(seq_lens))).transpose(1, 2)
     lens = torch.tensor(seq_lens, device=query.device)
     visible = torch.arange(k.shape[2], device=query.device)[None, :] < lens[:, None]
     q = query.float().reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)

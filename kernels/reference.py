@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import kv_int8
+from kernels import kv_fp8, kv_int8
 from kernels.metadata import AttentionMetadata
 
 
@@ -22,6 +22,8 @@ def store_kv_ref(
     block_size = k_cache.shape[1]
     if kv_int8.is_int8(k_cache):
         key, value = kv_int8.quantize(key), kv_int8.quantize(value)
+    if kv_fp8.is_fp8(k_cache):
+        key, value = kv_fp8.quantize(key), kv_fp8.quantize(value)
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
@@ -51,8 +53,8 @@ def paged_attention_ref(
     starts = meta.query_start_loc.tolist()
     tables = meta.block_tables.tolist()
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        keys = kv_int8.as_float(gather_seq_kv(k_cache, tables[i], seq_len))
-        values = kv_int8.as_float(gather_seq_kv(v_cache, tables[i], seq_len))
+        keys = _as_float(gather_seq_kv(k_cache, tables[i], seq_len))
+        values = _as_float(gather_seq_kv(v_cache, tables[i], seq_len))
         for j in range(q_len):
             t = starts[i] + j
             pos = seq_len - q_len + j
@@ -62,3 +64,7 @@ def paged_attention_ref(
                 probs = torch.softmax(scores, dim=0)
                 out[t, hq] = (probs @ values[: pos + 1, hk]).to(query.dtype)
     return out
+
+
+def _as_float(rows: torch.Tensor) -> torch.Tensor:
+    return kv_fp8.dequantize(rows) if kv_fp8.is_fp8(rows) else kv_int8.as_float(rows)

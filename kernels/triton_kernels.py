@@ -5,6 +5,10 @@ caches [num_blocks, block_size, kvh, d]. Keys are looked up one by one through t
 table (block id = table[pos // block_size], row = pos % block_size), so a key tile need not
 line up with a cache block and any block size works, including 1.
 
+fp8 caches (kernels/kv_fp8.py: float8_e4m3fn codes, each token's head followed by its fp32
+scale in the same row) are read and written in place: the codes through the cache itself, the
+scales through a strided fp32 view of the same bytes (``kv_fp8.scales``).
+
 Importing this module needs Triton; ``kernels.ops`` guards the import. Under
 ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on CPU tensors.
 """
@@ -15,9 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import kv_fp8
 from kernels.metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
+FP8_MAX: tl.constexpr = 448.0  # kernels.kv_fp8.FP8_MAX
 
 
 @triton.jit
@@ -27,6 +33,8 @@ def _store_kv_kernel(
     k_cache_ptr,  # [num_blocks, block_size, kvh, d]
     v_cache_ptr,  # [num_blocks, block_size, kvh, d]
     slot_mapping_ptr,  # [T] int64, -1 = skip
+    k_scale_ptr,  # fp8 caches: [num_blocks, block_size, kvh] fp32 views into the caches' rows
+    v_scale_ptr,
     stride_kt,
     stride_kh,
     stride_kd,
@@ -37,11 +45,15 @@ def _store_kv_kernel(
     stride_cs,
     stride_ch,
     stride_cd,
+    stride_sb,
+    stride_ss,
+    stride_sh,
     block_size,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,  # caches of float8_e4m3fn codes + a scale per token and head
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
@@ -55,15 +67,53 @@ def _store_kv_kernel(
     k = tl.load(
         key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
         mask=mask,
+        other=0.0,
     )
     v = tl.load(
         value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
         mask=mask,
+        other=0.0,
     )
     dst = block * stride_cb + row * stride_cs + offs_h[:, None] * stride_ch
     dst += offs_d[None, :] * stride_cd
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    if KV_FP8:
+        scale_dst = block * stride_sb + row * stride_ss + offs_h * stride_sh
+        k = _fp8_codes(k, k_scale_ptr + scale_dst, offs_h < NUM_KV_HEADS)
+        v = _fp8_codes(v, v_scale_ptr + scale_dst, offs_h < NUM_KV_HEADS)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_codes(x, scale_ptrs, h_mask):
+    """[BLOCK_H, BLOCK_D] values -> float8_e4m3fn codes; stores each head's scale, max|x| / 448,
+    as kernels.kv_fp8.quantize does (IEEE division, round to nearest even: the torch path's
+    codes bit for bit)."""
+    x = x.to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), 1e-30), FP8_MAX)
+    tl.store(scale_ptrs, scale, mask=h_mask)
+    codes = tl.math.div_rn(x, scale[:, None])
+    codes = _round_to_e4m3(tl.minimum(tl.maximum(codes, -FP8_MAX), FP8_MAX))
+    return codes.to(tl.float8e4nv)  # exact: the value is already an e4m3 one
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """fp32 v (|v| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, still in
+    fp32, as torch's cast rounds. Rounding before the cast keeps the codes identical
+    everywhere: Triton 3.9's interpreter loses the carry when its cast rounds a mantissa up
+    into the next power of two (-127.9 became -64, not -128)."""
+    a = tl.abs(v)
+    bits = a.to(tl.int32, bitcast=True)
+    # Normal range (>= 2^-6): keep 3 of fp32's 23 mantissa bits; a carry moves the exponent.
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576: 0xFFF00000
+    normal = bits.to(tl.float32, bitcast=True)
+    # Subnormals (< 2^-6): multiples of 2^-9, ties to the even multiple.
+    t = a * 512.0
+    n = tl.floor(t + 0.5)
+    n = tl.where(((n - t) == 0.5) & ((n.to(tl.int32) & 1) == 1), n - 1.0, n)
+    r = tl.where(a < 0.015625, n / 512.0, normal)
+    return tl.where(v.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit: -0.0 stays -0.0
 
 
 @triton.jit
@@ -75,6 +125,8 @@ def _prefill_attention_kernel(
     query_start_loc_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
     block_tables_ptr,  # [B, max_blocks] int32
+    k_scale_ptr,  # fp8 caches: [num_blocks, block_size, kvh] fp32 views into the caches' rows
+    v_scale_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     stride_qt,
     stride_qh,
@@ -87,6 +139,9 @@ def _prefill_attention_kernel(
     stride_ch,
     stride_cd,
     stride_bt,
+    stride_sb,
+    stride_ss,
+    stride_sh,
     block_size,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
@@ -94,6 +149,7 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # caches of float8_e4m3fn codes + a scale per token and head
 ):
     m_block = tl.program_id(0)
     head = tl.program_id(1)
@@ -139,8 +195,19 @@ def _prefill_attention_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            # Keys stay codes (exact in q's dtype), each score times its key's scale after the
+            # dot; values are dequantized, since p * scale could underflow fp16.
+            scale_offs = blocks.to(tl.int64) * stride_sb + (offs_n % block_size) * stride_ss
+            scale_offs += kv_head * stride_sh
+            k_scale = tl.load(k_scale_ptr + scale_offs, mask=n_mask, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_offs, mask=n_mask, other=0.0)
+            k = k.to(q.dtype)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
 
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if KV_FP8:
+            qk = qk * k_scale[None, :]
         visible = (offs_n[None, :] <= positions[:, None]) & n_mask[None, :]
         qk = tl.where(visible, qk, float("-inf"))
         # Key 0 is visible to every row in the first tile, so m_new is finite from then on.
@@ -169,6 +236,8 @@ def _decode_attention_kernel(
     query_start_loc_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
     block_tables_ptr,  # [B, max_blocks] int32
+    k_scale_ptr,  # fp8 caches: [num_blocks, block_size, kvh] fp32 views into the caches' rows
+    v_scale_ptr,
     qk_scale,  # softmax scale * log2(e)
     stride_qt,
     stride_qh,
@@ -181,6 +250,9 @@ def _decode_attention_kernel(
     stride_ch,
     stride_cd,
     stride_bt,
+    stride_sb,
+    stride_ss,
+    stride_sh,
     block_size,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -188,6 +260,7 @@ def _decode_attention_kernel(
     BLOCK_G: tl.constexpr,  # query heads of one KV head, padded to a tl.dot-sized tile
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # caches of float8_e4m3fn codes + a scale per token and head
 ):
     # One program per (sequence, KV head): all query heads sharing the KV head ride along as
     # rows of one tile, so each key is read from memory once (decode is bandwidth-bound).
@@ -225,8 +298,19 @@ def _decode_attention_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            # Keys stay codes (exact in q's dtype), each score times its key's scale after the
+            # dot; values are dequantized, since p * scale could underflow fp16.
+            scale_offs = blocks.to(tl.int64) * stride_sb + (offs_n % block_size) * stride_ss
+            scale_offs += kv_head * stride_sh
+            k_scale = tl.load(k_scale_ptr + scale_offs, mask=n_mask, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_offs, mask=n_mask, other=0.0)
+            k = k.to(q.dtype)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
 
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if KV_FP8:
+            qk = qk * k_scale[None, :]
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
@@ -274,25 +358,41 @@ def store_kv_triton(
     if num_tokens == 0:
         return
     assert k_cache.stride() == v_cache.stride() and value.shape == key.shape
+    k_scales, v_scales, scale_strides = _scale_views(k_cache, v_cache)
     _store_kv_kernel[(num_tokens,)](
         key,
         value,
         k_cache,
         v_cache,
         slot_mapping,
+        k_scales,
+        v_scales,
         *key.stride(),
         *value.stride(),
         *k_cache.stride(),
+        *scale_strides,
         k_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        KV_FP8=kv_fp8.is_fp8(k_cache),
     )
+
+
+def _scale_views(k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """The fp32 scale views of fp8 caches and their strides; for float caches the caches
+    themselves stand in (the kernels never read them as scales)."""
+    if not kv_fp8.is_fp8(k_cache):
+        return k_cache, v_cache, (0, 0, 0)
+    k_scales, v_scales = kv_fp8.scales(k_cache), kv_fp8.scales(v_cache)
+    assert k_scales.stride() == v_scales.stride()
+    return k_scales, v_scales, k_scales.stride()
 
 
 def _common_args(query, k_cache, v_cache, out, meta, scale):
     assert k_cache.stride() == v_cache.stride()
+    k_scales, v_scales, scale_strides = _scale_views(k_cache, v_cache)
     return (
         query,
         k_cache,
@@ -301,11 +401,14 @@ def _common_args(query, k_cache, v_cache, out, meta, scale):
         meta.query_start_loc,
         meta.seq_lens,
         meta.block_tables,
+        k_scales,
+        v_scales,
         scale * LOG2E,
         *query.stride(),
         *out.stride(),
         *k_cache.stride(),
         meta.block_tables.stride(0),
+        *scale_strides,
         k_cache.shape[1],
     )
 
@@ -332,6 +435,7 @@ def prefill_attention_triton(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         PRECISION=_precision(query.dtype),
+        KV_FP8=kv_fp8.is_fp8(k_cache),
     )
     return out
 
@@ -357,5 +461,6 @@ def decode_attention_triton(
         BLOCK_G=_tile(group),
         BLOCK_N=_key_tile(query),
         PRECISION=_precision(query.dtype),
+        KV_FP8=kv_fp8.is_fp8(k_cache),
     )
     return out
