@@ -12,7 +12,7 @@ Formats as on the CPU (kernels/quant.py), repacked once at load (``pack``):
   so that a tile's are contiguous; w = q * scale + min.
 
 Activations fp32, fp16 or bf16 (output in x's dtype, fp32 accumulation; fp32 uses exact
-"ieee" dots, as kernels/triton_kernels.py). The kernels are decode-shaped: few rows
+"ieee" dots, as kernels/triton_kernels.py, and up to ``FMA_MAX_ROWS`` fp32 rows plain FMAs). The kernels are decode-shaped: few rows
 (``MAX_ROWS``), where a matmul reads each weight byte once and the bytes are the cost; the
 weight's K range is split over programs (``split_k``, partial sums added after) so that a
 one-row matmul still fills the GPU. Larger batches (prefill) go to cuBLAS on the dequantized
@@ -33,6 +33,7 @@ import triton.language as tl
 from kernels.quant import QuantizedWeight
 
 MAX_ROWS = 64  # up to this many rows the Triton kernels run; more go to cuBLAS
+FMA_MAX_ROWS = 4  # fp32 activations up to this many rows multiply without tl.dot
 Q4_CHUNK = 64  # weights along K per packed q4 chunk (32 where 64 does not divide K)
 
 
@@ -88,6 +89,7 @@ def _int8_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -109,7 +111,7 @@ def _int8_linear_kernel(
             mask=k_mask[:, None] & n_mask[None, :],
             other=0,
         )
-        acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
+        acc += _tile_product(x, w, USE_DOT, PRECISION)
     acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
@@ -140,6 +142,7 @@ def _q4_linear_kernel(
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_DOT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     HALF: tl.constexpr = CHUNK // 2
@@ -167,10 +170,20 @@ def _q4_linear_kernel(
             x = tl.load(
                 x_rows + (k0 + offs_h)[None, :] * stride_xk, mask=m_mask[:, None], other=0.0
             )
-            acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
+            acc += _tile_product(x, w, USE_DOT, PRECISION)
     out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     _store_tile(acc, out_ptrs, mask, bias_ptr + offs_n, n_mask, HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
+def _tile_product(x, w, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """x [BLOCK_M, k] @ w [k, BLOCK_N] in fp32: a tl.dot (w in x's dtype: int8 codes exactly,
+    q4's dequantized values rounded), or broadcast FMAs for a few fp32 rows."""
+    if USE_DOT:
+        return tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
+    else:
+        return tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
 
 
 @triton.jit
@@ -190,10 +203,36 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp16/bf16 ignore the setting
 
 
-def _tiles(x: torch.Tensor, rows: int) -> tuple[int, int]:
-    if not x.is_cuda:
-        return 16, 32  # the interpreter: small shapes, few programs
-    return (16 if rows <= 16 else 32 if rows <= 32 else 64), 64
+@dataclass(frozen=True)
+class _Launch:
+    """Tiles, grid and K split of one call."""
+
+    block_m: int
+    block_n: int
+    block_k: int  # int8 only (q4 steps by its chunk)
+    use_dot: bool
+    split: int
+    k_per_split: int
+
+    def grid(self, rows: int, n: int) -> tuple[int, int, int]:
+        return (triton.cdiv(rows, self.block_m), triton.cdiv(n, self.block_n), self.split)
+
+
+def _launch(x: torch.Tensor, rows: int, w: PackedWeight, split_k: int) -> _Launch:
+    # A few fp32 rows multiply with FMAs: an fp32 tl.dot pads the rows to 16 and has no
+    # tensor cores, so it would do 16x the work of one row.
+    use_dot = not (x.dtype == torch.float32 and rows <= FMA_MAX_ROWS)
+    if not use_dot:
+        block_m = triton.next_power_of_2(rows)
+    else:
+        block_m = 16 if rows <= 16 or not x.is_cuda else 32 if rows <= 32 else 64
+    block_n = 64 if x.is_cuda else 32  # the interpreter: fewer, smaller programs
+    step = _k_step(w)
+    block_k = 32 if not use_dot and block_m >= 4 else step  # FMA tiles stay in registers
+    split = split_k or default_split_k(x, rows, w, block_m, block_n)
+    k_per_split = triton.cdiv(triton.cdiv(w.in_features, split), step) * step
+    split = triton.cdiv(w.in_features, k_per_split)  # no empty split
+    return _Launch(block_m, block_n, block_k, use_dot, split, k_per_split)
 
 
 def default_split_k(x: torch.Tensor, rows: int, w: PackedWeight, block_m: int, block_n: int):
@@ -214,57 +253,26 @@ def quant_linear(
     x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, split_k: int = 0
 ) -> torch.Tensor:
     """``F.linear(x, dequantize(w), bias)`` for x [..., K]; ``split_k`` 0 chooses."""
-    k = w.in_features
+    k, n = w.in_features, w.out_features
     assert x.shape[-1] == k, f"x has {x.shape[-1]} features, the weight {k}"
     x2 = x.reshape(-1, k)
-    rows, n = x2.shape[0], w.out_features
-    block_m, block_n = _tiles(x, rows)
-    split = split_k or default_split_k(x, rows, w, block_m, block_n)
-    step = _k_step(w)
-    k_per_split = triton.cdiv(triton.cdiv(k, split), step) * step
-    split = triton.cdiv(k, k_per_split)  # no empty split
-    if split == 1:
-        out = torch.empty((1, rows, n), dtype=x.dtype, device=x.device)
-    else:
-        out = torch.empty((split, rows, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n), split)
-    has_bias = bias is not None and split == 1
-    common = {"HAS_BIAS": has_bias, "SPLIT_K": split, "BLOCK_M": block_m, "BLOCK_N": block_n}
-    common["PRECISION"] = _precision(x.dtype)
-    bias_arg = bias if has_bias else out
-    shape = (rows, n, k, k_per_split, x2.stride(0), x2.stride(1))
+    rows = x2.shape[0]
+    run = _launch(x, rows, w, split_k)
+    # One split writes the output itself; several write fp32 partial sums, added below.
+    out_dtype = x.dtype if run.split == 1 else torch.float32
+    out = torch.empty((run.split, rows, n), dtype=out_dtype, device=x.device)
+    has_bias = bias is not None and run.split == 1
+    args = (x2, w.codes, w.scale) + ((w.minimum,) if w.format == "q4" else ())
+    args += (out, bias if has_bias else out, rows, n, k, run.k_per_split, *x2.stride())
+    args += (w.codes.stride(0),) + ((w.scale.stride(0),) if w.format == "q4" else ())
+    args += (out.stride(0), out.stride(1))
+    consts = {"HAS_BIAS": has_bias, "SPLIT_K": run.split, "BLOCK_M": run.block_m}
+    consts |= {"BLOCK_N": run.block_n, "USE_DOT": run.use_dot, "PRECISION": _precision(x.dtype)}
     if w.format == "int8":
-        _int8_linear_kernel[grid](
-            x2,
-            w.codes,
-            w.scale,
-            out,
-            bias_arg,
-            *shape,
-            w.codes.stride(0),
-            out.stride(0),
-            out.stride(1),
-            BLOCK_K=step,
-            **common,
-        )
+        _int8_linear_kernel[run.grid(rows, n)](*args, BLOCK_K=run.block_k, **consts)
     else:
-        _q4_linear_kernel[grid](
-            x2,
-            w.codes,
-            w.scale,
-            w.minimum,
-            out,
-            bias_arg,
-            *shape,
-            w.codes.stride(0),
-            w.scale.stride(0),
-            out.stride(0),
-            out.stride(1),
-            GROUP=w.group,
-            CHUNK=w.chunk,
-            **common,
-        )
-    y = out[0] if split == 1 else out.sum(0)
+        _q4_linear_kernel[run.grid(rows, n)](*args, GROUP=w.group, CHUNK=w.chunk, **consts)
+    y = out[0] if run.split == 1 else out.sum(0)
     if bias is not None and not has_bias:
         y = y + bias.float()
     return y.to(x.dtype).view(*x.shape[:-1], n)

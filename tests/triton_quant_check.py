@@ -35,8 +35,9 @@ class QuantCase:
 
 
 def quant_cases() -> list[QuantCase]:
-    """Tiny shapes for the interpreter: one and several rows (17: two row tiles), N not a
-    multiple of the tile, K a multiple of 64 and K = 96 (q4 chunks of 32), split K."""
+    """Tiny shapes for the interpreter: fp32 rows up to 4 (the FMA path) and more (tl.dot; 17:
+    two row tiles), N not a multiple of the tile, K a multiple of 64 and K = 96 (q4 chunks of
+    32), split K, bias, fp16."""
     cases = []
     for fmt, group in (("int8", 0), ("q4", 32), ("q4", 64)):
         for rows, k, n, split in ((1, 128, 40, 0), (5, 192, 33, 3), (17, 64, 48, 0)):
@@ -46,6 +47,7 @@ def quant_cases() -> list[QuantCase]:
         QuantCase("q4g32-k96-chunk32", "q4", 3, 96, 20, 32, seed=1),
         QuantCase("int8-bias", "int8", 2, 64, 24, bias=True, seed=2),
         QuantCase("q4-bias-split", "q4", 2, 128, 24, 32, bias=True, split_k=2, seed=3),
+        QuantCase("int8-m4-fma-k32", "int8", 4, 128, 40, seed=6),  # fp32 FMA path, K tile 32
         QuantCase("int8-fp16", "int8", 4, 128, 40, dtype="float16", seed=4),
         QuantCase("q4g64-fp16", "q4", 4, 128, 40, 64, dtype="float16", seed=5),
     ]
