@@ -13,6 +13,7 @@ a forward that raises is run again on halves of the batch to find the request(s)
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Protocol
@@ -21,6 +22,7 @@ from engine.errors import EngineError, WorkerError
 from engine.request import RequestStatus
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step_isolation import isolate_failed_forward
+from engine.step_trace import PlanShape, StepTrace
 
 if TYPE_CHECKING:
     from engine.model import LayerCallback
@@ -104,11 +106,13 @@ class StepLoop:
         executor: Executor,
         hooks: StepHooks,
         lock: AbstractContextManager | None = None,
+        trace: StepTrace | None = None,
     ):
         self.scheduler = scheduler
         self.executor = executor
         self.hooks = hooks
         self.lock = lock if lock is not None else nullcontext()
+        self.trace = trace  # a live worker's per-step timings (engine/step_trace.py), or None
         self.num_request_errors = 0  # requests failed alone, engine errors
         self.num_worker_errors = 0  # steps that failed for every request in them
 
@@ -120,12 +124,16 @@ class StepLoop:
             self.hooks.on_planned(plan)
         if plan.is_empty:
             return False
+        shape = PlanShape.of(plan.scheduled) if self.trace else None  # before the update
+        started, t0 = time.time(), time.perf_counter()
         try:
             self.run(plan)
         except StepUpdateError:
             raise
         except Exception as error:  # noqa: BLE001 - the forward: find whom it fails for
             isolate_failed_forward(self, plan, error)
+        if self.trace is not None:
+            self.trace.record(started, time.perf_counter() - t0, shape)
         return True
 
     def run(self, plan: SchedulerOutput) -> None:

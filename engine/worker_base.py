@@ -12,6 +12,7 @@ from engine.llm_engine import LLMEngine
 from engine.loop import EngineThread
 from engine.request import Request, SamplingParams, check_token_ids
 from engine.step import StepHooks, StepLoop
+from engine.step_trace import StepTrace
 from engine.warmup import warm_up
 
 
@@ -24,7 +25,8 @@ class EngineWorker(StepHooks):
         self.scheduler = engine.scheduler
         self.blocks = engine.blocks
         lock = threading.RLock()
-        self.step_loop = StepLoop(self.scheduler, engine.executor, self, lock)
+        trace = StepTrace.from_env(self.worker_id)  # PDSERVE_STEP_TRACE: per-step timings
+        self.step_loop = StepLoop(self.scheduler, engine.executor, self, lock, trace)
         self.loop = EngineThread(
             self.step_loop.step, self._fail_all, name=f"{self.worker_id}-engine", lock=lock
         )

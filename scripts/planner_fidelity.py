@@ -31,12 +31,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine.step_trace import ENV_VAR as STEP_TRACE_ENV
 from pdserve.bench.loadgen.metrics import SLO, BenchResult
 from pdserve.bench.loadgen.serve import ServeConfig, run_benchmark
 from pdserve.cluster.local import ClusterSpec, LocalCluster
 from pdserve.planner.fidelity_replay import METRICS, err, mape, replay, resimulate, summary
 from pdserve.planner.profile import load_profile
 from pdserve.planner.sim import SimConfig, Split
+from pdserve.planner.step_residuals import format_residuals, step_residuals
 from pdserve.planner.workload import TraceRequest
 
 # (split, workload, SLO). Rates: LOW and NEAR x the simulated capacity (highest rate at 90%).
@@ -52,7 +54,19 @@ RECOMMEND = [("longdoc", SLO(12.0, 0.2), 0.9), ("chat", SLO(2.0, 0.15), 0.9)]
 FALLBACK_RATE = 0.1  # when the simulation holds no rate at 90%
 
 
-def run_real(split: Split, workload: str, rate: float, n: int, slo: SLO, seed: int):
+def run_real(split: Split, workload: str, rate: float, n: int, slo: SLO, seed: int, trace=None):
+    """One real cluster serving the workload; ``trace``: a folder its workers write their step
+    traces to (engine/step_trace.py; the workers inherit the variable, this process's own
+    simulations do not see it)."""
+    if trace is not None:
+        os.environ[STEP_TRACE_ENV] = str(trace)
+    try:
+        return _run_real(split, workload, rate, n, slo, seed)
+    finally:
+        os.environ.pop(STEP_TRACE_ENV, None)
+
+
+def _run_real(split: Split, workload: str, rate: float, n: int, slo: SLO, seed: int):
     spec = ClusterSpec(
         num_prefill=split.num_prefill,
         num_decode=split.num_decode,
@@ -90,7 +104,7 @@ def sends_of(res: BenchResult, rate: float, seed: int, n: int):
     return list(zip(offsets.tolist(), res.input_lens, res.output_lens, strict=False))
 
 
-def fidelity(profile, seed: int, scale: float, cores: int) -> list[dict]:
+def fidelity(profile, seed: int, scale: float, cores: int, traces=None) -> list[dict]:
     rows = []
     for label, workload, slo in SETUPS:
         split = Split.parse(label)
@@ -99,7 +113,8 @@ def fidelity(profile, seed: int, scale: float, cores: int) -> list[dict]:
         for rate in (round(LOW * cap, 2), round(NEAR * cap, 2)):
             n = max(30, int(rate * 60 * scale))
             started = time.time()
-            real = run_real(split, workload, rate, n, slo, seed)
+            trace = Path(traces) / f"{label}_{workload}_{rate}" if traces else None
+            real = run_real(split, workload, rate, n, slo, seed, trace)
             if real.completed < n:
                 print(f"  {label} @ {rate}: {real.failed} failed: {real.errors[:2]}", flush=True)
             sends = sends_of(real, rate, seed, n)
@@ -116,9 +131,23 @@ def fidelity(profile, seed: int, scale: float, cores: int) -> list[dict]:
                 "wall_s": time.time() - started,
             }
             row["error"] = {m: err(row["sim"][m], row["real"][m]) for m in METRICS}
+            row["per_request"] = {"real": per_request(real), "sim": per_request(sim)}
             rows.append(row)
             print(format_row(row), flush=True)
+            if trace is not None:  # each real step against the profile's price for it
+                row["steps"] = step_residuals(profile, trace)
+                print(format_residuals(row["steps"]), flush=True)
     return rows
+
+
+def per_request(res: BenchResult) -> dict:
+    """Each completed request's figures in send order, to read residuals request by request."""
+    return {
+        "ttft_s": [round(t, 5) for t in res.ttfts],
+        "tpot_s": [round(t, 5) for t in res.tpots],
+        "prompt_tokens": res.input_lens,
+        "output_tokens": res.output_lens,
+    }
 
 
 def format_row(r: dict) -> str:
@@ -201,6 +230,9 @@ def main() -> int:
     ap.add_argument("--max-workers", type=int, default=2, help="part 2's pool size")
     ap.add_argument("--cpu-cores", type=int, default=os.cpu_count(), help="cores the workers share")
     ap.add_argument("--resimulate", default=None, help="a stored fidelity JSON to re-score")
+    ap.add_argument(
+        "--step-trace", default=None, help="folder for the real workers' step traces (part 1)"
+    )
     args = ap.parse_args()
     profile = load_profile(args.profile)
     if args.resimulate:
@@ -212,7 +244,9 @@ def main() -> int:
         "load_average_at_start": os.getloadavg(),
     }
     if args.part in ("fidelity", "all"):
-        report["fidelity"] = fidelity(profile, args.seed, args.scale, args.cpu_cores)
+        report["fidelity"] = fidelity(
+            profile, args.seed, args.scale, args.cpu_cores, args.step_trace
+        )
         report["mape"] = mape(report["fidelity"])
         print("MAPE " + "  ".join(f"{m} {v:.1%}" for m, v in report["mape"].items()), flush=True)
     if args.part in ("recommend", "all"):

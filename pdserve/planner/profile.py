@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engine.settings import EngineSettings  # the worker settings a profile was measured with
+from engine.step_trace import PlanShape  # a plan in the terms the tables price it
 
 PROFILE_VERSION = 1
 # Costs newer profiles record; an older profile without them reads 0 (not modelled).
@@ -147,25 +148,20 @@ class Profile:
 
     def step_seconds(self, scheduled) -> float:
         """One forward over a scheduler plan's ``scheduled`` sequences, and its sampling."""
-        sampled = sum(1 for s in scheduled if s.samples and not s.request.sampling.is_greedy)
-        return self.forward_seconds(scheduled) + sampled * self.sample_seconds_per_row
+        return self.shape_seconds(PlanShape.of(scheduled))
 
-    def forward_seconds(self, scheduled) -> float:
+    def shape_seconds(self, shape: PlanShape) -> float:
+        """A step of this shape: its forward and its rows sampled at a temperature."""
+        return self.forward_seconds(shape) + shape.sampled * self.sample_seconds_per_row
+
+    def forward_seconds(self, shape: PlanShape) -> float:
         """The forward (and a greedy sample per row, as the tables were timed)."""
-        dec_n = dec_ctx = pre_n = pre_work = 0
-        for s in scheduled:
-            done = s.request.num_computed_tokens
-            if s.num_new_tokens == 1 and done >= s.request.num_prompt_tokens:
-                dec_n += 1
-                dec_ctx += done + 1
-            else:
-                pre_n += s.num_new_tokens
-                pre_work += s.num_new_tokens * done
+        dec_n, pre_n = shape.decode_rows, shape.prompt_tokens
         if not pre_n:
-            return self.decode_seconds(dec_n, dec_ctx / dec_n) if dec_n else 0.0
-        t = self.prefill_seconds(pre_n + dec_n, pre_work / pre_n)
+            return self.decode_seconds(dec_n, shape.decode_context / dec_n) if dec_n else 0.0
+        t = self.prefill_seconds(pre_n + dec_n, shape.prompt_work / pre_n)
         if dec_n:
-            ctx = dec_ctx / dec_n
+            ctx = shape.decode_context / dec_n
             t += self.decode_seconds(dec_n, ctx) - self.decode_seconds(dec_n, self.decode.cols[0])
         return t
 
