@@ -113,8 +113,8 @@ def fidelity(profile, seed: int, scale: float, cores: int, traces=None) -> list[
         for rate in (round(LOW * cap, 2), round(NEAR * cap, 2)):
             n = max(30, int(rate * 60 * scale))
             started = time.time()
-            trace = Path(traces) / f"{label}_{workload}_{rate}" if traces else None
-            real = run_real(split, workload, rate, n, slo, seed, trace)
+            trace_dir = Path(traces) / f"{label}_{workload}_{rate}" if traces else None
+            real = run_real(split, workload, rate, n, slo, seed, trace_dir)
             if real.completed < n:
                 print(f"  {label} @ {rate}: {real.failed} failed: {real.errors[:2]}", flush=True)
             sends = sends_of(real, rate, seed, n)
@@ -134,8 +134,8 @@ def fidelity(profile, seed: int, scale: float, cores: int, traces=None) -> list[
             row["per_request"] = {"real": per_request(real), "sim": per_request(sim)}
             rows.append(row)
             print(format_row(row), flush=True)
-            if trace is not None:  # each real step against the profile's price for it
-                row["steps"] = step_residuals(profile, trace)
+            if trace_dir is not None:  # each real step against the profile's price for it
+                row["steps"] = step_residuals(profile, trace_dir)
                 print(format_residuals(row["steps"]), flush=True)
     return rows
 

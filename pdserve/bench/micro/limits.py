@@ -19,6 +19,19 @@ def best_time(fn, reps: int = 5, warmup: int = 2) -> float:
     return best
 
 
+def median_time(fn, reps: int = 7, warmup: int = 1) -> float:
+    """Median of ``reps`` runs: what a step costs in steady state, where the fastest run is
+    the one a neighbour happened not to disturb."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
 def read_bandwidth(num_bytes: int = 2 * 2**30) -> float:
     """Streaming read bandwidth (bytes/s): a sum over a buffer well beyond the caches (this
     machine reports a large shared L3, so the buffer is 2 GiB)."""
@@ -26,8 +39,9 @@ def read_bandwidth(num_bytes: int = 2 * 2**30) -> float:
     return num_bytes / best_time(lambda: x.sum(), reps=7)
 
 
-def gemm_peak(n: int = 2048) -> float:
-    """fp32 GEMM FLOP/s at the current thread count (square n x n x n, best of several)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    out = torch.empty(n, n)
+def gemm_peak(n: int = 2048, dtype: torch.dtype = torch.float32) -> float:
+    """GEMM FLOP/s in ``dtype`` (fp32, or bf16: AMX where the CPU has it) at the current thread
+    count (square n x n x n, best of several)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    out = torch.empty(n, n, dtype=dtype)
     return 2 * n**3 / best_time(lambda: torch.mm(a, b, out=out), reps=7)
