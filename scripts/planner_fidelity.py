@@ -157,11 +157,15 @@ def format_row(r: dict) -> str:
     return "  ".join(cells)
 
 
-def recommendation(profile, seed: int, max_workers: int, scale: float, cores: int) -> list[dict]:
+def recommendation(
+    profile, seed: int, max_workers: int, scale: float, cores: int, only=None
+) -> list[dict]:
     from pdserve.planner.search import candidate_splits, plan, recommend, synthetic_workload
 
     out = []
     for workload, slo, share in RECOMMEND:
+        if only and workload not in only:
+            continue
         wl = synthetic_workload(workload, seed, duration_s=200, min_requests=60, max_requests=600)
         base = SimConfig(Split(1, 1), cpu_cores=cores)
         # Plan at a low rate first to find the best split, then check it at 90% of its capacity.
@@ -231,6 +235,9 @@ def main() -> int:
     ap.add_argument("--cpu-cores", type=int, default=os.cpu_count(), help="cores the workers share")
     ap.add_argument("--resimulate", default=None, help="a stored fidelity JSON to re-score")
     ap.add_argument(
+        "--workloads", nargs="+", default=None, help="part 2: only these of longdoc, chat"
+    )
+    ap.add_argument(
         "--step-trace", default=None, help="folder for the real workers' step traces (part 1)"
     )
     args = ap.parse_args()
@@ -251,7 +258,7 @@ def main() -> int:
         print("MAPE " + "  ".join(f"{m} {v:.1%}" for m, v in report["mape"].items()), flush=True)
     if args.part in ("recommend", "all"):
         report["recommendation"] = recommendation(
-            profile, args.seed, args.max_workers, args.scale, args.cpu_cores
+            profile, args.seed, args.max_workers, args.scale, args.cpu_cores, args.workloads
         )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
