@@ -107,7 +107,10 @@ def test_model_with_fp8_kv_decodes_close_to_fp32_kv(tmp_path):
     assert fp8.kv_caches[0][0].shape[-1] == cfg.head_dim + 4
     ids = [1, 5, 9, 33, 2, 7, 100, 4, 12, 40, 41, 3]
     a, b = _decode_logits(fp32, ids), _decode_logits(fp8, ids)
-    assert 0 < (b - a).abs().max() < 0.05 * a.abs().max()
+    # e4m3 rounds each K/V entry by up to 2^-4 of itself, int8 by 1/254 of its head's max: on
+    # this random model the logits move ~4x int8's ~2% (5-7% of their range, measured); the
+    # greedy choice stays.
+    assert 0 < (b - a).abs().max() < 0.12 * a.abs().max()
     assert torch.equal(b.argmax(-1), a.argmax(-1))
     assert cfg.kv_bytes_per_token_as("fp8") == cfg.kv_bytes_per_token_as("int8")
     # A forked sequence's partial block is copied in every layer, scales included.
@@ -116,22 +119,37 @@ def test_model_with_fp8_kv_decodes_close_to_fp32_kv(tmp_path):
         assert _same_bytes(k_cache[5], k_cache[0]) and _same_bytes(v_cache[5], v_cache[0])
 
 
-def test_engine_serves_with_fp8_kv_on_cpu(tmp_path):
-    """kv_dtype fp8 is accepted on the CPU (the torch path reads it): greedy output of a tiny
-    model agrees with the fp32 cache's, and every block comes back."""
+def test_engine_with_fp8_kv_on_cpu_attends_over_fp8_rounded_kv(tmp_path, monkeypatch):
+    """kv_dtype fp8 is accepted on the CPU (the torch path reads it). Its greedy output equals
+    an fp32-cache engine's whose K and V are rounded through fp8 before they are stored: the
+    fp8 cache changes nothing but that rounding, over prefill, decode and mixed steps; every
+    block comes back. (Against plain fp32 KV a random tiny model's near-ties flip: fed fp32's
+    continuations, fp8 predicted 36 of 48 tokens, int8 47.)"""
+    import engine.model as model_module
+
     path, hf = tiny_llama_dir(tmp_path, num_heads=4, num_kv_heads=2, seed=2)
     prompts = random_prompts([6, 17, 33], hf.config.vocab_size, seed=2)
-    params = SamplingParams(max_tokens=8)
-    out = {}
-    for kv_dtype in ("fp32", "fp8"):
-        settings = EngineSettings(str(path), num_blocks=32, device="cpu", kv_dtype=kv_dtype)
-        engine = build_engine(settings)
-        assert engine.runner.kv_caches[0][0].dtype == getattr(
-            torch, "float8_e4m3fn" if kv_dtype == "fp8" else "float32"
-        )
-        out[kv_dtype] = [r.output_token_ids for r in engine.generate(prompts, params)]
-        assert engine.blocks.num_free == engine.blocks.num_total
-    assert out["fp8"] == out["fp32"]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+
+    def run(kv_dtype):
+        e = build_engine(EngineSettings(str(path), num_blocks=32, device="cpu", kv_dtype=kv_dtype))
+        e.runner.model.cpu_stack = None  # the Python layers, whose store_kv is patched below
+        out = [r.output_token_ids for r in e.generate(prompts, params)]
+        assert e.blocks.num_free == e.blocks.num_total
+        return e, out
+
+    fp8, fp8_out = run("fp8")
+    assert fp8.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    store = model_module.store_kv
+
+    def rounded(key, value, *caches_and_slots):
+        key, value = (kv_fp8.dequantize(kv_fp8.quantize(t)) for t in (key, value))
+        store(key, value, *caches_and_slots)
+
+    monkeypatch.setattr(model_module, "store_kv", rounded)
+    ref, ref_out = run("fp32")
+    assert ref.runner.kv_caches[0][0].dtype == torch.float32
+    assert fp8_out == ref_out
 
 
 def test_fp8_kv_cache_end_to_end_matches_the_fp8_engine(tiny_model):  # noqa: F811
