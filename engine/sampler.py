@@ -44,25 +44,25 @@ class Sampler:
         self, logits: torch.Tensor, requests: Sequence[Request]
     ) -> tuple[list[int | None], dict[int, BaseException]]:
         """``sample``, where one request's failure is its own: (tokens, errors by row). If the
-        batched pass raises, what it left on the requests is undone and each row is sampled
-        alone; a row that raises alone gets None and its exception. Every row is independent
-        (its own logits, seed and penalty state), so the rows that succeed get the tokens the
-        batch would have given them. While nothing fails the cost is a count per request."""
-        # What the batched pass may append, to undo before sampling again (a fork's first
-        # tokens are assigned whole, so a second pass just replaces them).
-        num_logprobs = [len(r.output_logprobs) for r in requests]
+        batched pass raises, what it changed is put back (``_BatchedPass``) and each row is
+        sampled alone; a row that raises alone gets None and its exception. Every row is
+        independent (its own logits, seed and penalty state), so the rows that succeed get
+        the tokens the batch would have given them. While nothing fails the cost is a count
+        per request (and a copy of the default generator's state when a row draws from it)."""
+        before = _BatchedPass.before(requests)
         try:
             return list(self.sample(logits, requests)), {}
         except Exception as e:  # noqa: BLE001 - isolated row by row below
             log.warning("sampling %d rows failed (%r); sampling each alone", len(requests), e)
+        before.restore_generator()
         tokens: list[int | None] = []
         errors: dict[int, BaseException] = {}
         for i, req in enumerate(requests):
-            del req.output_logprobs[num_logprobs[i] :]
+            before.restore_logprobs(i, req)
             try:
                 tokens.append(self.sample(logits[i : i + 1], [req])[0])
             except Exception as e:  # noqa: BLE001 - this row's own failure
-                del req.output_logprobs[num_logprobs[i] :]
+                before.restore_logprobs(i, req)
                 self.release(req.request_id)
                 tokens.append(None)
                 errors[i] = e
@@ -175,6 +175,41 @@ class Sampler:
             ps = torch.tensor([top_p[i] for i in by_mass], dtype=logits.dtype)
             logits[rows] = _cut_by_rank_and_mass(logits[rows], ks, ps)
         return logits.softmax(dim=-1)
+
+
+class _BatchedPass:
+    """What a batched sampling pass changes besides its result, taken before it so that a
+    failed pass can be undone before each row is sampled alone:
+
+    - the logprobs it appended to each request (a fork's first tokens are assigned whole, so
+      a second pass just replaces them);
+    - the default CPU generator, which rows without a seed draw their noise from: a pass that
+      failed after drawing advanced it, and the rows sampled alone would draw other noise
+      than the batch would have given them. Seeded rows need nothing: each draw builds its
+      generator from (seed, position) (``Sampler._generator``), so it never advances
+      between passes. Penalty state catches up from ``output_token_ids``, which sampling
+      does not change, so it is the same after a second pass.
+
+    Exact for unseeded rows when no unseeded n > 1 request has its first token in the batch
+    (the batch draws every row's token before the forks', row by row draws each row's forks
+    after it, so the order of draws from the one generator differs)."""
+
+    def __init__(self, num_logprobs: list[int], generator_state: torch.Tensor | None):
+        self.num_logprobs = num_logprobs
+        self.generator_state = generator_state
+
+    @classmethod
+    def before(cls, requests: Sequence[Request]) -> _BatchedPass:
+        unseeded = any(r.sampling.seed is None and not r.sampling.is_greedy for r in requests)
+        state = torch.get_rng_state() if unseeded else None
+        return cls([len(r.output_logprobs) for r in requests], state)
+
+    def restore_generator(self) -> None:
+        if self.generator_state is not None:
+            torch.set_rng_state(self.generator_state)
+
+    def restore_logprobs(self, row: int, req: Request) -> None:
+        del req.output_logprobs[self.num_logprobs[row] :]
 
 
 def _cut_by_rank_and_mass(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
