@@ -14,16 +14,26 @@ then AVX2 + FMA); without either, callers keep the torch paths, which are faster
 generic loop. ``PDSERVE_CPU_ISA`` (avx512 | avx2 | torch) forces a choice and
 ``PDSERVE_NO_CPU_EXT=1`` means torch. An ARM build is one more ``Variant`` (NEON flags) and a
 branch in csrc/simd.h. If the compiler fails, a warning is logged and the next choice is tried.
+
+Processes that build (or load) one build folder at once take turns under an OS file lock
+(``exclusive_build``), which also clears the lock file a killed build leaves behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: builds are not serialized across processes
+    fcntl = None
 
 log = logging.getLogger("pdserve.kernels")
 
@@ -207,18 +217,88 @@ def _build(variant: Variant):
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        module = load_extension(
-            name=f"pdserve_cpu_kernels_{variant.name}",
-            sources=[str(_CSRC / name) for name in _SOURCES],
-            build_directory=str(_build_directory(variant.name)),
-            # Tuned for no CPU in particular: the build must run, and run well, on every CPU
-            # with the variant's flags.
-            extra_cflags=["-O3", "-mtune=generic", *variant.cflags, "-fopenmp"],
-            extra_ldflags=["-fopenmp", *_vector_math_flags()],
-            verbose=False,
-        )
+        build_directory = _build_directory(variant.name)
+        with exclusive_build(build_directory):
+            module = load_extension(
+                name=f"pdserve_cpu_kernels_{variant.name}",
+                sources=[str(_CSRC / name) for name in _SOURCES],
+                build_directory=str(build_directory),
+                # Tuned for no CPU in particular: the build must run, and run well, on every
+                # CPU with the variant's flags.
+                extra_cflags=["-O3", "-mtune=generic", *variant.cflags, "-fopenmp"],
+                extra_ldflags=["-fopenmp", *_vector_math_flags()],
+                verbose=False,
+            )
     except Exception as e:  # noqa: BLE001  (no compiler, no headers: the torch path still works)
         log.warning("CPU extension (%s) unavailable (%s); using the torch path", variant.name, e)
         return None
     assert module.instruction_set == variant.name, "build flags and simd.h disagree"
     return module
+
+
+# torch's lock in a build folder (torch.utils.file_baton.FileBaton): a file created with O_EXCL
+# and kept open while a build runs, removed at its end. A build killed mid-way leaves it, and
+# torch waits for it to go away, forever. Ours sits beside it and is never removed.
+TORCH_LOCK_FILE = "lock"
+BUILD_LOCK_FILE = "pdserve-build.lock"
+
+
+@contextlib.contextmanager
+def exclusive_build(build_directory: Path) -> Iterator[None]:
+    """Hold ``build_directory`` alone while torch builds or loads there. The lock is an OS
+    lock (flock) that the kernel drops when its process dies, so a killed build cannot leave
+    it held; under it no other build of this folder runs, so a torch lock file found there
+    that no live process has open was left by a killed build and is removed."""
+    if fcntl is None:
+        yield
+        return
+    with open(Path(build_directory) / BUILD_LOCK_FILE, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process's build in %s", build_directory)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            remove_stale_torch_lock(Path(build_directory))
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def remove_stale_torch_lock(build_directory: Path) -> bool:
+    """Remove torch's lock file in ``build_directory`` unless a live process has it open (a
+    build that does not take ``exclusive_build``'s lock, e.g. an older checkout's); True if
+    it was removed. Call under ``exclusive_build``."""
+    path = build_directory / TORCH_LOCK_FILE
+    if not path.exists():
+        return False
+    holders = processes_with_open(path)
+    if holders:
+        log.warning("%s is held by process %s; torch waits for it", path, holders[0])
+        return False
+    log.warning("removing %s: left by a build that was killed", path)
+    path.unlink(missing_ok=True)
+    return True
+
+
+def processes_with_open(path: Path) -> list[int]:
+    """Ids of the processes that have ``path`` open (from /proc; none found without it)."""
+    target = os.path.realpath(path)
+    return [
+        int(fd_dir.parent.name)
+        for fd_dir in Path("/proc").glob("[0-9]*/fd")
+        if target in _open_files(fd_dir)
+    ]
+
+
+def _open_files(fd_dir: Path) -> set[str]:
+    """What a process's /proc/<pid>/fd entries point to (those still there and readable)."""
+    try:
+        fds = list(fd_dir.iterdir())
+    except OSError:  # the process is gone, or not ours to read
+        return set()
+    files = set()
+    for fd in fds:
+        with contextlib.suppress(OSError):  # closed since the listing
+            files.add(os.readlink(fd))
+    return files
