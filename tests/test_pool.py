@@ -4,8 +4,10 @@ slow to answer stays in routing for a few polls, a gone one leaves at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
@@ -36,14 +38,28 @@ def _serve(servicer):
     return server, f"127.0.0.1:{port}"
 
 
-def test_removing_a_worker_during_a_poll_keeps_polling_the_others():
-    slow_server, slow = _serve(SlowDecode(delay=1.0))
-    fast_server, fast = _serve(SlowDecode(delay=0.0))
+@contextlib.contextmanager
+def decode_servers(*delays: float) -> Iterator[list[tuple[grpc.Server, str]]]:
+    """A fake decode worker per delay (its Status answers after that long), as (server,
+    address); every one stopped after the block (stopping one twice is harmless)."""
+    servers = [_serve(SlowDecode(delay)) for delay in delays]
+    try:
+        yield servers
+    finally:
+        for server, _ in servers:
+            server.stop(None)
 
-    async def run():
-        pool = WorkerPool("decode")
-        pool.add(slow)
-        pool.add(fast)
+
+def pool_of(*addresses: str) -> WorkerPool:
+    pool = WorkerPool("decode")
+    for address in addresses:
+        pool.add(address)
+    return pool
+
+
+def test_removing_a_worker_during_a_poll_keeps_polling_the_others():
+    async def run(slow, fast):
+        pool = pool_of(slow, fast)
         polling = asyncio.ensure_future(pool.poll(timeout=5.0))
         await asyncio.sleep(0.3)  # the slow worker's Status is in flight
         await pool.remove(slow)  # closes its channel under the call
@@ -53,20 +69,14 @@ def test_removing_a_worker_during_a_poll_keeps_polling_the_others():
         await pool.close()
         return handle
 
-    try:
-        handle = asyncio.run(run())
-    finally:
-        slow_server.stop(None)
-        fast_server.stop(None)
+    with decode_servers(1.0, 0.0) as [(_, slow), (_, fast)]:
+        handle = asyncio.run(run(slow, fast))
     assert handle.healthy and handle.free_blocks == 7
 
 
 def test_cancelling_a_poll_still_cancels_it():
-    server, address = _serve(SlowDecode(delay=2.0))
-
-    async def run():
-        pool = WorkerPool("decode")
-        pool.add(address)
+    async def run(address):
+        pool = pool_of(address)
         polling = asyncio.ensure_future(pool.poll(timeout=5.0))
         await asyncio.sleep(0.3)
         polling.cancel()
@@ -78,22 +88,15 @@ def test_cancelling_a_poll_still_cancels_it():
             await pool.close()
         return False
 
-    try:
-        assert asyncio.run(run())
-    finally:
-        server.stop(None)
+    with decode_servers(2.0) as [(_, address)]:
+        assert asyncio.run(run(address))
 
 
 def test_a_slow_worker_stays_routable_for_a_few_polls_and_a_gone_one_leaves_at_once():
     from router.pool import MAX_SLOW_POLLS
 
-    slow_server, slow = _serve(SlowDecode(delay=0.5))
-    gone_server, gone = _serve(SlowDecode(delay=0.0))
-
-    async def run():
-        pool = WorkerPool("decode")
-        pool.add(slow)
-        pool.add(gone)
+    async def run(slow, gone, gone_server):
+        pool = pool_of(slow, gone)
         await pool.poll(timeout=5.0)  # both answer: healthy
         assert [w.address for w in pool.routable()] == [slow, gone]
         gone_server.stop(None)  # connection refused from now on
@@ -104,8 +107,6 @@ def test_a_slow_worker_stays_routable_for_a_few_polls_and_a_gone_one_leaves_at_o
         await pool.close()
         return seen
 
-    try:
-        seen = asyncio.run(run())
-    finally:
-        slow_server.stop(None)
+    with decode_servers(0.5, 0.0) as [(_, slow), (gone_server, gone)]:
+        seen = asyncio.run(run(slow, gone, gone_server))
     assert seen == [[slow]] * (MAX_SLOW_POLLS - 1) + [[]]
