@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -9,7 +10,7 @@ import time
 
 import grpc
 
-from decode_worker.worker import DecodeWorker, ReservationError
+from decode_worker.worker import CallerLeft, DecodeWorker, ReservationError
 from engine.errors import EngineError, InvalidRequestError
 from engine.wire import logprob_message, logprob_messages
 from grpc_plumbing.auth import resolve_cluster_token
@@ -122,19 +123,28 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         finally:
             self.budget.leave()
 
-    def _decode(self, request, context):
+    def _open_stream(self, request, context):
+        """The request's stream of tokens: on its lease once the lease's KV is in, or prefilled
+        here without one. None when the caller left while it waited for the KV (the lease is
+        released, and the thread goes back to the server at once, not at the lease's end)."""
         args = (request.request_id, list(request.prompt_token_ids), list(request.output_token_ids))
+        caller_left = threading.Event()
+        leave = functools.partial(self.worker.leave, request.lease_id, caller_left)
+        if request.lease_id and not context.add_callback(leave):
+            leave()  # over already
         try:
-            if request.lease_id:
-                stream = self.worker.attach(
-                    request.request_id,
-                    request.lease_id,
-                    *args[1:],
-                    request.sampling,
-                    list(request.fork_token_ids),
-                )
-            else:  # no lease: prefill here
-                stream = self.worker.submit_local(*args, request.sampling)
+            if not request.lease_id:  # prefill here
+                return self.worker.submit_local(*args, request.sampling)
+            return self.worker.attach(
+                request.request_id,
+                request.lease_id,
+                *args[1:],
+                request.sampling,
+                list(request.fork_token_ids),
+                caller_left,
+            )
+        except CallerLeft:
+            return None
         except ReservationError as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except FrameError as e:
@@ -143,6 +153,11 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _decode(self, request, context):
+        stream = self._open_stream(request, context)
+        if stream is None:
+            return
         # Runs when the RPC ends for any reason; a no-op for a request that already finished.
         # If the caller left while we waited for the KV, abort now.
         if not context.add_callback(lambda: self.worker.abort(request.request_id)):

@@ -11,8 +11,10 @@ Queue lifecycle of a request here:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
+import threading
 import time
 
 from decode_worker.stop_strings import StopStrings
@@ -22,6 +24,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus, sampling_from_message
 from engine.scheduler import SchedulerOutput
 from engine.worker_base import EngineWorker
+from kv_transfer.errors import FrameError
 from kv_transfer.frame import MAX_ID_LEN
 from kv_transfer.lease import DEFAULT_LEASE_TTL_S, LeaseTable
 from kv_transfer.receiver import KVReceiver
@@ -33,6 +36,10 @@ PREEMPTED = "preempted"
 
 class ReservationError(Exception):
     """Not enough free KV blocks for a reservation (the router tries elsewhere or queues)."""
+
+
+class CallerLeft(Exception):
+    """The Decode call waiting for a lease's KV ended (cancelled, timed out): nobody to answer."""
 
 
 class _Stream:
@@ -134,9 +141,13 @@ class DecodeWorker(EngineWorker):
         outputs: list[int],
         sampling_msg,
         forks: list[int] = (),
+        caller_left: threading.Event | None = None,
     ) -> _Stream:
         """Wait for the lease's KV, then queue the request for decoding; returns its stream.
-        ``forks``: with n > 1, the first tokens the prefill sampled for sequences 1..n-1."""
+        ``forks``: with n > 1, the first tokens the prefill sampled for sequences 1..n-1.
+        ``caller_left``: set (with ``leave``) when the Decode call ends; the wait for the KV
+        then ends at once (CallerLeft) and the lease is released, instead of holding the
+        call's thread and a stream of the budget until the lease's deadline."""
         sampling = sampling_from_message(sampling_msg)
         if not prompt or not outputs:
             raise InvalidRequestError("output_token_ids", "prompt and the first token are required")
@@ -145,8 +156,10 @@ class DecodeWorker(EngineWorker):
                 "fork_token_ids", f"must hold n - 1 = {sampling.n - 1} tokens"
             )
         lease = self.leases.get(lease_id)
-        if not lease.committed.wait(max(0.0, lease.deadline - time.monotonic())):
+        if not lease.committed.wait(max(0.0, lease.deadline - time.monotonic()), caller_left):
             self.release(lease_id)
+            if caller_left is not None and caller_left.is_set():
+                raise CallerLeft(f"the Decode call on lease {lease_id} ended before its KV")
             raise TimeoutError(f"KV for lease {lease_id} did not arrive before its deadline")
         req = self.new_request(request_id, prompt, outputs, sampling.for_sequence(0))
         req.num_computed_tokens = req.num_tokens - 1
@@ -167,6 +180,13 @@ class DecodeWorker(EngineWorker):
                     self.scheduler.attach_prefilled(seq)
         self.loop.wake()
         return stream
+
+    def leave(self, lease_id: str, caller_left: threading.Event) -> None:
+        """The Decode call on ``lease_id`` ended: set ``caller_left`` and wake its ``attach``
+        if it waits for the lease's KV (a no-op once it attached)."""
+        caller_left.set()
+        with contextlib.suppress(FrameError):  # attached already, released or expired
+            self.leases.get(lease_id).committed.wake()
 
     def _fork(self, stream: _Stream, parent: Request, first_tokens) -> list[Request]:
         """Sequences 1..n-1 over ``parent``'s computed KV, each with its own first token: the

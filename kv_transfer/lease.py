@@ -35,6 +35,36 @@ def lease_ttl_problem(ttl_s, max_ttl_s: float = MAX_LEASE_TTL_S) -> str | None:
     return None
 
 
+class CommitSignal:
+    """A lease's "every frame is in": a ``threading.Event`` (set / is_set / wait) whose
+    waiters can also be let go without it being set, so that a Decode call waiting for the KV
+    gives its server thread back as soon as its caller leaves: ``wait(timeout, cancelled)``
+    returns once ``cancelled`` is set and ``wake()`` is called."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._set = False
+
+    def set(self) -> None:
+        with self._cond:
+            self._set = True
+            self._cond.notify_all()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wake(self) -> None:
+        """Make the waiters look at their ``cancelled`` again (set it first)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None, cancelled: threading.Event | None = None) -> bool:
+        """True once set; False after ``timeout`` or once cancelled, unless set by then."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._set or (cancelled and cancelled.is_set()), timeout)
+            return self._set
+
+
 @dataclass
 class Lease:
     lease_id: str
@@ -47,7 +77,7 @@ class Lease:
     ttl_s: float = DEFAULT_LEASE_TTL_S
     frames_received: int = 0  # kv frames accepted
     bytes_received: int = 0  # kv payload bytes accepted
-    committed: threading.Event = field(default_factory=threading.Event)
+    committed: CommitSignal = field(default_factory=CommitSignal)
     first_frame_at: float | None = None  # monotonic time of the first accepted kv frame
     committed_at: float | None = None  # monotonic time the commit frame was accepted
 
