@@ -259,8 +259,10 @@ class RequestFlow:
         return await self._prefill(request, attempt)
 
     def _plan_concurrent(self, request: FlowRequest, attempt: Attempt) -> bool:
-        """Name a lease (not yet reserved) on a decode worker that had room to spare at the
-        last poll; False where none has."""
+        """Name a lease (not yet reserved) on a decode worker that had blocks to spare at the
+        last poll and a stream free in its budget; False where none has. (A reservation the
+        stream budget refuses would waste the prefill sent beside it; reserving first, the
+        refusal costs a round trip.)"""
         headroom = self.cfg.concurrent_reserve_headroom
         num_blocks = blocks_for(request.num_tokens, self.cfg.block_size)
         if headroom < 0:
@@ -269,7 +271,7 @@ class RequestFlow:
             st = w.last_status
             if st is None or not st.kv_endpoint or st.block_size != self.cfg.block_size:
                 continue  # a worker that does not say where its KV goes, or sizes differ
-            if w.free_blocks - num_blocks < headroom * w.total_blocks:
+            if w.free_blocks - num_blocks < headroom * w.total_blocks or not w.has_stream_room():
                 continue
             attempt.decode = w
             attempt.destination = pb.KvDestination(

@@ -75,6 +75,20 @@ class WorkerHandle:
         return self.healthy and not self.draining and now >= out_until
 
     @property
+    def streams_in_use(self) -> int:
+        """Of a decode worker's stream budget: open Decode calls and open leases at the last
+        poll, or what this router holds there now when that is more (the poll lags)."""
+        st = self.last_status
+        polled = st.open_streams + st.num_leases if st is not None else 0
+        return max(polled, self.inflight_requests)
+
+    def has_stream_room(self) -> bool:
+        """A new lease would pass the decode worker's stream budget (its StreamBudget.has_room,
+        as far as the router sees it); True where the worker does not say its budget."""
+        st = self.last_status
+        return st is None or not st.max_streams or self.streams_in_use < st.max_streams
+
+    @property
     def circuit(self) -> str:
         """ "closed" (routing as usual), "open" (cooling down) or "half_open" (on probation)."""
         if self.consecutive_failures < self.breaker.failures:
