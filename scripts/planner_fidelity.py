@@ -38,7 +38,7 @@ from pdserve.cluster.local import ClusterSpec, LocalCluster
 from pdserve.planner.fidelity_replay import METRICS, err, mape, replay, resimulate, summary
 from pdserve.planner.profile import load_profile
 from pdserve.planner.sim import SimConfig, Split
-from pdserve.planner.step_residuals import format_residuals, step_residuals
+from pdserve.planner.step_residuals import co_run_factors, format_residuals, step_residuals
 from pdserve.planner.workload import TraceRequest
 
 # (split, workload, SLO). Rates: LOW and NEAR x the simulated capacity (highest rate at 90%).
@@ -203,6 +203,39 @@ def recommendation(
     return out
 
 
+# A live run apart from the scored ones (another seed and rate) to measure the co-run slowdowns.
+CALIBRATION = ("1P1D", "mixed", 0.5, 45, 7)  # split, workload, rate, requests, seed
+
+
+def calibrate(args, profile) -> int:
+    """Set the profile's co-run slowdowns from the step traces of one live 1P1D run
+    (step_residuals.co_run_factors) and write it to ``--calibrated-out``."""
+    import dataclasses
+
+    label, workload, rate, n, seed = CALIBRATION
+    folder = Path(args.step_trace or "step_traces") / f"calibration_{label}_{workload}_{rate}"
+    slo = {w: s for _, w, s in SETUPS}[workload]
+    run_real(Split.parse(label), workload, rate, n, slo, seed, folder)
+    cells = step_residuals(profile, folder)
+    print(format_residuals(cells), flush=True)
+    decode, prefill = co_run_factors(cells)
+    meta = {
+        **profile.meta,
+        "co_run": {
+            "source": f"step traces of a live {label} {workload} run at {rate} req/s, seed {seed}",
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "load_average": os.getloadavg()[0],
+            "bare_forwards": [profile.co_run_slowdown, profile.co_run_slowdown_prefill],
+        },
+    }
+    out = dataclasses.replace(
+        profile, co_run_slowdown=decode, co_run_slowdown_prefill=prefill, meta=meta
+    )
+    out.save(args.calibrated_out)
+    print(f"wrote {args.calibrated_out}: co-run decode {decode:.3f}, prefill {prefill:.3f}")
+    return 0
+
+
 def rescore(args, profile) -> int:
     """A stored run's simulated side redone on ``profile`` (the measured side kept)."""
     from engine.tokenizer import Tokenizer
@@ -235,6 +268,11 @@ def main() -> int:
     ap.add_argument("--cpu-cores", type=int, default=os.cpu_count(), help="cores the workers share")
     ap.add_argument("--resimulate", default=None, help="a stored fidelity JSON to re-score")
     ap.add_argument(
+        "--calibrated-out",
+        default=None,
+        help="run the live calibration only and write the profile with its co-run slowdowns",
+    )
+    ap.add_argument(
         "--workloads", nargs="+", default=None, help="part 2: only these of longdoc, chat"
     )
     ap.add_argument(
@@ -244,6 +282,8 @@ def main() -> int:
     profile = load_profile(args.profile)
     if args.resimulate:
         return rescore(args, profile)
+    if args.calibrated_out:
+        return calibrate(args, profile)
     report: dict = {
         "profile": args.profile,
         "cpu_cores": args.cpu_cores,

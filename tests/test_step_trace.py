@@ -90,3 +90,18 @@ def test_each_step_is_priced_as_the_simulator_prices_it_and_summarised_by_kind(t
     assert cells["decode/co-run"]["median_ratio"] == pytest.approx(2.0)
     assert cells["decode/all"]["time_ratio"] == pytest.approx(0.035 / 0.020)
     assert cells["prefill/part"]["steps"] == 1  # a runs beside it for 0.02 s of its 0.2
+
+
+def test_the_co_run_factors_are_the_co_running_steps_measured_over_priced_seconds():
+    from pdserve.planner.step_residuals import co_run_factors
+
+    cells = {
+        "decode/co-run": {"steps": 2, "median_ratio": 1.2, "time_ratio": 1.25, "real_s": 5.0},
+        "decode/alone": {"steps": 9, "median_ratio": 1.0, "time_ratio": 1.0, "real_s": 9.0},
+        "prefill/co-run": {"steps": 1, "median_ratio": 1.5, "time_ratio": 1.5, "real_s": 3.0},
+        "mixed/co-run": {"steps": 1, "median_ratio": 1.0, "time_ratio": 1.0, "real_s": 1.0},
+    }
+    decode, prefill = co_run_factors(cells)
+    assert decode == pytest.approx(1.25)
+    assert prefill == pytest.approx(4.0 / 3.0)  # 4 s measured over 2 + 1 s priced
+    assert co_run_factors({}) == (1.0, 1.0)  # no co-running step: no slowdown
