@@ -1,4 +1,5 @@
-"""The decoder layers as one C++ call on CPU (fp32): the same matmuls, minus the interpreter.
+"""The decoder layers as one C++ call on CPU (fp32 activations; fp32 or int8 KV cache): the same
+matmuls, minus the interpreter.
 
 At small batch a decode step is a ~540 MB weight stream around ~120 matmuls; the ~35 small
 tensor ops per layer around them cost ~12 ms a step in Python on this machine (20% of the
@@ -9,6 +10,10 @@ Python layers to float rounding (tests/test_cpu_stack.py); the GIL is released t
 Decode-only steps without a layer callback run every layer in one call; other batches (prefill
 chunks, mixed batches, the prefill worker's per-layer streaming) call the C++ halves of each
 layer around the Python attention dispatch.
+
+With ``kv_dtype: int8`` the C++ layers write the cache's int8 rows themselves (the bytes
+``kernels.kv_int8.quantize`` writes, so KV transfer frames and the Python layers read the same
+cache) and decode attention reads them in registers: int8 KV saves step time, not only bytes.
 """
 
 from __future__ import annotations
@@ -54,10 +59,15 @@ def _layer_tuple(layer) -> tuple:
     )
 
 
+# The cache dtypes the C++ layers write: fp32 rows, or int8 rows with their scale
+# (kernels/kv_int8.py; quantized as its store does, attended in registers).
+CACHE_DTYPES = (torch.float32, torch.int8)
+
+
 def usable(kv_caches) -> bool:
-    """The C++ layers write contiguous fp32 CPU caches only."""
+    """The C++ layers write contiguous CPU caches of one of ``CACHE_DTYPES``."""
     return all(
-        c.device.type == "cpu" and c.dtype == torch.float32 and c.is_contiguous()
+        c.device.type == "cpu" and c.dtype in CACHE_DTYPES and c.is_contiguous()
         for pair in kv_caches
         for c in pair
     )

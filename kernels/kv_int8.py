@@ -6,6 +6,11 @@ scale's 4 bytes. Keeping the scale in the row keeps every block-wise path unchan
 copies, forks, and the KV transfer, whose frames carry a cache's blocks as they are (dtype
 int8, shape ending in head_dim + 4), scales included. A token of SmolLM2-135M is 12,240 bytes
 of KV instead of 46,080 (3.8x fewer).
+
+``quantize`` is the format's definition: the fused C++ decoder layers write their rows with
+``quantize_kv_row`` (kernels/csrc/paged_decode_int8_cpu.cpp), which computes the same bytes (the
+same max, an IEEE division, round half to even), so a cache written by either path reads the
+same everywhere (tests/test_cpu_stack.py checks it byte for byte).
 """
 
 from __future__ import annotations

@@ -118,3 +118,51 @@ def test_int8_blocks_and_scales_cross_a_transfer_frame():
         assert torch.equal(dst[0][t], src[0][s]) and torch.equal(dst[1][t], src[1][s])
     # The scales came along: the received rows dequantize to the sender's values.
     assert torch.equal(kv_int8.dequantize(dst[0][9]), kv_int8.dequantize(src[0][4]))
+
+
+@pytest.mark.parametrize("head_dim", [16, 40, 128])  # 40: the kernel's generic (any size) path
+@pytest.mark.parametrize("batch", [1, 4])  # a task per (sequence, KV head); whole sequences
+def test_int8_decode_kernel_equals_the_reference_at_each_head_size(
+    head_dim,
+    batch,
+    cpu_variant,  # noqa: F811  (each build's int8 decode kernel, then the torch path)
+):
+    """The register-blocked int8 decode (head sizes 16-128) and its generic path, on each build,
+    against the reference op over the same int8 rows: GQA group 3, lengths across blocks."""
+    g = torch.Generator().manual_seed(head_dim + batch)
+    shape = (BLOCKS, BLOCK_SIZE, KV_HEADS, kv_int8.row_width(head_dim))
+    k_cache, v_cache = torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
+    seq_lens = [1, 33, 70, 16][:batch]
+    tables = [[5 * i + j for j in range(5)] for i in range(batch)]
+    for n, table in zip(seq_lens, tables):
+        meta = AttentionMetadata.build([n], [n], [table], BLOCK_SIZE)
+        k, v = (torch.randn(n, KV_HEADS, head_dim, generator=g) * 3 for _ in range(2))
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    meta = AttentionMetadata.build([1] * batch, seq_lens, tables, BLOCK_SIZE)
+    query = torch.randn(batch, HEADS, head_dim, generator=g)
+    scale = head_dim**-0.5
+    out = paged_attention(query, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(out, paged_attention_ref(query, k_cache, v_cache, meta, scale))
+
+
+def test_bench_engine_times_each_kv_dtype_on_the_same_engine(tmp_path, monkeypatch):
+    """``bench engine --kv-dtypes fp32,int8``: a row per KV format and workload, the decode
+    bytes counted in each format's own dtype."""
+    from pdserve.bench.micro import engine as bench_engine
+
+    path, _ = tiny_llama_dir(tmp_path, num_heads=4, num_kv_heads=2)
+    monkeypatch.setattr(bench_engine, "gemm_peak", lambda: 1e11)
+    monkeypatch.setattr(bench_engine, "read_bandwidth", lambda: 1e10)
+    before = torch.get_num_threads()
+    try:
+        result = bench_engine.run(
+            str(path), 1, (16,), (2,), (32,), baseline=False, reps=1, kv_dtypes=("fp32", "int8")
+        )
+    finally:
+        torch.set_num_threads(before)
+    decode = {r["kv_dtype"]: r for r in result["rows"] if r["kind"] == "decode"}
+    cfg = load_config(path)
+    weights = decode["fp32"]["bytes_read"] - 2 * 32 * cfg.kv_bytes_per_token_as("fp32")
+    assert decode["int8"]["bytes_read"] == weights + 2 * 32 * cfg.kv_bytes_per_token_as("int8")
+    assert [r["kv_dtype"] for r in result["rows"]] == ["fp32", "int8", "fp32", "int8"]
+    assert result["kv_dtypes"] == ["fp32", "int8"]

@@ -85,6 +85,10 @@ torch::Tensor paged_decode_attention_int8(torch::Tensor query, torch::Tensor k_c
                                           torch::Tensor v_cache, torch::Tensor block_tables,
                                           torch::Tensor seq_lens, double scale);
 
+// One K or V head [D] fp32 -> an int8 cache row [D + 4]: codes, then the fp32 scale, bit for bit
+// kernels/kv_int8.py's quantize.
+void quantize_kv_row(const float* x, int8_t* row, int64_t D);
+
 torch::Tensor prefill_causal_attention(torch::Tensor query, torch::Tensor k_cache,
                                        torch::Tensor v_cache, torch::Tensor block_table,
                                        int64_t seq_len, double scale);

@@ -1,4 +1,5 @@
-// The decoder layers of a Llama-family model as one C++ call (CPU, fp32).
+// The decoder layers of a Llama-family model as one C++ call (CPU, fp32 activations; the KV
+// cache fp32 or int8 rows with a scale each, kernels/kv_int8.py).
 //
 // A decode step at small batch is a weight stream of ~540 MB; around its 120 matmuls, the
 // Python of the layer (norms, splits, RoPE, cache writes, residuals: ~35 tensor ops a layer)
@@ -120,16 +121,57 @@ inline void rope_head(const float* x, float* y, const float* c, const float* s, 
   for (int64_t i = half; i < d; ++i) y[i] = x[i] * c[i] + x[i - half] * s[i];
 }
 
+// Where rope_and_store puts a token's rotated keys and its values: fp32 cache rows as computed,
+// or int8 rows (kernels/kv_int8.py's layout: quantize_kv_row, the bytes its store writes, so
+// KV transfer frames and the Python layers read the same cache).
+struct SlotWriter {
+  void *k, *v;  // cache bases: [slots, KVH, row] fp32 or int8
+  bool int8;
+  int64_t KVH, D, row;  // row: D floats, or D codes + 4 scale bytes
+
+  SlotWriter(at::Tensor& k_cache, at::Tensor& v_cache, int64_t kv_heads, int64_t head_dim)
+      : k(k_cache.data_ptr()), v(v_cache.data_ptr()),
+        int8(k_cache.scalar_type() == at::kChar), KVH(kv_heads), D(head_dim),
+        row(int8 ? head_dim + 4 : head_dim) {
+    const auto dtype = k_cache.scalar_type();
+    TORCH_CHECK((dtype == at::kFloat || dtype == at::kChar) && v_cache.scalar_type() == dtype &&
+                    k_cache.is_contiguous() && v_cache.is_contiguous(),
+                "contiguous fp32 or int8 caches");
+    TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                    k_cache.size(2) == KVH && k_cache.size(3) == row,
+                "caches must be [blocks, block_size, kv_heads, ", row, "]");
+  }
+
+  // keys [KVH, D] un-rotated and values [KVH, D] of one token into cache slot `slot`;
+  // `scratch` holds D floats (one rotated key head before it is quantized).
+  void store(int64_t slot, const float* keys, const float* values, const float* c,
+             const float* s, float* scratch) const {
+    if (!int8) {
+      float* kc = static_cast<float*>(k) + slot * KVH * D;
+      for (int64_t h = 0; h < KVH; ++h) rope_head(keys + h * D, kc + h * D, c, s, D);
+      std::copy(values, values + KVH * D, static_cast<float*>(v) + slot * KVH * D);
+      return;
+    }
+    int8_t* kc = static_cast<int8_t*>(k) + slot * KVH * row;
+    int8_t* vc = static_cast<int8_t*>(v) + slot * KVH * row;
+    for (int64_t h = 0; h < KVH; ++h) {
+      rope_head(keys + h * D, scratch, c, s, D);
+      quantize_kv_row(scratch, kc + h * row, D);
+      quantize_kv_row(values + h * D, vc + h * row, D);
+    }
+  }
+};
+
 }  // namespace
 
 // RoPE on the query and key heads of a fused QKV output [T, q + 2 kv]; the rotated keys and the
-// values go straight into their cache slots (-1 skips); returns the rotated query [T, H, D].
+// values go straight into their cache slots (-1 skips), as fp32 or int8 rows (SlotWriter);
+// returns the rotated query [T, H, D].
 at::Tensor DecoderStack::rope_and_store(const at::Tensor& qkv, const at::Tensor& cos,
                                         const at::Tensor& sin, at::Tensor& k_cache,
                                         at::Tensor& v_cache, const at::Tensor& slots) const {
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous(), "contiguous fp32 caches");
   const int64_t T = qkv.size(0), H = num_heads_, KVH = num_kv_heads_, D = head_dim_;
+  const SlotWriter writer(k_cache, v_cache, KVH, D);
   const int64_t width = qkv.size(1), q_size = H * D, kv_size = KVH * D;
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const auto src = qkv.contiguous();
@@ -138,18 +180,17 @@ at::Tensor DecoderStack::rope_and_store(const at::Tensor& qkv, const at::Tensor&
   auto q = at::empty({T, H, D}, qkv.options());
   const float *xp = src.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
   const int64_t* sl = slot_ids.data_ptr<int64_t>();
-  float *qp = q.data_ptr<float>(), *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sl[t] < num_slots, "cache slot outside the cache");
   at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(D);
     for (int64_t t = begin; t < end; ++t) {
       const float* row = xp + t * width;
       const float *ct = cp + t * D, *st = sp + t * D;
       for (int64_t h = 0; h < H; ++h) rope_head(row + h * D, qp + (t * H + h) * D, ct, st, D);
-      if (sl[t] < 0) continue;
-      for (int64_t h = 0; h < KVH; ++h)
-        rope_head(row + q_size + h * D, kc + sl[t] * kv_size + h * D, ct, st, D);
-      std::copy(row + q_size + kv_size, row + q_size + 2 * kv_size, vc + sl[t] * kv_size);
+      if (sl[t] >= 0)
+        writer.store(sl[t], row + q_size, row + q_size + kv_size, ct, st, scratch.data());
     }
   });
   return q;
@@ -191,7 +232,9 @@ at::Tensor DecoderStack::decode(at::Tensor h, const at::Tensor& cos, const at::T
   c10::InferenceMode guard;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const auto q = attention_input(i, h, cos, sin, k_caches[i], v_caches[i], slots);
-    const auto attn = paged_decode_attention(q, k_caches[i], v_caches[i], block_tables, seq_lens, scale);
+    const bool int8 = k_caches[i].scalar_type() == at::kChar;  // rows dequantized in registers
+    const auto attn = (int8 ? paged_decode_attention_int8 : paged_decode_attention)(
+        q, k_caches[i], v_caches[i], block_tables, seq_lens, scale);
     h = attention_output_and_mlp(i, attn, h);
   }
   return h;
