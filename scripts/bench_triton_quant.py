@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -27,7 +28,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import quant, triton_quant
-from scripts.bench_kernels import copy_bandwidth, timeit
 
 SHAPES = {  # name: (K, N)
     "smollm2.qkv": (576, 1728),
@@ -38,6 +38,29 @@ SHAPES = {  # name: (K, N)
     "llama7b.gate_up": (4096, 22016),
     "llama7b.down": (11008, 4096),
 }
+
+
+def timeit(fn, device: str, reps: int, best: bool = False) -> float:
+    """Median (or best, for the limit) seconds per call after a warm-up call (as
+    scripts/bench_kernels.py times)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times) if best else sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a 1 GiB device copy (read + write): the practical bandwidth ceiling."""
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / timeit(lambda: dst.copy_(src), device, 10, best=True)
 
 
 def torch_int8pack(x: torch.Tensor, qw: quant.QuantizedWeight):
@@ -99,7 +122,7 @@ def main(argv=None) -> int:
     else:
         shapes = {s: SHAPES[s] for s in a.shapes.split(",")}
         rows_list, reps = [int(r) for r in a.rows.split(",")], a.reps
-        bandwidth = copy_bandwidth(a.device, torch.uint8)
+        bandwidth = copy_bandwidth(a.device)
         print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:,.0f} GB/s")
     results = []
     for dtype in (getattr(torch, d) for d in a.dtypes.split(",")):

@@ -128,7 +128,7 @@ def test_engine_config_checks_weights_and_kv_dtype(tmp_path):
     with pytest.raises(ValueError, match="group"):
         EngineConfig(cfg, weights="q4", weight_group=48)
     with pytest.raises(ValueError, match="kv_dtype"):
-        EngineConfig(cfg, kv_dtype="fp8")
+        EngineConfig(cfg, kv_dtype="fp4")  # fp8 is a KV format now (tests/test_kv_fp8.py)
 
 
 def test_bench_engine_counts_the_bytes_each_format_reads(tmp_path, monkeypatch):
