@@ -125,16 +125,18 @@ def main(argv=None) -> int:
         bandwidth = copy_bandwidth(a.device)
         print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:,.0f} GB/s")
     results = []
+    print(f"{'shape':<17}{'dtype':>9}{'rows':>5}  {'kernel':<28}{'ms':>9}{'MBU':>7}", flush=True)
     for dtype in (getattr(torch, d) for d in a.dtypes.split(",")):
         for name, (k, n) in shapes.items():
             for rows in rows_list:
-                results += bench_shape(name, k, n, rows, dtype, a.device, reps, bandwidth)
-    print(f"{'shape':<17}{'dtype':>9}{'rows':>5}  {'kernel':<28}{'ms':>9}{'MBU':>7}")
-    for r in results:
-        print(
-            f"{r['shape']:<17}{r['dtype']:>9}{r['rows']:>5}  {r['kernel']:<28}"
-            f"{r['ms']:>9.4f}{r['mbu']:>7.2f}"
-        )
+                rows_out = bench_shape(name, k, n, rows, dtype, a.device, reps, bandwidth)
+                for r in rows_out:  # as measured: a run cut short still shows its rows
+                    print(
+                        f"{r['shape']:<17}{r['dtype']:>9}{r['rows']:>5}  {r['kernel']:<28}"
+                        f"{r['ms']:>9.4f}{r['mbu']:>7.2f}",
+                        flush=True,
+                    )
+                results += rows_out
     if a.json:
         a.json.write_text(json.dumps({"bandwidth": bandwidth, "results": results}, indent=1))
     return 0
