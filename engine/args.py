@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import KV_DTYPES, WEIGHT_FORMATS, WEIGHT_GROUPS, check_device_name
+from engine.config import (
+    KV_DTYPES,
+    PREFILL_GEMMS,
+    WEIGHT_FORMATS,
+    WEIGHT_GROUPS,
+    check_device_name,
+)
 from engine.settings import EngineSettings
 
 
@@ -29,6 +35,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--weights", default=d.weights, choices=WEIGHT_FORMATS)
     g.add_argument("--weight-group", type=int, default=d.weight_group, choices=WEIGHT_GROUPS)
     g.add_argument("--kv-dtype", default=d.kv_dtype, choices=KV_DTYPES)
+    g.add_argument(
+        "--prefill-gemm",
+        default=d.prefill_gemm,
+        choices=PREFILL_GEMMS,
+        help="prefill's many-row matmuls; auto: bf16 for quantized weights where it is faster",
+    )
 
 
 def engine_settings_from_args(args: argparse.Namespace) -> EngineSettings:
@@ -45,6 +57,7 @@ def engine_settings_from_args(args: argparse.Namespace) -> EngineSettings:
         weights=args.weights,
         weight_group=args.weight_group,
         kv_dtype=args.kv_dtype,
+        prefill_gemm=args.prefill_gemm,
     )
 
 
@@ -58,7 +71,7 @@ def engine_args(s: EngineSettings) -> list[str]:
         *("--prefill-chunk-size", str(s.prefill_chunk_size)),
         *("--threads", str(s.threads), "--device", s.device),
         *("--weights", s.weights, "--weight-group", str(s.weight_group)),
-        *("--kv-dtype", s.kv_dtype),
+        *("--kv-dtype", s.kv_dtype, "--prefill-gemm", s.prefill_gemm),
     ]
 
 

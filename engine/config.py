@@ -126,6 +126,9 @@ class SchedulerConfig:
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "q4")  # kernels/quant.py
 WEIGHT_GROUPS = (32, 64)  # q4 group sizes
 KV_DTYPES = ("fp32", "int8", "fp8")
+# The precision of prefill's many-row matmuls (engine/prefill_gemm.py): auto is bf16 only for
+# quantized weights, on a CPU where a bf16 GEMM measures faster.
+PREFILL_GEMMS = ("fp32", "bf16", "auto")
 
 
 def check_weights(weights: str, group: int = 32) -> str:
@@ -134,6 +137,12 @@ def check_weights(weights: str, group: int = 32) -> str:
     if group not in WEIGHT_GROUPS:
         raise ValueError(f"weight group {group}: expected one of {WEIGHT_GROUPS}")
     return weights
+
+
+def check_prefill_gemm(prefill_gemm: str) -> str:
+    if prefill_gemm not in PREFILL_GEMMS:
+        raise ValueError(f"prefill_gemm {prefill_gemm!r}: expected one of {PREFILL_GEMMS}")
+    return prefill_gemm
 
 
 def check_kv_dtype(kv_dtype: str) -> str:
@@ -151,9 +160,11 @@ class EngineConfig:
     weights: str = "fp32"  # how the weights are stored: fp32 | bf16 | int8 | q4
     weight_group: int = 32  # q4: weights per scale along K
     kv_dtype: str = "fp32"  # the KV cache: fp32 | int8 | fp8 (a scale per token and head)
+    prefill_gemm: str = "auto"  # prefill's many-row matmuls: fp32 | bf16 | auto
 
     def __post_init__(self):
         check_weights(self.weights, self.weight_group)
         check_kv_dtype(self.kv_dtype)
+        check_prefill_gemm(self.prefill_gemm)
         if self.kv_dtype == "fp8" and self.model.head_dim % 4:  # each row's fp32 scale aligned
             raise ValueError(f"kv_dtype fp8 needs head_dim % 4 == 0, not {self.model.head_dim}")

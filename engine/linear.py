@@ -16,6 +16,10 @@ one, so oneDNN's prefill and every fallback multiply exactly the values decode r
 On CUDA, int8 and q4 layers of up to ``triton_quant.MAX_ROWS`` rows (decode) run Triton
 kernels that read the codes (kernels/triton_quant.py); more rows run cuBLAS on the dequantized
 weight.
+
+``set_prefill_gemm("bf16")`` (engine/prefill_gemm.py) gives the many-row matmuls (past
+SKINNY_MAX_ROWS: prefill chunks, mixed steps) a bf16 copy of those values instead of oneDNN's
+fp32 one (AMX runs it ~7x faster on Sapphire Rapids); the few-row kernels are unchanged.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class Linear(nn.Linear):
     skinny: torch.Tensor | None = None  # the skinny kernel's tiles (fp32 or quantized)
     quantized: quant.QuantizedWeight | None = None  # set by quantize
     cuda_packed: triton_quant.PackedWeight | None = None  # int8 / q4 on CUDA, set by quantize
+    prefill_bf16: torch.Tensor | None = None  # the weight in bf16 for many rows (set_prefill_gemm)
+    prefill_bf16_onednn: bool = False  # prefill_bf16 is in oneDNN's layout
 
     def quantize(self, fmt: str, group: int = 32) -> None:
         """Store the weight as ``fmt`` (bf16 | int8 | q4 in groups of ``group``); call before
@@ -68,15 +74,33 @@ class Linear(nn.Linear):
             return self.quantized.nbytes
         return self.weight.numel() * self.weight.element_size()
 
+    def set_prefill_gemm(self, kind: str) -> None:
+        """``kind`` "bf16": matmuls of more than SKINNY_MAX_ROWS rows multiply a bf16 copy of
+        the weight (for a quantized one, its dequantized values rounded); "fp32": no copy.
+        Call after ``quantize``; a layer already packed is packed again for the new kind."""
+        w = self.weight.detach()
+        self.prefill_bf16, self.prefill_bf16_onednn = None, False
+        if kind == "bf16":
+            wb = w.to(torch.bfloat16)
+            self.prefill_bf16_onednn = wb.device.type == "cpu" and onednn_available()
+            onednn = self.prefill_bf16_onednn
+            self.prefill_bf16 = torch.ops.mkldnn._reorder_linear_weight(wb) if onednn else wb
+        if self.packed is not None or self.skinny is not None:
+            self.pack_for_cpu()
+
     def pack_for_cpu(self) -> bool:
         """Pack the weight for oneDNN and, where the C++ extension loads, for the skinny
         kernel; returns whether a packed path is now used."""
         w = self.weight.detach()
         if w.device.type != "cpu" or w.dtype != torch.float32:
             return False
-        if onednn_available():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
         ext = cpu_extension.load()
+        # With a bf16 copy for many rows, oneDNN's fp32 copy would only serve the rows the
+        # skinny kernel takes: keep it only where there is no skinny kernel.
+        fp32_rows_need_it = self.prefill_bf16 is None or ext is None
+        self.packed = None
+        if onednn_available() and fp32_rows_need_it:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
         if ext is not None:
             packed = quant.pack(self.quantized) if self.quantized is not None else None
             self.skinny = packed if packed is not None else ext.pack_skinny_weight(w)
@@ -91,8 +115,20 @@ class Linear(nn.Linear):
         bias = None if self.bias is None else self.bias.detach()
         if self.skinny is not None and x.shape[0] <= SKINNY_MAX_ROWS:
             return cpu_extension.load().skinny_linear(x, self.skinny, self.out_features, bias)
+        if self.prefill_bf16 is not None and x.shape[0] > SKINNY_MAX_ROWS:
+            return self._bf16_linear(x, bias)
         if self.packed is not None and x.shape[0] >= ONEDNN_MIN_ROWS:
             return torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.packed, bias, "none", [], ""
             )
         return F.linear(x, self.weight, self.bias)
+
+    def _bf16_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W^T on the bf16 copy: bf16 inputs, fp32 sums, the bias added in fp32."""
+        xb = x.to(torch.bfloat16)
+        if self.prefill_bf16_onednn:
+            y = torch.ops.mkldnn._linear_pointwise(xb, self.prefill_bf16, None, "none", [], "")
+        else:
+            y = F.linear(xb, self.prefill_bf16)
+        y = y.float()
+        return y if bias is None else y.add_(bias)

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig, check_device_name
+from engine.config import ModelConfig, check_device_name, check_prefill_gemm
 from engine.errors import ModelNotFoundError
 from engine.model import LlamaModel
 from engine.model_files import EMBEDDED_GGUF, EMBEDDED_MODEL, embedded_gguf_path, resolve_model_dir
+from engine.prefill_gemm import choose as prefill_gemm_choice
 
 __all__ = [
     "EMBEDDED_GGUF",
@@ -32,7 +33,7 @@ def load_config(model_dir: Path) -> ModelConfig:
 
 
 def resolve_device(device: str) -> str:
-    """"auto" -> "cuda" where a GPU is visible (a Ray actor sees only the GPUs it asked for),
+    """ "auto" -> "cuda" where a GPU is visible (a Ray actor sees only the GPUs it asked for),
     else "cpu". "cuda:N" names one GPU."""
     kind = check_device_name(device).partition(":")[0]
     if kind == "auto":
@@ -49,11 +50,15 @@ def load_model(
     device: str = "cpu",
     weights: str = "fp32",
     weight_group: int = 32,
+    prefill_gemm: str = "auto",
 ) -> LlamaModel:
     """Weights on ``device``, stored as ``weights`` (fp32 | bf16 | int8 | q4, quantized at load
-    from fp32; kernels/quant.py); on the CPU also pre-packed for oneDNN and the C++ layers."""
+    from fp32; kernels/quant.py); on the CPU also pre-packed for oneDNN and the C++ layers.
+    ``prefill_gemm`` (fp32 | bf16 | auto): the precision of prefill's many-row matmuls
+    (engine/prefill_gemm.py; auto keeps fp32 weights fp32)."""
     from safetensors.torch import load_file
 
+    check_prefill_gemm(prefill_gemm)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no .safetensors weights in {model_dir}")
@@ -70,8 +75,10 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     _check_loaded(model)
-    model = model.float().eval().to(resolve_device(device))
+    device = resolve_device(device)
+    model = model.float().eval().to(device)
     model.quantize_weights(weights, weight_group)
+    model.use_prefill_gemm(prefill_gemm_choice(prefill_gemm, weights, device))
     if model.embed_tokens.weight.device.type == "cpu":
         model.pack_weights_for_cpu()
     return model

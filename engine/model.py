@@ -14,7 +14,7 @@ from torch import nn
 
 from engine import cpu_stack
 from engine.config import ModelConfig
-from engine.linear import Linear
+from engine.linear import SKINNY_MAX_ROWS, Linear
 from kernels import kv_fp8, kv_int8
 from kernels.metadata import AttentionMetadata
 from kernels.ops import paged_attention, store_kv
@@ -109,6 +109,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     cpu_stack = None  # the C++ decoder layers (engine/cpu_stack.py), set by pack_weights_for_cpu
+    prefill_gemm = "fp32"  # many-row matmuls: fp32 | bf16 (use_prefill_gemm)
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
         super().__init__()
@@ -139,7 +140,9 @@ class LlamaModel(nn.Module):
         """
         h = self.embed_tokens(input_ids)
         rope_tables = self.rope.tables(positions)
-        if self.cpu_stack is not None and cpu_stack.usable(kv_caches):
+        # The C++ layers multiply in fp32 only: bf16 batches run the Python layers.
+        fp32_rows = self.gemm_dtype_for(len(input_ids)) == "fp32"
+        if self.cpu_stack is not None and fp32_rows and cpu_stack.usable(kv_caches):
             h = cpu_stack.run_layers(
                 self.cpu_stack, h, rope_tables, meta, kv_caches, self.layers[0].self_attn.scale,
                 lambda i, q: paged_attention(q, *kv_caches[i], meta, self.layers[i].self_attn.scale),
@@ -166,6 +169,19 @@ class LlamaModel(nn.Module):
         packed = sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear))
         self.cpu_stack = cpu_stack.build(self) if fused_layers else None
         return packed
+
+    def use_prefill_gemm(self, kind: str) -> None:
+        """Run matmuls of more than SKINNY_MAX_ROWS rows in ``kind`` (fp32 | bf16; an
+        engine/prefill_gemm.py choice) from now on; bf16 keeps a bf16 copy of each weight in
+        place of oneDNN's fp32 one."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.set_prefill_gemm(kind)
+        self.prefill_gemm = kind
+
+    def gemm_dtype_for(self, rows: int) -> str:
+        """The precision a batch of ``rows`` tokens multiplies its weights in."""
+        return "bf16" if self.prefill_gemm == "bf16" and rows > SKINNY_MAX_ROWS else "fp32"
 
     def quantize_weights(self, fmt: str, group: int = 32) -> None:
         """Every projection and the LM head in ``fmt`` (kernels/quant.py); call before

@@ -28,6 +28,7 @@ class EngineSettings:
     weights: str = EngineConfig.weights  # how weights are stored: engine.config.WEIGHT_FORMATS
     weight_group: int = EngineConfig.weight_group  # q4: weights per scale
     kv_dtype: str = EngineConfig.kv_dtype  # the KV cache: engine.config.KV_DTYPES
+    prefill_gemm: str = EngineConfig.prefill_gemm  # engine.config.PREFILL_GEMMS
 
     @property
     def cache(self) -> CacheConfig:
@@ -60,7 +61,13 @@ def load_model_once(s: EngineSettings, progress: bool = False) -> LoadedModel:
     model_dir = resolve_model_dir(s.model, progress=progress)
     cfg = load_config(model_dir)
     weights = load_model(
-        model_dir, cfg, _context_length(s, cfg), s.device, s.weights, s.weight_group
+        model_dir,
+        cfg,
+        _context_length(s, cfg),
+        s.device,
+        s.weights,
+        s.weight_group,
+        prefill_gemm=s.prefill_gemm,
     )
     has_tokenizer = (model_dir / "tokenizer.json").is_file()
     return LoadedModel(cfg, weights, Tokenizer(model_dir) if has_tokenizer else None)
@@ -83,6 +90,7 @@ def build_engine(s: EngineSettings, loaded: LoadedModel | None = None) -> LLMEng
         weights=s.weights,
         weight_group=s.weight_group,
         kv_dtype=s.kv_dtype,
+        prefill_gemm=s.prefill_gemm,
     )
     return LLMEngine(cfg, loaded.weights, loaded.tokenizer)
 

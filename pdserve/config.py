@@ -14,7 +14,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from decode_worker.launch import DecodeSettings
-from engine.config import KV_DTYPES, WEIGHT_FORMATS, WEIGHT_GROUPS, check_device_name
+from engine.config import (
+    KV_DTYPES,
+    PREFILL_GEMMS,
+    WEIGHT_FORMATS,
+    WEIGHT_GROUPS,
+    check_device_name,
+)
 from engine.errors import PdserveError
 from engine.settings import EngineSettings
 from kv_transfer.lease import MAX_LEASE_TTL_S
@@ -163,6 +169,8 @@ class ClusterConfig(_Strict):
     weights: Literal[WEIGHT_FORMATS] = _ENGINE.weights  # quantized at load (kernels/quant.py)
     weight_group: Literal[WEIGHT_GROUPS] = _ENGINE.weight_group  # q4: weights per scale
     kv_dtype: Literal[KV_DTYPES] = _ENGINE.kv_dtype
+    # prefill's many-row matmuls; auto: bf16 for quantized weights where it measures faster
+    prefill_gemm: Literal[PREFILL_GEMMS] = _ENGINE.prefill_gemm
     lease_ttl_s: float = Field(_DECODE.lease_ttl_s, gt=0, allow_inf_nan=False)
     host: str | None = Field(None, description="bind address; null: each node's own IP")
     grpc_port: int = Field(50051, ge=0, le=65535)

@@ -1,6 +1,8 @@
 """Quantized weights on the embedded SmolLM2-135M (a Q4_1 GGUF): perplexity on a fixed
 public-domain text within 3% (int8) and 8% (q4) of fp32, and int8's greedy choices equal
-fp32's on at least 90% of the first 32 positions of the chat prompts.
+fp32's on at least 90% of the first 32 positions of the chat prompts. With bf16 prefill
+matmuls (``prefill_gemm: bf16``, engine/prefill_gemm.py) the same bounds hold against fp32
+weights with fp32 prefill.
 
 Agreement is counted per position on fp32's own greedy continuation (each position's next
 token given the same prefix): once two free-running generations part at a near tie, every
@@ -33,10 +35,14 @@ def model_dir():
     return resolve_model_dir("embedded", progress=False)
 
 
+# (weights, prefill_gemm) of each model the tests read.
+MODELS = [("fp32", "fp32"), ("int8", "fp32"), ("q4", "fp32"), ("int8", "bf16"), ("q4", "bf16")]
+
+
 @pytest.fixture(scope="module")
 def models(model_dir):
     cfg = load_config(model_dir)
-    return {w: load_model(model_dir, cfg, 1024, weights=w) for w in ("fp32", "int8", "q4")}
+    return {(w, g): load_model(model_dir, cfg, 1024, weights=w, prefill_gemm=g) for w, g in MODELS}
 
 
 def next_token_logits(model, ids: list[int]) -> torch.Tensor:
@@ -57,10 +63,21 @@ def perplexity(model, ids: list[int]) -> float:
 def test_perplexity_of_quantized_weights_stays_near_fp32(models, model_dir):
     ids = Tokenizer(model_dir).encode(TEXT.read_text())
     assert len(ids) > 300
-    ppl = {w: perplexity(m, ids) for w, m in models.items()}
-    assert 5 < ppl["fp32"] < 40, ppl  # the model reads English
-    assert ppl["int8"] <= ppl["fp32"] * 1.03, ppl
-    assert ppl["q4"] <= ppl["fp32"] * 1.08, ppl
+    ppl = {f"{w}/{g}": perplexity(m, ids) for (w, g), m in models.items()}
+    assert 5 < ppl["fp32/fp32"] < 40, ppl  # the model reads English
+    assert ppl["int8/fp32"] <= ppl["fp32/fp32"] * 1.03, ppl
+    assert ppl["q4/fp32"] <= ppl["fp32/fp32"] * 1.08, ppl
+
+
+def test_perplexity_with_bf16_prefill_matmuls_stays_near_fp32(models, model_dir):
+    ids = Tokenizer(model_dir).encode(TEXT.read_text())
+    assert len(ids) > 300  # one prefill of every token: its matmuls run in bf16
+    assert all(models[w, "bf16"].gemm_dtype_for(len(ids)) == "bf16" for w in ("int8", "q4"))
+    ppl = {
+        f"{w}/{g}": perplexity(models[w, g], ids) for w, g in MODELS if w == "fp32" or g == "bf16"
+    }
+    assert ppl["int8/bf16"] <= ppl["fp32/fp32"] * 1.03, ppl
+    assert ppl["q4/bf16"] <= ppl["fp32/fp32"] * 1.08, ppl
 
 
 def test_int8_greedy_tokens_agree_with_fp32(models, model_dir):
@@ -71,12 +88,14 @@ def test_int8_greedy_tokens_agree_with_fp32(models, model_dir):
     cfg = load_config(model_dir)
     prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
     engine = LLMEngine(
-        EngineConfig(cfg, CacheConfig(16, 256), SchedulerConfig(), 1024), models["fp32"], tok
+        EngineConfig(cfg, CacheConfig(16, 256), SchedulerConfig(), 1024),
+        models["fp32", "fp32"],
+        tok,
     )
     params = SamplingParams(max_tokens=POSITIONS, temperature=0.0, ignore_eos=True)
     agree = 0
     for prompt, req in zip(prompts, engine.generate(prompts, params)):
         ref = req.output_token_ids
-        logits = next_token_logits(models["int8"], prompt + ref)[len(prompt) - 1 : -1]
+        logits = next_token_logits(models["int8", "fp32"], prompt + ref)[len(prompt) - 1 : -1]
         agree += sum(a == b for a, b in zip(logits.argmax(-1).tolist(), ref))
     assert agree >= 0.9 * POSITIONS * len(prompts), f"{agree} of {POSITIONS * len(prompts)}"
