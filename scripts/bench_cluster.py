@@ -5,6 +5,7 @@ router has no HTTP API (the serve benchmarks are then skipped).
 
     python scripts/bench_cluster.py --model embedded --transport grpc            # 1P + 1D
     python scripts/bench_cluster.py --num-prefill 0 --threads 2                  # colocated
+    python scripts/bench_cluster.py --weights q4 --prefill-gemm auto             # quantized
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ def main() -> int:
         default=0,
         help="most prompt tokens of one request per step (0: the whole budget)",
     )
+    p.add_argument("--weights", default="fp32", help="fp32 | bf16 | int8 | q4 (engine.config)")
+    p.add_argument(
+        "--prefill-gemm", default="auto", help="prefill matmuls: fp32 | bf16 | auto (engine.config)"
+    )
     p.add_argument("--in-process", action="store_true", help="workers as threads of this process")
     args = p.parse_args()
     spec = ClusterSpec(
@@ -53,6 +58,8 @@ def main() -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         prefill_chunk_size=args.prefill_chunk_size,
+        weights=args.weights,
+        prefill_gemm=args.prefill_gemm,
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

