@@ -8,7 +8,13 @@ token prompt, ``--batches`` sequences at once; pdserve's figure is the mean step
 ``--gen`` steps at that context (each step: the forward and the LM head, as llama.cpp's
 decode); rounds alternate between the two so a shared machine's slow spells fall on both.
 
-    python scripts/bench_quant.py --llama-bin /work/llama-build/cbuild/bin --threads 2
+    python scripts/bench_quant.py --threads 2 --cpu-kernels avx512,avx2 \\
+        --llama-bin avx512=/work/llama-build/cbuild/bin \\
+        --llama-bin avx2=/work/llama-build/cbuild-avx2/bin
+
+A llama.cpp build named like a pdserve build (``avx512``, ``avx2``) is its baseline: ratios
+are printed against the llama.cpp build of the same instruction set, at the same batch and
+against that build's best batched figure (its highest tokens/s over the batch sizes).
 """
 
 from __future__ import annotations
@@ -96,26 +102,38 @@ def best_of(rounds: list[dict]) -> dict:
     return best
 
 
+def baselines_for(name: str, best: dict) -> list[str]:
+    """The llama.cpp rows a pdserve row is compared with: the build of the same instruction set
+    (``pdserve q4 avx2`` with ``llama.cpp avx2``) where there is one, else every llama.cpp row."""
+    llamas = [n for n in best if n.startswith("llama.cpp")]
+    same_isa = f"llama.cpp {name.rsplit(' ', 1)[-1]}"
+    return [same_isa] if same_isa in llamas else llamas
+
+
 def report(best: dict, batches, meta: dict) -> str:
     lines = [
         (
             f"CPU {meta['cpu_model']}  ISA {meta['cpu_isa']}  threads {meta['threads']}  "
             f"load average before {meta['load_before']}  after {meta['load_after']}"
         ),
-        f"context {meta['context']} tokens, {meta['gen']} decode steps; tokens/s (best round)",
+        (
+            f"context {meta['context']} tokens, {meta['gen']} decode steps, pdserve KV "
+            f"{meta['kv_dtype']}; tokens/s (best round)"
+        ),
         f"{'engine':<28}" + "".join(f"{'b=' + str(b):>10}" for b in batches),
     ]
     for name, per_batch in best.items():
         lines.append(f"{name:<28}" + "".join(f"{per_batch[b]:>10.1f}" for b in batches))
-    llamas = {n: v for n, v in best.items() if n.startswith("llama.cpp")}
-    for lname, lrow in llamas.items():
-        top = max(lrow.values())
-        lines.append(f"ratios vs {lname} (same batch; [best batched {top:.1f} tok/s])")
-        for name, per_batch in best.items():
-            if name.startswith("pdserve"):
-                same = "".join(f"{per_batch[b] / lrow[b]:>9.2f}x" for b in batches)
-                lines.append(f"  {name:<26}{same}   b>1 vs best: " + " ".join(
-                    f"{per_batch[b] / top:.2f}x" for b in batches if b > 1))  # fmt: skip
+    lines.append("ratios: pdserve / llama.cpp at the same batch (same instruction set)")
+    for name, per_batch in best.items():
+        if not name.startswith("pdserve"):
+            continue
+        for lname in baselines_for(name, best):
+            lrow = best[lname]
+            top = max(lrow.values())
+            same = "".join(f"{per_batch[b] / lrow[b]:>9.2f}x" for b in batches)
+            vs_top = " ".join(f"{per_batch[b] / top:.2f}x" for b in batches if b > 1)
+            lines.append(f"  {name:<26}{same}   vs {lname} (b>1 vs its best {top:.1f}: {vs_top})")
     return "\n".join(lines)
 
 
@@ -130,6 +148,7 @@ def main(argv=None) -> int:
     p.add_argument("--weights", default="fp32,int8,q4")
     p.add_argument("--cpu-kernels", default="", help="pdserve variants, e.g. avx512,avx2")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--kv-dtype", default="fp32", help="pdserve's KV cache: fp32 | int8")
     p.add_argument("--llama-gguf", default=None,
                    help="the GGUF file llama.cpp runs (default: the embedded Q4_1 one); an f32 "
                         "conversion compares fp32 with fp32")  # fmt: skip
@@ -144,7 +163,9 @@ def main(argv=None) -> int:
     )
     load_before = os.getloadavg()
     engines = {
-        fmt: bench_engine._engine("embedded", (16,), batches, (args.context + 8,), fmt)[1]
+        fmt: bench_engine._engine(
+            "embedded", (16,), batches, (args.context + 8,), fmt, args.kv_dtype
+        )[1]
         for fmt in args.weights.split(",")
     }
     gguf = Path(args.llama_gguf) if args.llama_gguf else embedded_gguf_path()
@@ -156,6 +177,7 @@ def main(argv=None) -> int:
         "threads": args.threads,
         "context": args.context,
         "gen": args.gen,
+        "kv_dtype": args.kv_dtype,
         "load_before": " ".join(f"{x:.2f}" for x in load_before),
         "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "gguf": str(gguf),
