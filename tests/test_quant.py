@@ -24,8 +24,11 @@ def test_quantized_kernel_equals_dequantize_then_matmul(ext, fmt, group, n, k): 
     torch.manual_seed(n + k)
     qw = quant.quantize(torch.randn(n, k), fmt, group)
     packed = quant.pack(qw)
-    bias, residual_rows = torch.randn(n), 32
-    for rows in (1, 2, 7, 13, 24, residual_rows):
+    bias = torch.randn(n)
+    # Every way the kernel cuts a call: q4 sums its groups factored at few rows (AVX2: 1, 2,
+    # 3-5 rows, each its own register blocking) and dequantized past them; 7+ rows are whole
+    # passes (AVX2 half tiles of up to 12 rows), 13+ several passes of near-equal rows.
+    for rows in (1, 2, 3, 5, 6, 7, 8, 13, 24, 32):
         x = torch.randn(rows, k)
         residual = torch.randn(rows, n)
         ref = quant.reference_linear(x, qw, bias) + residual
@@ -33,6 +36,23 @@ def test_quantized_kernel_equals_dequantize_then_matmul(ext, fmt, group, n, k): 
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * k**0.5)
         plain = ext.skinny_linear(x, packed, n)
         torch.testing.assert_close(plain, quant.reference_linear(x, qw), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("group", quant.Q4_GROUPS)
+def test_q4_kernel_keeps_its_precision_on_weights_far_from_zero(ext, group):  # noqa: F811
+    """The few-row q4 sums are factored (scale * sum x q + min * sum x): with weights offset
+    far from zero the two terms are large and the result still equals the dequantized matmul."""
+    torch.manual_seed(3)
+    n, k = 96, 576
+    qw = quant.quantize(torch.randn(n, k) * 0.1 + 3.0, "q4", group)
+    packed = quant.pack(qw)
+    for rows in (1, 2, 4, 8):
+        x = torch.randn(rows, k)
+        ref = quant.reference_linear(x, qw).double()
+        got = ext.skinny_linear(x, packed, n).double()
+        exact = x.double() @ quant.dequantize(qw).double().T
+        # no worse than fp32's own rounding in the reference matmul, with margin
+        assert (got - exact).abs().max() <= 4 * (ref - exact).abs().max() + 1e-4
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "q4"])
@@ -156,3 +176,31 @@ def test_bench_engine_counts_the_bytes_each_format_reads(tmp_path, monkeypatch):
         < decode["fp32"]["bytes_read"]
     )
     assert "int8" in bench_engine.format_report(result)
+
+
+def test_bench_quant_compares_each_build_with_llama_cpp_of_its_instruction_set():
+    """scripts/bench_quant.py: a pdserve build's ratios are against the llama.cpp build of the
+    same instruction set (its same batch and its best batched figure), never the other one."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_quant.py"
+    spec = importlib.util.spec_from_file_location("bench_quant", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    best = {
+        "llama.cpp avx512": {1: 100.0, 8: 200.0, 32: 250.0},
+        "llama.cpp avx2": {1: 80.0, 8: 160.0, 32: 200.0},
+        "pdserve q4 avx512": {1: 150.0, 8: 500.0, 32: 600.0},
+        "pdserve q4 avx2": {1: 120.0, 8: 400.0, 32: 440.0},
+    }
+    assert bench.baselines_for("pdserve q4 avx2", best) == ["llama.cpp avx2"]
+    meta = {"cpu_model": "cpu", "cpu_isa": "avx512+avx2", "threads": 2, "load_before": "0",
+            "load_after": "0", "context": 128, "gen": 32, "kv_dtype": "fp32"}  # fmt: skip
+    lines = bench.report(best, (1, 8, 32), meta).splitlines()
+    (avx2,) = [line for line in lines if "pdserve q4 avx2" in line and " vs " in line]
+    assert "1.50x" in avx2 and "vs llama.cpp avx2" in avx2 and "2.00x 2.20x" in avx2
+    assert not any("pdserve q4 avx2" in line and "avx512 (" in line for line in lines)
+    # without a same-ISA build, every llama.cpp build is a baseline
+    del best["llama.cpp avx2"]
+    assert bench.baselines_for("pdserve q4 avx2", best) == ["llama.cpp avx512"]
