@@ -109,7 +109,7 @@ def test_ttft_share_on_a_tiny_model(tmp_path):
 
 def test_bench_transfer_names_an_unknown_kv_dtype():
     with pytest.raises(SystemExit, match="--kv-dtypes"):
-        bench_main(["transfer", "--kv-dtypes", "fp8", "--ttft-transports", ""])
+        bench_main(["transfer", "--kv-dtypes", "fp4", "--ttft-transports", ""])
 
 
 def test_bench_transfer_command_writes_json(tmp_path, capsys):

@@ -137,8 +137,13 @@ def measure_transfer(model_cfg, engine: EngineSettings, transport: str, tokens) 
 
     out = []
     for n in tokens:
-        shape = KVShape(
-            model_cfg.num_layers, engine.block_size, model_cfg.num_kv_heads, model_cfg.head_dim, n
+        shape = KVShape(  # the cache as the engine stores it: int8/fp8 rows carry scales
+            model_cfg.num_layers,
+            engine.block_size,
+            model_cfg.num_kv_heads,
+            model_cfg.head_dim,
+            n,
+            engine.kv_dtype,
         )
         result = measure_transport(transport, shape, repeats=2, loopback_best=1.0)
         out.append(min(result.seconds))

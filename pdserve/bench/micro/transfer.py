@@ -57,12 +57,12 @@ class KVShape:
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch.int8 if self.kv_dtype == "int8" else torch.float32
+        return {"int8": torch.int8, "fp8": torch.float8_e4m3fn}.get(self.kv_dtype, torch.float32)
 
     @property
     def row_width(self) -> int:
-        """Elements per token and head in the cache."""
-        return row_width(self.head_dim) if self.kv_dtype == "int8" else self.head_dim
+        """Elements per token and head in the cache (int8 and fp8 rows end in a 4-byte scale)."""
+        return self.head_dim if self.kv_dtype == "fp32" else row_width(self.head_dim)
 
     @property
     def num_blocks(self) -> int:
@@ -80,8 +80,8 @@ class KVShape:
         def new():
             if zero:
                 return torch.zeros(shape, dtype=self.dtype)
-            if self.kv_dtype == "int8":  # any bytes: the transports do not interpret them
-                return torch.randint(-128, 128, shape, dtype=torch.int8)
+            if self.kv_dtype != "fp32":  # any bytes: the transports do not interpret them
+                return torch.randint(0, 256, shape, dtype=torch.uint8).view(self.dtype)
             return torch.randn(shape)
 
         return [(new(), new()) for _ in range(self.num_layers)]
@@ -145,8 +145,13 @@ def _push_once(sender, leases, shape: KVShape, src, src_ids, tag: str):
 
 
 def _blocks_equal(src, dst, src_ids) -> bool:
+    """Byte for byte (float8 has no torch.equal on CPU, and random bytes hold NaNs)."""
+
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8) if t.element_size() == 1 else t
+
     return all(
-        torch.equal(kd, ks[src_ids]) and torch.equal(vd, vs[src_ids])
+        torch.equal(raw(kd), raw(ks[src_ids])) and torch.equal(raw(vd), raw(vs[src_ids]))
         for (ks, vs), (kd, vd) in zip(src, dst)
     )
 
