@@ -2,9 +2,12 @@
 measured GEMM peak and read bandwidth, beside ``transformers`` on the same workloads and threads.
 
 Useful prefill FLOPs = 2 x non-embedding params x tokens + causal attention + the LM head for
-the last token only. Decode bytes = every weight the step reads as it is stored (LM head
+the last token only; prefill MFU divides them by the measured GEMM peak of the dtype the
+prefill's matmuls run in (``--prefill-gemm``: fp32, or bf16 where engine/prefill_gemm.py
+chooses it; the bf16 peak is measured in the same run when a row needs it). Decode bytes = every weight the step reads as it is stored (LM head
 included, embedding rows excluded: fp32, or the quantized codes and scales with ``--weights``)
-+ the KV cache of every sequence in its dtype (``--kv-dtype int8``: codes and scales).
++ the KV cache of every sequence in its dtype (``--kv-dtypes fp32,int8``: each cache format
+timed on the same engine, workload by workload; int8 counts its codes and scales).
 
 ``--cpu-kernels avx512,avx2,torch`` times each CPU kernel variant on the same engine, workload
 by workload (interleaved: a shared machine's slow spells fall on every variant alike); every
@@ -37,6 +40,8 @@ class Row:
     cpu_kernels: str = ""  # the extension's variant: avx512 | avx2 | torch
     weights: str = "fp32"  # fp32 | bf16 | int8 | q4
     bytes_read: float = 0.0  # decode: weights + KV read per step, as stored
+    kv_dtype: str = "fp32"  # the KV cache: fp32 | int8
+    prefill_gemm: str = "fp32"  # prefill: the dtype its many-row matmuls ran in (fp32 | bf16)
 
     @property
     def speedup(self) -> float:
@@ -171,17 +176,24 @@ def run(
     reps: int = REPS,
     weights: tuple[str, ...] = ("fp32",),
     kv_dtype: str = "fp32",
+    kv_dtypes: tuple[str, ...] = (),
+    prefill_gemm: tuple[str, ...] = ("auto",),
 ) -> dict:
     """``cpu_kernels``: the variants to time side by side (default: the one chosen here);
-    ``weights``: the weight formats, one engine each, timed on the same workloads."""
+    ``weights``: the weight formats, one engine each, timed on the same workloads;
+    ``kv_dtypes``: the KV cache formats, each its own cache on the same engine (default:
+    ``kv_dtype`` alone); ``prefill_gemm``: prefill matmul precisions (fp32 | bf16 | auto), one
+    engine per format and precision."""
+    kv_dtypes = kv_dtypes or (kv_dtype,)
     if threads:
         torch.set_num_threads(threads)
     variants = cpu_kernels or (cpu_extension.selected_variant(),)
-    peak, bandwidth = gemm_peak(), read_bandwidth()
+    peaks = GemmPeaks(gemm_peak())
+    bandwidth = read_bandwidth()
     hf_seconds: dict[tuple, float] = {}  # transformers once per workload, for every format
     rows = []
-    for fmt in weights:
-        model_dir, engine = _engine(model, prompt_lens, batches, contexts, fmt, kv_dtype)
+    for fmt, gemm in [(f, g) for f in weights for g in prefill_gemm]:
+        model_dir, engine = _engine(model, prompt_lens, batches, contexts, fmt, kv_dtypes[0], gemm)
         if baseline and not hf_seconds:
             hf = HFRunner(model_dir, reps)
             hf_seconds.update({("prefill", n): hf.prefill_seconds(n) for n in prompt_lens})
@@ -189,7 +201,7 @@ def run(
                 {("decode", b, c): hf.decode_seconds(b, c) for b in batches for c in contexts}
             )
             del hf
-        rows += _rows_of(engine, fmt, kv_dtype, variants, reps, hf_seconds, peak, bandwidth,
+        rows += _rows_of(engine, fmt, kv_dtypes, variants, reps, hf_seconds, peaks, bandwidth,
                          prompt_lens, batches, contexts)  # fmt: skip
         del engine
     return {
@@ -201,54 +213,81 @@ def run(
         "isa_limits": {k: os.environ[k] for k in ISA_LIMIT_VARS if k in os.environ},
         "threads": torch.get_num_threads(),
         "huge_pages": hugepages.active(),
-        "gemm_peak_gflops": peak / 1e9,
+        "gemm_peak_gflops": peaks.fp32 / 1e9,
+        "gemm_peak_bf16_gflops": None if peaks.bf16 is None else peaks.bf16 / 1e9,
         "read_bandwidth_gbs": bandwidth / 1e9,
-        "kv_dtype": kv_dtype,
+        "kv_dtype": kv_dtypes[0],
+        "kv_dtypes": list(kv_dtypes),
         "rows": [{**asdict(r), "speedup": r.speedup} for r in rows],
     }
 
 
-def _rows_of(engine, fmt, kv_dtype, variants, reps, hf_seconds, peak, bandwidth,
+class GemmPeaks:
+    """The fp32 GEMM peak, and the bf16 one measured the first time a row needs it (a CPU
+    without bf16 instructions emulates it: seconds a run with no bf16 rows need not spend)."""
+
+    def __init__(self, fp32: float):
+        self.fp32, self.bf16 = fp32, None
+
+    def of(self, dtype: str) -> float:
+        if dtype == "fp32":
+            return self.fp32
+        if self.bf16 is None:
+            self.bf16 = gemm_peak(dtype=torch.bfloat16)
+        return self.bf16
+
+
+def _rows_of(engine, fmt, kv_dtypes, variants, reps, hf_seconds, peaks, bandwidth,
              prompt_lens, batches, contexts) -> list[Row]:  # fmt: skip
-    """Every workload on ``engine`` under each variant in turn (interleaved per workload)."""
+    """Every workload on ``engine`` under each variant and KV format in turn (interleaved per
+    workload: a shared machine's slow spells fall on each alike)."""
+    from engine.model_runner import ModelRunner
+
     cfg, model = engine.config.model, engine.runner.model
     ours = EngineRunner(engine, reps)
+    blocks = engine.config.cache.num_blocks
+    runners = {kv: engine.runner if kv == engine.runner.kv_dtype else
+               ModelRunner(model, blocks, ours.bs, kv) for kv in kv_dtypes}  # fmt: skip
     nan = float("nan")
 
-    def timed(measure, *args) -> dict[str, tuple[float, int]]:
-        """Seconds of ``measure(*args)`` and the weight bytes read, under each variant."""
+    def timed(measure, *args) -> dict[tuple[str, str], tuple[float, int]]:
+        """Seconds of ``measure(*args)`` and the weight bytes read, per (variant, KV format)."""
         out = {}
         for v in variants:
             if len(variants) > 1:
                 use_cpu_kernels(model, v)
-            out[v] = measure(*args), model_weight_bytes(model)
+            for kv in kv_dtypes:
+                ours.runner = runners[kv]
+                out[v, kv] = measure(*args), model_weight_bytes(model)
         return out
 
     rows = []
     for n in prompt_lens:
         t_hf = hf_seconds.get(("prefill", n), nan)
-        flops = prefill_flops(cfg, n)
-        for v, (t, _) in timed(ours.prefill_seconds, n).items():
-            mfu, hf_mfu = flops / t / peak, flops / t_hf / peak
-            rows.append(Row("prefill", 1, n, t, t_hf, mfu, hf_mfu, v, fmt))
+        flops, gemm = prefill_flops(cfg, n), model.gemm_dtype_for(n)
+        for (v, kv), (t, _) in timed(ours.prefill_seconds, n).items():
+            mfu, hf_mfu = flops / t / peaks.of(gemm), flops / t_hf / peaks.fp32
+            rows.append(Row("prefill", 1, n, t, t_hf, mfu, hf_mfu, v, fmt, kv_dtype=kv,
+                            prefill_gemm=gemm))  # fmt: skip
     for b in batches:
         for c in contexts:
             t_hf = hf_seconds.get(("decode", b, c), nan)
             hf_mbu = decode_bytes(cfg, b, c) / t_hf / bandwidth  # fp32 weights and KV
-            for v, (t, wbytes) in timed(ours.decode_seconds, b, c).items():
-                nbytes = decode_bytes(cfg, b, c, wbytes, kv_dtype)
+            for (v, kv), (t, wbytes) in timed(ours.decode_seconds, b, c).items():
+                nbytes = decode_bytes(cfg, b, c, wbytes, kv)
                 rows.append(Row("decode", b, c, t, t_hf, nbytes / t / bandwidth, hf_mbu, v, fmt,
-                                nbytes))  # fmt: skip
+                                nbytes, kv))  # fmt: skip
     return rows
 
 
-def _engine(model: str, prompt_lens, batches, contexts, weights="fp32", kv_dtype="fp32"):
+def _engine(
+    model: str, prompt_lens, batches, contexts, weights="fp32", kv_dtype="fp32", gemm="auto"
+):
     """The model's directory and an engine with blocks for the largest workload."""
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
     from engine.loader import load_config, load_model
     from engine.model_files import resolve_model_dir
-    from engine.model_runner import ModelRunner
     from engine.tokenizer import Tokenizer
 
     model_dir = resolve_model_dir(model)
@@ -258,12 +297,12 @@ def _engine(model: str, prompt_lens, batches, contexts, weights="fp32", kv_dtype
     cfg = load_config(model_dir)
     max_len = min(max_ctx + 16, cfg.max_position_embeddings)
     engine_cfg = EngineConfig(
-        cfg, CacheConfig(16, blocks), SchedulerConfig(max_ctx), max_len, weights, kv_dtype=kv_dtype
-    )
+        cfg, CacheConfig(16, blocks), SchedulerConfig(max_ctx), max_len, weights,
+        kv_dtype=kv_dtype, prefill_gemm=gemm,
+    )  # fmt: skip
     tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
-    engine = LLMEngine(engine_cfg, load_model(model_dir, cfg, max_len, weights=weights), tokenizer)
-    if kv_dtype != "fp32":  # until LLMEngine passes config.kv_dtype to its runner itself
-        engine.runner = ModelRunner(engine.runner.model, blocks, 16, kv_dtype)
+    loaded = load_model(model_dir, cfg, max_len, weights=weights, prefill_gemm=gemm)
+    engine = LLMEngine(engine_cfg, loaded, tokenizer)
     return model_dir, engine
 
 
@@ -275,12 +314,14 @@ def format_report(result: dict) -> str:
             f"{result.get('torch_cpu_capability', '?')} {result.get('isa_limits') or ''}"
         ),
         (
-            f"threads {result['threads']}  GEMM peak {result['gemm_peak_gflops']:.1f} GFLOP/s  "
+            f"threads {result['threads']}  GEMM peak {result['gemm_peak_gflops']:.1f} GFLOP/s"
+            f"{_bf16_peak_text(result)}  "
             f"read bandwidth {result['read_bandwidth_gbs']:.1f} GB/s  "
             f"huge pages {'on' if result.get('huge_pages') else 'off'}"
         ),
         (
-            f"{'phase':<8}{'batch':>6}{'tokens':>8}{'kernels':>9}{'weights':>8}{'pdserve ms':>12}"
+            f"{'phase':<8}{'batch':>6}{'tokens':>8}{'kernels':>9}{'weights':>8}{'kv':>5}"
+            f"{'gemm':>6}{'pdserve ms':>12}"
             f"{'hf ms':>10}"
             f"{'ratio':>8}{'hf ratio':>10}{'speedup':>9}   ratio = MFU (prefill) / MBU (decode)"
         ),
@@ -288,10 +329,20 @@ def format_report(result: dict) -> str:
     for r in result["rows"]:
         lines.append(
             f"{r['kind']:<8}{r['batch']:>6}{r['tokens']:>8}{r.get('cpu_kernels', ''):>9}"
-            f"{r.get('weights', 'fp32'):>8}{r['seconds'] * 1e3:>12.1f}{r['hf_seconds'] * 1e3:>10.1f}{r['ratio']:>8.2f}"
+            f"{r.get('weights', 'fp32'):>8}{r.get('kv_dtype', 'fp32'):>5}{_gemm_text(r):>6}"
+            f"{r['seconds'] * 1e3:>12.1f}{r['hf_seconds'] * 1e3:>10.1f}{r['ratio']:>8.2f}"
             f"{r['hf_ratio']:>10.2f}{r['speedup']:>8.2f}x"
         )
     return "\n".join(lines)
+
+
+def _gemm_text(row: dict) -> str:
+    return row.get("prefill_gemm", "fp32") if row["kind"] == "prefill" else ""
+
+
+def _bf16_peak_text(result: dict) -> str:
+    peak = result.get("gemm_peak_bf16_gflops")
+    return "" if peak is None else f" (bf16 {peak:.1f})"
 
 
 def add_parser(sub) -> None:
@@ -316,7 +367,19 @@ def add_parser(sub) -> None:
         default="fp32",
         help="weight formats to time side by side: fp32,bf16,int8,q4 (q4: groups of 32)",
     )
-    p.add_argument("--kv-dtype", default="fp32", choices=("fp32", "int8"))
+    p.add_argument(
+        "--kv-dtypes",
+        "--kv-dtype",
+        dest="kv_dtypes",
+        default="fp32",
+        help="KV cache formats to time side by side on the same engine, e.g. fp32,int8",
+    )
+    p.add_argument(
+        "--prefill-gemm",
+        default="auto",
+        help="prefill matmul precisions to time side by side: fp32,bf16,auto (auto: bf16 for "
+        "quantized weights where it measures faster); prefill MFU is against that dtype's peak",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     p.set_defaults(func=_main)
 
@@ -337,7 +400,8 @@ def _main(args) -> int:
         cpu_kernels=tuple(v for v in args.cpu_kernels.split(",") if v),
         reps=args.reps,
         weights=tuple(w for w in args.weights.split(",") if w),
-        kv_dtype=args.kv_dtype,
+        kv_dtypes=tuple(k for k in args.kv_dtypes.split(",") if k),
+        prefill_gemm=tuple(g for g in args.prefill_gemm.split(",") if g),
     )
     print(format_report(result))
     print(f"({time.time() - started:.0f} s)")
