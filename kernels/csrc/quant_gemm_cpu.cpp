@@ -148,12 +148,16 @@ void plain_pass(const Call& c, int64_t m0, int64_t v0) {
   const float* x = c.xt + m0;
   const int64_t M = c.M;
   for (int64_t k = 0; k < c.K; ++k) {
+    simd::vec wk[NR];
     for (int j = 0; j < NR; ++j) {
       const uint8_t* p = w[j] + k * kTile * elt;
-      const simd::vec wk = F == Format::kBF16 ? bf16_to_ps(p) : i8_to_ps(p);
+      wk[j] = F == Format::kBF16 ? bf16_to_ps(p) : i8_to_ps(p);
       if ((NR < kRegs || j % kRegs == 0) && (k * kTile * elt) % 64 == 0)
         simd::prefetch(p + kPrefetchBytes);
-      for (int m = 0; m < MR; ++m) acc[m][j] = simd::fmadd(simd::set1(x[k * M + m]), wk, acc[m][j]);
+    }
+    for (int m = 0; m < MR; ++m) {  // one broadcast of x per row and step, for all registers
+      const simd::vec xb = simd::set1(x[k * M + m]);
+      for (int j = 0; j < NR; ++j) acc[m][j] = simd::fmadd(xb, wk[j], acc[m][j]);
     }
   }
   if constexpr (F == Format::kInt8) {  // per-channel scales: once, after the sum
@@ -191,25 +195,41 @@ void q4_pass(const Call& c, int64_t m0, int64_t v0) {
       for (int j = 0; j < NR; ++j) {
         scale[j] = f16_to_ps(scales[j] + g * group_bytes);
         mins[j] = f16_to_ps(scales[j] + g * group_bytes + kTile * 2);
-        mins16[j] = simd::mul(mins[j], simd::set1(kHighNibble));
+        // AVX-512's high nibble is q: the minimum as it is (no register more at 12 rows)
+        mins16[j] = kHighNibble == 1.f ? mins[j] : simd::mul(mins[j], simd::set1(kHighNibble));
       }
     }
     auto& sum_even = Factored ? even : acc;
     auto& sum_odd = kSplit ? odd : sum_even;
     const float* xg = x + g * G * M;
     for (int64_t p = 0; p < G / 2; ++p) {
-      for (int j = 0; j < NR; ++j) {
-        const uint8_t* b = codes[j] + g * group_bytes + p * kTile;
-        simd::vec lo, hi;
-        nibbles_to_ps<Factored>(b, lo, hi);
-        if constexpr (!Factored) {
-          lo = simd::fmadd(lo, scale[j], mins[j]);
-          hi = simd::fmadd(hi, scale[j], mins16[j]);
+      if constexpr (Factored) {  // register by register: few registers to spare
+        for (int j = 0; j < NR; ++j) {
+          const uint8_t* b = codes[j] + g * group_bytes + p * kTile;
+          simd::vec lo, hi;
+          nibbles_to_ps<true>(b, lo, hi);
+          if ((NR < kRegs || j % kRegs == 0) && p % 4 == 0) simd::prefetch(b + kPrefetchBytes);
+          for (int m = 0; m < MR; ++m) {
+            sum_even[m][j] = simd::fmadd(simd::set1(xg[2 * p * M + m]), lo, sum_even[m][j]);
+            sum_odd[m][j] = simd::fmadd(simd::set1(xg[(2 * p + 1) * M + m]), hi, sum_odd[m][j]);
+          }
         }
-        if ((NR < kRegs || j % kRegs == 0) && p % 4 == 0) simd::prefetch(b + kPrefetchBytes);
+      } else {  // every register's weights first, then one broadcast of x per row for all
+        simd::vec lo[NR], hi[NR];
+        for (int j = 0; j < NR; ++j) {
+          const uint8_t* b = codes[j] + g * group_bytes + p * kTile;
+          nibbles_to_ps<false>(b, lo[j], hi[j]);
+          lo[j] = simd::fmadd(lo[j], scale[j], mins[j]);
+          hi[j] = simd::fmadd(hi[j], scale[j], mins16[j]);
+          if ((NR < kRegs || j % kRegs == 0) && p % 4 == 0) simd::prefetch(b + kPrefetchBytes);
+        }
         for (int m = 0; m < MR; ++m) {
-          sum_even[m][j] = simd::fmadd(simd::set1(xg[2 * p * M + m]), lo, sum_even[m][j]);
-          sum_odd[m][j] = simd::fmadd(simd::set1(xg[(2 * p + 1) * M + m]), hi, sum_odd[m][j]);
+          const simd::vec xe = simd::set1(xg[2 * p * M + m]);
+          for (int j = 0; j < NR; ++j) acc[m][j] = simd::fmadd(xe, lo[j], acc[m][j]);
+        }
+        for (int m = 0; m < MR; ++m) {
+          const simd::vec xo = simd::set1(xg[(2 * p + 1) * M + m]);
+          for (int j = 0; j < NR; ++j) acc[m][j] = simd::fmadd(xo, hi[j], acc[m][j]);
         }
       }
     }
@@ -311,9 +331,10 @@ void prepare_x(const at::Tensor& x, bool q4, int64_t group, std::vector<float>& 
   const int64_t M = x.size(0), K = x.size(1);
   const float* xp = x.data_ptr<float>();
   xt.resize(K * M);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k)
-      xt[k * M + m] = q4 && (k & 1) ? xp[m * K + k] * (1.f / kHighNibble) : xp[m * K + k];
+  for (int64_t k = 0; k < K; ++k) {  // contiguous writes; the M rows' lines stay in L1
+    const float f = q4 && (k & 1) ? 1.f / kHighNibble : 1.f;
+    for (int64_t m = 0; m < M; ++m) xt[k * M + m] = xp[m * K + k] * f;
+  }
   if (!q4) return;
   xsum.assign(K / group * M, 0.f);
   for (int64_t m = 0; m < M; ++m)
