@@ -21,9 +21,11 @@
 // 1-2 rows on two tiles (two weight streams) and 3-12 rows on half tiles in one pass (one
 // conversion of each weight for all the rows, instead of two passes of 6).
 //
-// Measured against the previous kernel (1 thread, best of 20, SmolLM2's shapes, load 5-9 from
-// other jobs, so +-15%): AVX2 q4 1 row 1.28-1.39x, 8 rows 1.08-1.20x, int8 1 row 1.4-1.66x;
-// AVX-512 q4 1 row 1.06-1.35x; larger row counts on AVX-512 keep the previous loops.
+// Measured against the previous kernel (1 thread, best of 20, SmolLM2's qkv / o / gate_up /
+// down; previous at load 5.5-8, this one at load 1-1.3, so +-15%): AVX2 q4 1 row 1.30-1.45x,
+// 8 rows 1.0-1.13x, 32 rows 0.95-1.05x; AVX2 int8 1 row 1.7x, 8 rows 1.15x; AVX-512 q4 1 row
+// 1.2-1.36x, int8 1-32 rows 1.05-1.2x, but AVX-512 q4 at 8 rows 0.87-1.02x and 32 rows
+// 0.75-0.94x: the dequantized q4 passes there are slower than before, cause not found yet.
 //
 // Packed layouts (kernels/quant.py builds them; one stream per tile, scales inline):
 //   bf16: [tiles, K, 16] bf16.
