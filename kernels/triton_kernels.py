@@ -21,9 +21,9 @@ import triton.language as tl
 
 from kernels import kv_fp8
 from kernels.metadata import AttentionMetadata
+from kernels.triton_fp8 import fp8_codes, fp8_keys_and_values
 
 LOG2E = 1.4426950408889634
-FP8_MAX: tl.constexpr = 448.0  # kernels.kv_fp8.FP8_MAX
 
 
 @triton.jit
@@ -78,42 +78,10 @@ def _store_kv_kernel(
     dst += offs_d[None, :] * stride_cd
     if KV_FP8:
         scale_dst = block * stride_sb + row * stride_ss + offs_h * stride_sh
-        k = _fp8_codes(k, k_scale_ptr + scale_dst, offs_h < NUM_KV_HEADS)
-        v = _fp8_codes(v, v_scale_ptr + scale_dst, offs_h < NUM_KV_HEADS)
+        k = fp8_codes(k, k_scale_ptr + scale_dst, offs_h < NUM_KV_HEADS)
+        v = fp8_codes(v, v_scale_ptr + scale_dst, offs_h < NUM_KV_HEADS)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _fp8_codes(x, scale_ptrs, h_mask):
-    """[BLOCK_H, BLOCK_D] values -> float8_e4m3fn codes; stores each head's scale, max|x| / 448,
-    as kernels.kv_fp8.quantize does (IEEE division, round to nearest even: the torch path's
-    codes bit for bit)."""
-    x = x.to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), 1e-30), FP8_MAX)
-    tl.store(scale_ptrs, scale, mask=h_mask)
-    codes = tl.math.div_rn(x, scale[:, None])
-    codes = _round_to_e4m3(tl.minimum(tl.maximum(codes, -FP8_MAX), FP8_MAX))
-    return codes.to(tl.float8e4nv)  # exact: the value is already an e4m3 one
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """fp32 v (|v| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, still in
-    fp32, as torch's cast rounds. Rounding before the cast keeps the codes identical
-    everywhere: Triton 3.9's interpreter loses the carry when its cast rounds a mantissa up
-    into the next power of two (-127.9 became -64, not -128)."""
-    a = tl.abs(v)
-    bits = a.to(tl.int32, bitcast=True)
-    # Normal range (>= 2^-6): keep 3 of fp32's 23 mantissa bits; a carry moves the exponent.
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576: 0xFFF00000
-    normal = bits.to(tl.float32, bitcast=True)
-    # Subnormals (< 2^-6): multiples of 2^-9, ties to the even multiple.
-    t = a * 512.0
-    n = tl.floor(t + 0.5)
-    n = tl.where(((n - t) == 0.5) & ((n.to(tl.int32) & 1) == 1), n - 1.0, n)
-    r = tl.where(a < 0.015625, n / 512.0, normal)
-    return tl.where(v.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit: -0.0 stays -0.0
 
 
 @triton.jit
@@ -196,14 +164,11 @@ def _prefill_attention_kernel(
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         if KV_FP8:
-            # Keys stay codes (exact in q's dtype), each score times its key's scale after the
-            # dot; values are dequantized, since p * scale could underflow fp16.
             scale_offs = blocks.to(tl.int64) * stride_sb + (offs_n % block_size) * stride_ss
             scale_offs += kv_head * stride_sh
-            k_scale = tl.load(k_scale_ptr + scale_offs, mask=n_mask, other=0.0)
-            v_scale = tl.load(v_scale_ptr + scale_offs, mask=n_mask, other=0.0)
-            k = k.to(q.dtype)
-            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+            k, v, k_scale = fp8_keys_and_values(
+                q, k, v, k_scale_ptr + scale_offs, v_scale_ptr + scale_offs, n_mask
+            )
 
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if KV_FP8:
@@ -299,14 +264,11 @@ def _decode_attention_kernel(
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         if KV_FP8:
-            # Keys stay codes (exact in q's dtype), each score times its key's scale after the
-            # dot; values are dequantized, since p * scale could underflow fp16.
             scale_offs = blocks.to(tl.int64) * stride_sb + (offs_n % block_size) * stride_ss
             scale_offs += kv_head * stride_sh
-            k_scale = tl.load(k_scale_ptr + scale_offs, mask=n_mask, other=0.0)
-            v_scale = tl.load(v_scale_ptr + scale_offs, mask=n_mask, other=0.0)
-            k = k.to(q.dtype)
-            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+            k, v, k_scale = fp8_keys_and_values(
+                q, k, v, k_scale_ptr + scale_offs, v_scale_ptr + scale_offs, n_mask
+            )
 
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if KV_FP8:
