@@ -124,8 +124,8 @@ class StepLoop:
             self.hooks.on_planned(plan)
         if plan.is_empty:
             return False
-        shape = PlanShape.of(plan.scheduled) if self.trace else None  # before the update
-        started, t0 = time.time(), time.perf_counter()
+        if self.trace is not None:  # the shape before the update advances it
+            shape, started, t0 = PlanShape.of(plan.scheduled), time.time(), time.perf_counter()
         try:
             self.run(plan)
         except StepUpdateError:

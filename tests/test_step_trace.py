@@ -96,10 +96,10 @@ def test_the_co_run_factors_are_the_co_running_steps_measured_over_priced_second
     from pdserve.planner.step_residuals import co_run_factors
 
     cells = {
-        "decode/co-run": {"steps": 2, "median_ratio": 1.2, "time_ratio": 1.25, "real_s": 5.0},
-        "decode/alone": {"steps": 9, "median_ratio": 1.0, "time_ratio": 1.0, "real_s": 9.0},
-        "prefill/co-run": {"steps": 1, "median_ratio": 1.5, "time_ratio": 1.5, "real_s": 3.0},
-        "mixed/co-run": {"steps": 1, "median_ratio": 1.0, "time_ratio": 1.0, "real_s": 1.0},
+        "decode/co-run": {"steps": 2, "time_ratio": 1.25, "real_s": 5.0, "priced_s": 4.0},
+        "decode/alone": {"steps": 9, "time_ratio": 1.0, "real_s": 9.0, "priced_s": 9.0},
+        "prefill/co-run": {"steps": 1, "time_ratio": 1.5, "real_s": 3.0, "priced_s": 2.0},
+        "mixed/co-run": {"steps": 1, "time_ratio": 1.0, "real_s": 1.0, "priced_s": 1.0},
     }
     decode, prefill = co_run_factors(cells)
     assert decode == pytest.approx(1.25)

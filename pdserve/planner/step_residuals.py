@@ -94,6 +94,7 @@ def summarise(rows: list[dict]) -> dict:
             "median_ratio": float(np.median(real[ok] / priced[ok])) if ok.any() else None,
             "time_ratio": float(real.sum() / priced.sum()) if priced.sum() > 0 else None,
             "real_s": float(real.sum()),
+            "priced_s": float(priced.sum()),
         }
     return out
 
@@ -120,9 +121,9 @@ def co_run_factors(summary: dict) -> tuple[float, float]:
     side slow each other only 2-5% on this VM."""
 
     def ratio(*keys: str) -> float:
-        cells = [summary[k] for k in keys if k in summary and summary[k]["time_ratio"]]
+        cells = [summary[k] for k in keys if k in summary]
         real = sum(c["real_s"] for c in cells)
-        priced = sum(c["real_s"] / c["time_ratio"] for c in cells)
+        priced = sum(c["priced_s"] for c in cells)
         return max(1.0, real / priced) if priced > 0 else 1.0
 
     return ratio("decode/co-run"), ratio("prefill/co-run", "mixed/co-run")
