@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from engine.config import (
+    ACTIVATIONS,
     KV_DTYPES,
     PREFILL_GEMMS,
     WEIGHT_FORMATS,
@@ -41,6 +42,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=PREFILL_GEMMS,
         help="prefill's many-row matmuls; auto: bf16 for quantized weights where it is faster",
     )
+    g.add_argument(
+        "--activations",
+        default=d.activations,
+        choices=ACTIVATIONS,
+        help="int8 / q4 weights' decode rows on CPU: int8 (byte dot products) or fp32 (exact)",
+    )
 
 
 def engine_settings_from_args(args: argparse.Namespace) -> EngineSettings:
@@ -58,6 +65,7 @@ def engine_settings_from_args(args: argparse.Namespace) -> EngineSettings:
         weight_group=args.weight_group,
         kv_dtype=args.kv_dtype,
         prefill_gemm=args.prefill_gemm,
+        activations=args.activations,
     )
 
 
@@ -72,6 +80,7 @@ def engine_args(s: EngineSettings) -> list[str]:
         *("--threads", str(s.threads), "--device", s.device),
         *("--weights", s.weights, "--weight-group", str(s.weight_group)),
         *("--kv-dtype", s.kv_dtype, "--prefill-gemm", s.prefill_gemm),
+        *("--activations", s.activations),
     ]
 
 

@@ -126,6 +126,10 @@ class SchedulerConfig:
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "q4")  # kernels/quant.py
 WEIGHT_GROUPS = (32, 64)  # q4 group sizes
 KV_DTYPES = ("fp32", "int8", "fp8")
+# How int8 / q4 weights multiply a decode step's rows on CPU: int8 quantizes the rows in
+# blocks of 32 and multiplies bytes (kernels/csrc/quant_dot_cpu.cpp, llama.cpp's way); fp32
+# widens the weights in registers (exact to dequantize-then-matmul). Other weights: fp32.
+ACTIVATIONS = ("int8", "fp32")
 # The precision of prefill's many-row matmuls (engine/prefill_gemm.py): auto is bf16 only for
 # quantized weights, on a CPU where a bf16 GEMM measures faster.
 PREFILL_GEMMS = ("fp32", "bf16", "auto")
@@ -137,6 +141,12 @@ def check_weights(weights: str, group: int = 32) -> str:
     if group not in WEIGHT_GROUPS:
         raise ValueError(f"weight group {group}: expected one of {WEIGHT_GROUPS}")
     return weights
+
+
+def check_activations(activations: str) -> str:
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations {activations!r}: expected one of {ACTIVATIONS}")
+    return activations
 
 
 def check_prefill_gemm(prefill_gemm: str) -> str:
@@ -161,9 +171,11 @@ class EngineConfig:
     weight_group: int = 32  # q4: weights per scale along K
     kv_dtype: str = "fp32"  # the KV cache: fp32 | int8 | fp8 (a scale per token and head)
     prefill_gemm: str = "auto"  # prefill's many-row matmuls: fp32 | bf16 | auto
+    activations: str = "int8"  # int8 / q4 weights' decode rows on CPU: int8 | fp32
 
     def __post_init__(self):
         check_weights(self.weights, self.weight_group)
+        check_activations(self.activations)
         check_kv_dtype(self.kv_dtype)
         check_prefill_gemm(self.prefill_gemm)
         if self.kv_dtype == "fp8" and self.model.head_dim % 4:  # each row's fp32 scale aligned

@@ -57,13 +57,18 @@ class Linear(nn.Linear):
     cuda_packed: triton_quant.PackedWeight | None = None  # int8 / q4 on CUDA, set by quantize
     prefill_bf16: torch.Tensor | None = None  # the weight in bf16 for many rows (set_prefill_gemm)
     prefill_bf16_onednn: bool = False  # prefill_bf16 is in oneDNN's layout
+    skinny_activations: str = "fp32"  # int8: the quantized skinny kernel quantizes its rows
 
-    def quantize(self, fmt: str, group: int = 32) -> None:
+    def quantize(self, fmt: str, group: int = 32, activations: str = "int8") -> None:
         """Store the weight as ``fmt`` (bf16 | int8 | q4 in groups of ``group``); call before
-        ``pack_for_cpu``. A tied weight (the LM head's embedding) changes for both users."""
+        ``pack_for_cpu``. A tied weight (the LM head's embedding) changes for both users.
+        ``activations`` "int8": the skinny kernel of int8 / q4 weights quantizes its rows to
+        int8 (quant_dot_cpu.cpp) where ``quant.dot_packable``; "fp32": rows stay fp32."""
         qw = quant.quantize(self.weight.detach(), fmt, group)
         self.weight.data = quant.dequantize(qw).to(self.weight.device)
         self.quantized = qw
+        dot = activations == "int8" and quant.dot_packable(qw)
+        self.skinny_activations = "int8" if dot else "fp32"
         if self.weight.is_cuda and triton_quant is not None and fmt in ("int8", "q4"):
             self.cuda_packed = triton_quant.pack(qw)
 
@@ -102,7 +107,8 @@ class Linear(nn.Linear):
         if onednn_available() and fp32_rows_need_it:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
         if ext is not None:
-            packed = quant.pack(self.quantized) if self.quantized is not None else None
+            qw = self.quantized
+            packed = quant.pack(qw, self.skinny_activations) if qw is not None else None
             self.skinny = packed if packed is not None else ext.pack_skinny_weight(w)
         return self.packed is not None or self.skinny is not None
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig, check_device_name, check_prefill_gemm
+from engine.config import ModelConfig, check_activations, check_device_name, check_prefill_gemm
 from engine.errors import ModelNotFoundError
 from engine.model import LlamaModel
 from engine.model_files import EMBEDDED_GGUF, EMBEDDED_MODEL, embedded_gguf_path, resolve_model_dir
@@ -51,14 +51,17 @@ def load_model(
     weights: str = "fp32",
     weight_group: int = 32,
     prefill_gemm: str = "auto",
+    activations: str = "int8",
 ) -> LlamaModel:
     """Weights on ``device``, stored as ``weights`` (fp32 | bf16 | int8 | q4, quantized at load
     from fp32; kernels/quant.py); on the CPU also pre-packed for oneDNN and the C++ layers.
     ``prefill_gemm`` (fp32 | bf16 | auto): the precision of prefill's many-row matmuls
-    (engine/prefill_gemm.py; auto keeps fp32 weights fp32)."""
+    (engine/prefill_gemm.py; auto keeps fp32 weights fp32). ``activations`` (int8 | fp32): how
+    int8 / q4 weights multiply a decode step's rows on CPU (engine.config.ACTIVATIONS)."""
     from safetensors.torch import load_file
 
     check_prefill_gemm(prefill_gemm)
+    check_activations(activations)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no .safetensors weights in {model_dir}")
@@ -77,7 +80,7 @@ def load_model(
     _check_loaded(model)
     device = resolve_device(device)
     model = model.float().eval().to(device)
-    model.quantize_weights(weights, weight_group)
+    model.quantize_weights(weights, weight_group, activations)
     model.use_prefill_gemm(prefill_gemm_choice(prefill_gemm, weights, device))
     if model.embed_tokens.weight.device.type == "cpu":
         model.pack_weights_for_cpu()

@@ -183,15 +183,16 @@ class LlamaModel(nn.Module):
         """The precision a batch of ``rows`` tokens multiplies its weights in."""
         return "bf16" if self.prefill_gemm == "bf16" and rows > SKINNY_MAX_ROWS else "fp32"
 
-    def quantize_weights(self, fmt: str, group: int = 32) -> None:
+    def quantize_weights(self, fmt: str, group: int = 32, activations: str = "int8") -> None:
         """Every projection and the LM head in ``fmt`` (kernels/quant.py); call before
         ``pack_weights_for_cpu``. With q4 the LM head (the tied embedding) takes int8, as the
-        GGUF files keep their token embedding at 8 bits (Q8_0)."""
+        GGUF files keep their token embedding at 8 bits (Q8_0). ``activations``: how int8 /
+        q4 weights multiply decode rows on CPU (engine.config.ACTIVATIONS)."""
         if fmt == "fp32":
             return
         for name, m in self.named_modules():
             if isinstance(m, Linear):
-                m.quantize("int8" if fmt == "q4" and name == "lm_head" else fmt, group)
+                m.quantize("int8" if fmt == "q4" and name == "lm_head" else fmt, group, activations)
 
     def weight_bytes_per_step(self) -> int:
         """Bytes of weights a decode step reads: every projection and the LM head as stored

@@ -29,6 +29,7 @@ class EngineSettings:
     weight_group: int = EngineConfig.weight_group  # q4: weights per scale
     kv_dtype: str = EngineConfig.kv_dtype  # the KV cache: engine.config.KV_DTYPES
     prefill_gemm: str = EngineConfig.prefill_gemm  # engine.config.PREFILL_GEMMS
+    activations: str = EngineConfig.activations  # engine.config.ACTIVATIONS
 
     @property
     def cache(self) -> CacheConfig:
@@ -68,6 +69,7 @@ def load_model_once(s: EngineSettings, progress: bool = False) -> LoadedModel:
         s.weights,
         s.weight_group,
         prefill_gemm=s.prefill_gemm,
+        activations=s.activations,
     )
     has_tokenizer = (model_dir / "tokenizer.json").is_file()
     return LoadedModel(cfg, weights, Tokenizer(model_dir) if has_tokenizer else None)
@@ -91,6 +93,7 @@ def build_engine(s: EngineSettings, loaded: LoadedModel | None = None) -> LLMEng
         weight_group=s.weight_group,
         kv_dtype=s.kv_dtype,
         prefill_gemm=s.prefill_gemm,
+        activations=s.activations,
     )
     return LLMEngine(cfg, loaded.weights, loaded.tokenizer)
 

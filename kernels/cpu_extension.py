@@ -44,6 +44,7 @@ _SOURCES = [
     "prefill_attention_cpu.cpp",
     "skinny_gemm_cpu.cpp",
     "quant_gemm_cpu.cpp",
+    "quant_dot_cpu.cpp",
     "decoder_stack_cpu.cpp",
     "kv_blocks_cpu.cpp",
     "bindings.cpp",

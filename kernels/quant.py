@@ -90,29 +90,93 @@ def reference_linear(x: torch.Tensor, qw: QuantizedWeight, bias=None) -> torch.T
     return torch.nn.functional.linear(x, dequantize(qw), bias)
 
 
-def pack(qw: QuantizedWeight) -> torch.Tensor:
-    """The packing quant_gemm_cpu.cpp reads (layouts in its header), zero-padded to whole
-    tiles of 16 outputs."""
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as quant_dot_cpu.cpp multiplies it: per row and block of 32, codes
+    round(x * 127 / max|x|) times the scale max|x| / 127 (fp32 arithmetic, as the kernel)."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // DOT_BLOCK, DOT_BLOCK)
+    top = blocks.abs().amax(dim=2, keepdim=True)
+    inv = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+    return (torch.round(blocks * inv) * (top / 127.0)).reshape(m, k)
+
+
+def int8_activation_reference(x: torch.Tensor, qw: QuantizedWeight, bias=None) -> torch.Tensor:
+    """What the int8-activation kernel computes, in fp32 torch: the quantized x times the
+    weight's scaled codes, plus (q4) the exact x times the weight's minimums."""
+    xq = quantize_activations(x)
+    if qw.format == "int8":
+        return torch.nn.functional.linear(xq, dequantize(qw), bias)
+    n, k = qw.q.shape
+    codes = qw.q.view(n, k // qw.group, qw.group).float()
+    scaled = (codes * qw.scale.float()[..., None]).view(n, k)
+    minimums = qw.minimum.float().repeat_interleave(qw.group, dim=1)
+    return torch.nn.functional.linear(xq, scaled, bias) + x.float() @ minimums.T
+
+
+ACTIVATIONS = ("fp32", "int8")
+DOT_BLOCK = 32  # activations per int8 scale in quant_dot_cpu.cpp
+
+
+def dot_packable(qw: QuantizedWeight) -> bool:
+    """Whether int8 activations can multiply ``qw``: int8 or q4 codes, K in blocks of 32."""
+    return qw.format in ("int8", "q4") and qw.q.shape[1] % DOT_BLOCK == 0
+
+
+def pack(qw: QuantizedWeight, activations: str = "fp32") -> torch.Tensor:
+    """The packing the CPU extension reads, zero-padded to whole tiles of 16 outputs:
+    quant_gemm_cpu.cpp's (fp32 activations), or with ``activations="int8"`` (int8 / q4
+    weights, ``dot_packable``) quant_dot_cpu.cpp's, whose kernel quantizes x per row in
+    blocks of 32 and multiplies bytes. Layouts in each file's header."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations {activations!r}: expected one of {ACTIVATIONS}")
     n, k = qw.q.shape
     tiles = -(-n // TILE)
+    if activations == "int8":
+        if not dot_packable(qw):
+            raise ValueError("int8 activations need int8 or q4 weights with K % 32 == 0")
+        return _pack_dot(qw, tiles)
     if qw.format == "bf16":
         return _tiles(qw.q, tiles).transpose(1, 2).contiguous()  # [tiles, K, 16]
     if qw.format == "int8":
         codes = _tiles(qw.q, tiles).transpose(1, 2).reshape(tiles, k * TILE)
-        scales = _tiles(qw.scale[:, None], tiles).reshape(tiles, TILE).contiguous()
-        return torch.cat([codes, scales.view(torch.int8)], dim=1).contiguous()
+        return torch.cat([codes, _channel_scales(qw, tiles).view(torch.int8)], dim=1)
     groups, gs = k // qw.group, qw.group
     q = _tiles(qw.q, tiles).view(tiles, TILE, groups, gs // 2, 2).to(torch.int32)
     nibbles = (q[..., 0] | (q[..., 1] << 4)).to(torch.uint8)  # [tiles, 16, groups, G/2]
     nibbles = nibbles.permute(0, 2, 3, 1).reshape(tiles, groups, gs // 2 * TILE)
+    return torch.cat([nibbles, *_group_scales(qw, tiles)], dim=2)  # [tiles, groups, G * 8 + 64]
+
+
+def _pack_dot(qw: QuantizedWeight, tiles: int) -> torch.Tensor:
+    """quant_dot_cpu.cpp's layouts: chunks of 16 outputs x 4 bytes along K."""
+    k = qw.q.shape[1]
+    if qw.format == "int8":
+        shifted = (qw.q.to(torch.int16) + 128).to(torch.uint8)  # padding rows: code 0 -> 128
+        codes = _tiles(shifted, tiles, fill=128).view(tiles, TILE, k // 4, 4)
+        codes = codes.permute(0, 2, 1, 3).reshape(tiles, k * TILE)
+        return torch.cat([codes, _channel_scales(qw, tiles).view(torch.uint8)], dim=1)
+    q = _tiles(qw.q, tiles).view(tiles, TILE, k // 8, 2, 4).to(torch.int32)
+    nibbles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).to(torch.uint8)  # [tiles, 16, K/8, 4]
+    nibbles = nibbles.permute(0, 2, 1, 3).reshape(tiles, k // qw.group, qw.group * 8)
+    return torch.cat([nibbles, *_group_scales(qw, tiles)], dim=2).view(torch.int8)
+
+
+def _channel_scales(qw: QuantizedWeight, tiles: int) -> torch.Tensor:
+    """int8: the fp32 scales of each tile's 16 outputs, [tiles, 16]."""
+    return _tiles(qw.scale[:, None], tiles).reshape(tiles, TILE).contiguous()
+
+
+def _group_scales(qw: QuantizedWeight, tiles: int) -> list[torch.Tensor]:
+    """q4: per tile and group, the 16 outputs' fp16 scales, then their minimums, as bytes
+    ([tiles, groups, 32] each)."""
+    groups = qw.q.shape[1] // qw.group
     sm = [_tiles(t, tiles).transpose(1, 2).contiguous() for t in (qw.scale, qw.minimum)]
-    sm = [t.view(torch.uint8).view(tiles, groups, TILE * 2) for t in sm]  # [tiles, groups, 32]
-    return torch.cat([nibbles, *sm], dim=2).contiguous()  # [tiles, groups, G * 8 + 64]
+    return [t.view(torch.uint8).view(tiles, groups, TILE * 2) for t in sm]
 
 
-def _tiles(t: torch.Tensor, tiles: int) -> torch.Tensor:
-    """[N, ...] zero-padded to [tiles, 16, ...]."""
-    padded = t.new_zeros((tiles * TILE, *t.shape[1:]))
+def _tiles(t: torch.Tensor, tiles: int, fill: int = 0) -> torch.Tensor:
+    """[N, ...] padded with ``fill`` to [tiles, 16, ...]."""
+    padded = t.new_full((tiles * TILE, *t.shape[1:]), fill)
     padded[: t.shape[0]] = t
     return padded.view(tiles, TILE, *t.shape[1:])
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from decode_worker.launch import DecodeSettings
 from engine.config import (
+    ACTIVATIONS,
     KV_DTYPES,
     PREFILL_GEMMS,
     WEIGHT_FORMATS,
@@ -171,6 +172,8 @@ class ClusterConfig(_Strict):
     kv_dtype: Literal[KV_DTYPES] = _ENGINE.kv_dtype
     # prefill's many-row matmuls; auto: bf16 for quantized weights where it measures faster
     prefill_gemm: Literal[PREFILL_GEMMS] = _ENGINE.prefill_gemm
+    # int8 / q4 weights' decode rows on CPU: int8 (byte dot products) or fp32 (exact)
+    activations: Literal[ACTIVATIONS] = _ENGINE.activations
     lease_ttl_s: float = Field(_DECODE.lease_ttl_s, gt=0, allow_inf_nan=False)
     host: str | None = Field(None, description="bind address; null: each node's own IP")
     grpc_port: int = Field(50051, ge=0, le=65535)

@@ -1,7 +1,8 @@
 """Milliseconds per matmul of the quantized skinny kernels (and the fp32 one) on SmolLM2-135M's
 decode shapes, per build, per thread count: best of ``--repeats`` calls each, and the sum a
 decode step would spend in them (30 layers x qkv, o, gate_up, down + the LM head; with q4 the
-LM head is int8, as the engine runs it).
+LM head is int8, as the engine runs it). A format ending in ``a8`` (``int8a8``, ``q4a8``) is
+the same weights with int8 activations (kernels/csrc/quant_dot_cpu.cpp).
 
     python scripts/bench_quant_matmul.py --cpu-kernels avx512,avx2 --rows 1,8,32 --threads 1,2
 """
@@ -29,15 +30,17 @@ SHAPES = {  # name: (N, K); SmolLM2-135M: hidden 576, 9 + 2 x 3 heads of 64, MLP
     "down": (576, 1536),
     "lm_head": (49152, 576),
 }
-FORMATS = ("fp32", "int8", "q4")
+FORMATS = ("fp32", "int8", "q4", "int8a8", "q4a8")
 
 
 def packed_weight(module, fmt: str, name: str, weight: torch.Tensor) -> torch.Tensor:
     if fmt == "fp32":
         return module.pack_skinny_weight(weight)
+    activations = "int8" if fmt.endswith("a8") else "fp32"
+    fmt = fmt.removesuffix("a8")
     if fmt == "q4" and name == "lm_head":  # the tied embedding stays at 8 bits (as the file)
         fmt = "int8"
-    return quant.pack(quant.quantize(weight, fmt, 32))
+    return quant.pack(quant.quantize(weight, fmt, 32), activations)
 
 
 def best_ms(fn, repeats: int) -> float:

@@ -106,6 +106,13 @@ at::Tensor quant_skinny_linear(const at::Tensor& x, const at::Tensor& packed, in
                                const std::optional<at::Tensor>& bias,
                                const std::optional<at::Tensor>& residual);
 
+// The int8-activation packings (quant_dot_cpu.cpp: q4 int8-typed 3-d, int8 uint8 2-d) and
+// their kernel; quant_skinny_linear hands them over.
+bool is_int8_activation_packing(const at::Tensor& packed);
+at::Tensor quant_dot_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_out,
+                            const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& residual);
+
 struct StackLinear {
   // bias / packed (oneDNN) / skinny (pack_skinny_weight) undefined when absent
   at::Tensor weight, bias, packed, skinny;

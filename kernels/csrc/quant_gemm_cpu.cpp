@@ -15,7 +15,7 @@
 //   q4:   [tiles, K / G, G * 8 + 64] uint8: per group, G / 2 steps of 16 bytes (byte j holds
 //         output j's weight at k = 2p in its low nibble and at k = 2p + 1 in its high one),
 //         then 16 fp16 scales and 16 fp16 minimums: w = q * scale + min, q in 0..15.
-#include "cpu_kernels.h"
+#include "quant_tiles.h"
 
 #include <ATen/Parallel.h>
 
@@ -23,8 +23,11 @@
 
 namespace {
 
-constexpr int64_t kTile = 16;
-constexpr int kRegs = kTile / simd::kWidth;  // registers per tile: 1 (AVX-512) or 2 (AVX2)
+using quant_tiles::f16_to_ps;
+using quant_tiles::kRegs;
+using quant_tiles::kTile;
+using quant_tiles::store_tile;
+
 constexpr int64_t kGroup = simd::kRegisters >= 32 ? 2 : 1;  // tiles per pass
 constexpr int64_t kMaxPass = simd::kRegisters >= 32 ? 12 : 6;  // rows per pass
 constexpr int64_t kPrefetchBytes = 1024;
@@ -40,9 +43,6 @@ inline simd::vec bf16_to_ps(const uint16_t* p) {
   const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
-inline simd::vec f16_to_ps(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-}
 // Both nibbles of 16 bytes: low -> k even, high -> k odd.
 inline void nibbles_to_ps(const uint8_t* p, simd::vec& lo, simd::vec& hi) {
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
@@ -57,25 +57,12 @@ inline simd::vec bf16_to_ps(const uint16_t* p) {
   const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
-inline simd::vec f16_to_ps(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-}
 inline void nibbles_to_ps(const uint8_t* p, simd::vec& lo, simd::vec& hi) {
   const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
   lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
   hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
 }
 #endif
-
-inline void store_tile(const simd::vec* acc, int64_t m, int64_t n, const Epilogue& e) {
-  const int64_t at = m * e.N + n, width = std::min(kTile, e.N - n);
-  float lanes[kTile];
-  for (int r = 0; r < kRegs; ++r) simd::store(lanes + r * simd::kWidth, acc[r]);
-  for (int64_t j = 0; j < width; ++j) {
-    const float y = lanes[j] + (e.bias ? e.bias[n + j] : 0.f);
-    e.out[at + j] = e.residual ? y + e.residual[at + j] : y;
-  }
-}
 
 // The geometry of one packed weight: bytes per tile and, for q4, per group.
 struct Packed {
@@ -217,6 +204,7 @@ Format describe(const at::Tensor& packed, int64_t K, Packed& w) {
 at::Tensor quant_skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_out,
                                const std::optional<at::Tensor>& bias,
                                const std::optional<at::Tensor>& residual) {
+  if (is_int8_activation_packing(packed)) return quant_dot_linear(x, packed, n_out, bias, residual);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be 2-d fp32");
   const int64_t M = x.size(0), K = x.size(1), N = n_out, tiles = packed.size(0);
   TORCH_CHECK(tiles * kTile >= N && tiles * kTile < N + kTile, "packed weight does not match n_out");
