@@ -15,6 +15,9 @@ decode); rounds alternate between the two so a shared machine's slow spells fall
 A llama.cpp build named like a pdserve build (``avx512``, ``avx2``) is its baseline: ratios
 are printed against the llama.cpp build of the same instruction set, at the same batch and
 against that build's best batched figure (its highest tokens/s over the batch sizes).
+
+``--weights`` names formats; ``int8:fp32`` / ``q4:fp32`` are those weights with fp32
+activations (the exact kernel) instead of the default int8 ones (kernels/csrc/quant_dot_cpu.cpp).
 """
 
 from __future__ import annotations
@@ -164,10 +167,11 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     engines = {
         fmt: bench_engine._engine(
-            "embedded", (16,), batches, (args.context + 8,), fmt, args.kv_dtype
+            "embedded", (16,), batches, (args.context + 8,), fmt.split(":")[0], args.kv_dtype,
+            activations=(fmt.split(":") + ["int8"])[1],
         )[1]
         for fmt in args.weights.split(",")
-    }
+    }  # fmt: skip
     gguf = Path(args.llama_gguf) if args.llama_gguf else embedded_gguf_path()
     rounds = [measure_round(engines, variants, llama_bins, gguf, args, batches)
               for _ in range(args.rounds)]  # fmt: skip

@@ -1,6 +1,7 @@
-"""Weight-only quantization: the CPU kernels equal dequantize-then-matmul on every build, the
-q4 format gives a Q4_1 file's blocks back, and a quantized model's decode (quantized kernel)
-and prefill (fp32 kernels on the dequantized weight) multiply the same weights."""
+"""Weight-only quantization: the CPU kernels equal dequantize-then-matmul on every build (with
+int8 activations: the same on x quantized per block of 32), the q4 format gives a Q4_1 file's
+blocks back, and a quantized model's decode (quantized kernel) and prefill (fp32 kernels on
+the dequantized weight) multiply the same weights."""
 
 from __future__ import annotations
 
@@ -36,6 +37,58 @@ def test_quantized_kernel_equals_dequantize_then_matmul(ext, fmt, group, n, k): 
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * k**0.5)
         plain = ext.skinny_linear(x, packed, n)
         torch.testing.assert_close(plain, quant.reference_linear(x, qw), rtol=1e-4, atol=1e-3)
+
+
+DOT_FORMATS = [("int8", 32), ("q4", 32), ("q4", 64)]
+
+
+@pytest.mark.parametrize("fmt,group", DOT_FORMATS)
+@pytest.mark.parametrize("n,k", [(40, 64), (576, 576), (100, 128), (17, 1536)])
+def test_int8_activation_kernel_equals_its_reference(ext, fmt, group, n, k):  # noqa: F811
+    """The byte-dot kernel computes exactly quant.int8_activation_reference (its integer sums
+    are exact), for every row blocking: AVX-512 passes of up to 4 rows over 2 tiles, AVX2 of 2
+    rows over 1, tails of both."""
+    torch.manual_seed(n + k + group)
+    qw = quant.quantize(torch.randn(n, k), fmt, group)
+    packed = quant.pack(qw, "int8")
+    bias = torch.randn(n)
+    for rows in (1, 2, 3, 4, 5, 7, 8, 13, 32, 48):
+        x = torch.randn(rows, k) * 3
+        residual = torch.randn(rows, n)
+        got = ext.skinny_linear(x, packed, n, bias, residual)
+        ref = quant.int8_activation_reference(x, qw, bias) + residual
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * k**0.5)
+
+
+@pytest.mark.parametrize("fmt,group", DOT_FORMATS)
+def test_int8_activations_stay_within_their_quantization_step(fmt, group):
+    """Against fp32 activations, the error is what rounding x to 8 bits per block allows:
+    each product off by at most half a step (max|x| / 254) times |w|."""
+    torch.manual_seed(4)
+    qw = quant.quantize(torch.randn(64, 256), fmt, group)
+    x = torch.randn(8, 256)
+    x[:, 7] = 40.0  # an outlier channel costs only its own block's precision
+    xq = quant.quantize_activations(x)
+    top = x.view(8, 8, 32).abs().amax(2).repeat_interleave(32, 1)
+    assert bool(((xq - x).abs() <= top / 254 * 1.0001).all())
+    got = quant.int8_activation_reference(x, qw)
+    w = quant.dequantize(qw)
+    if fmt == "q4":  # the minimums multiply the exact x: only the scaled codes see xq's error
+        w = w - qw.minimum.float().repeat_interleave(group, dim=1)
+    bound = (top / 254) @ w.abs().T
+    assert bool(((got - quant.reference_linear(x, qw)).abs() <= bound * 1.001 + 1e-4).all())
+
+
+def test_int8_activation_packing_needs_int8_or_q4_and_k_in_blocks_of_32():
+    with pytest.raises(ValueError, match="int8 activations"):
+        quant.pack(quant.quantize(torch.randn(16, 64), "bf16"), "int8")
+    with pytest.raises(ValueError, match="int8 activations"):
+        quant.pack(quant.quantize(torch.randn(16, 48), "int8"), "int8")
+    with pytest.raises(ValueError, match="activations 'fp16'"):
+        quant.pack(quant.quantize(torch.randn(16, 64), "int8"), "fp16")
+    lin = Linear(48, 16)  # K = 48: the layer keeps fp32 activations
+    lin.quantize("int8", 32, "int8")
+    assert lin.skinny_activations == "fp32"
 
 
 @pytest.mark.parametrize("group", quant.Q4_GROUPS)
@@ -94,16 +147,26 @@ def test_bytes_read_per_weight():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "q4"])
-def test_linear_few_and_many_rows_multiply_the_same_weight(ext, fmt):  # noqa: F811
-    """Decode (quantized skinny kernel) and prefill (oneDNN on the dequantized weight) agree."""
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_linear_few_and_many_rows_multiply_the_same_weight(ext, fmt, activations):  # noqa: F811
+    """Decode (quantized skinny kernel) and prefill (oneDNN on the dequantized weight) agree;
+    with int8 activations decode is the same weight times x rounded per block of 32."""
     torch.manual_seed(2)
     lin = Linear(128, 200, bias=True)
-    lin.quantize(fmt, 32)
+    lin.quantize(fmt, 32, activations)
     assert lin.pack_for_cpu() and lin.skinny.dtype != torch.float32
     x = torch.randn(64, 128)
     many = lin(x)
     few = torch.cat([lin(x[i : i + 8]) for i in range(0, 64, 8)])
-    torch.testing.assert_close(few, many, rtol=1e-4, atol=1e-4)
+    bias = lin.bias.detach()
+    torch.testing.assert_close(many, quant.reference_linear(x, lin.quantized, bias))
+    if activations == "int8" and fmt != "bf16":
+        assert lin.skinny_activations == "int8"
+        exact = quant.int8_activation_reference(x, lin.quantized, bias)
+        torch.testing.assert_close(few, exact, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(few, many, rtol=1e-4, atol=1e-4)  # the int8 kernel ran
+    else:
+        torch.testing.assert_close(few, many, rtol=1e-4, atol=1e-4)
     assert lin.decode_bytes == lin.quantized.nbytes
 
 
@@ -121,9 +184,11 @@ def _decode_logits(model, ctx_ids):
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "q4"])
 def test_quantized_model_decodes_what_its_dequantized_weights_compute(tmp_path, ext, fmt):  # noqa: F811
+    """With fp32 activations decode equals the dequantized model to float rounding (int8
+    activations: tests/test_quant_smollm2.py bounds what they cost on the real model)."""
     d, _ = tiny_llama_dir(tmp_path)
     cfg = load_config(d)
-    quantized = load_model(d, cfg, 128, weights=fmt)
+    quantized = load_model(d, cfg, 128, weights=fmt, activations="fp32")
     assert quantized.cpu_stack is not None  # the C++ layers run the quantized tiles
     reference = load_model(d, cfg, 128)
     for ours, ref in zip(quantized.modules(), reference.modules()):
@@ -147,6 +212,8 @@ def test_engine_config_checks_weights_and_kv_dtype(tmp_path):
         EngineConfig(cfg, weights="q3")
     with pytest.raises(ValueError, match="group"):
         EngineConfig(cfg, weights="q4", weight_group=48)
+    with pytest.raises(ValueError, match="activations"):
+        EngineConfig(cfg, weights="q4", activations="int4")
     with pytest.raises(ValueError, match="kv_dtype"):
         EngineConfig(cfg, kv_dtype="fp4")  # fp8 is a KV format now (tests/test_kv_fp8.py)
 

@@ -4,6 +4,10 @@ fp32's on at least 90% of the first 32 positions of the chat prompts. With bf16 
 matmuls (``prefill_gemm: bf16``, engine/prefill_gemm.py) the same bounds hold against fp32
 weights with fp32 prefill.
 
+Decode steps of int8 and q4 weights multiply int8 activations (``activations: int8``, the
+default; kernels/csrc/quant_dot_cpu.cpp): the same bounds hold on logits taken one decode step
+at a time, which is the path those kernels run (a prefill's many rows multiply fp32 ones).
+
 Agreement is counted per position on fp32's own greedy continuation (each position's next
 token given the same prefix): once two free-running generations part at a near tie, every
 later position compares different texts, which says nothing about the weights.
@@ -55,8 +59,22 @@ def next_token_logits(model, ids: list[int]) -> torch.Tensor:
     return model.compute_logits(hidden).float()
 
 
-def perplexity(model, ids: list[int]) -> float:
-    logp = torch.log_softmax(next_token_logits(model, ids)[:-1], dim=-1)
+def decode_step_logits(model, ids: list[int]) -> torch.Tensor:
+    """The same logits, one decode step (one row, the skinny kernels) per position."""
+    n = len(ids)
+    blocks = n // 16 + 1
+    kv = model.allocate_kv_cache(blocks, 16)
+    table = [list(range(blocks))]
+    rows = []
+    for i in range(n):
+        meta = AttentionMetadata.build([1], [i + 1], table, 16)
+        hidden = model(torch.tensor(ids[i : i + 1]), torch.tensor([i]), meta, kv)
+        rows.append(model.compute_logits(hidden).float())
+    return torch.cat(rows)
+
+
+def perplexity(model, ids: list[int], logits=next_token_logits) -> float:
+    logp = torch.log_softmax(logits(model, ids)[:-1], dim=-1)
     return math.exp(-logp.gather(1, torch.tensor(ids[1:])[:, None]).mean().item())
 
 
@@ -67,6 +85,16 @@ def test_perplexity_of_quantized_weights_stays_near_fp32(models, model_dir):
     assert 5 < ppl["fp32/fp32"] < 40, ppl  # the model reads English
     assert ppl["int8/fp32"] <= ppl["fp32/fp32"] * 1.03, ppl
     assert ppl["q4/fp32"] <= ppl["fp32/fp32"] * 1.08, ppl
+
+
+def test_perplexity_of_decode_steps_with_int8_activations_stays_near_fp32(models, model_dir):
+    ids = Tokenizer(model_dir).encode(TEXT.read_text())
+    assert all(models[w, "fp32"].layers[0].mlp.down_proj.skinny_activations == "int8"
+               for w in ("int8", "q4"))  # fmt: skip
+    ppl = {w: perplexity(models[w, "fp32"], ids, decode_step_logits) for w in ("int8", "q4")}
+    ppl["fp32"] = perplexity(models["fp32", "fp32"], ids)
+    assert ppl["int8"] <= ppl["fp32"] * 1.03, ppl
+    assert ppl["q4"] <= ppl["fp32"] * 1.08, ppl
 
 
 def test_perplexity_with_bf16_prefill_matmuls_stays_near_fp32(models, model_dir):
@@ -93,9 +121,11 @@ def test_int8_greedy_tokens_agree_with_fp32(models, model_dir):
         tok,
     )
     params = SamplingParams(max_tokens=POSITIONS, temperature=0.0, ignore_eos=True)
-    agree = 0
+    agree = {"prefill": 0, "decode": 0}  # decode: one step per position, int8 activations
     for prompt, req in zip(prompts, engine.generate(prompts, params)):
         ref = req.output_token_ids
-        logits = next_token_logits(models["int8", "fp32"], prompt + ref)[len(prompt) - 1 : -1]
-        agree += sum(a == b for a, b in zip(logits.argmax(-1).tolist(), ref))
-    assert agree >= 0.9 * POSITIONS * len(prompts), f"{agree} of {POSITIONS * len(prompts)}"
+        for path, logits_of in (("prefill", next_token_logits), ("decode", decode_step_logits)):
+            logits = logits_of(models["int8", "fp32"], prompt + ref)[len(prompt) - 1 : -1]
+            agree[path] += sum(a == b for a, b in zip(logits.argmax(-1).tolist(), ref))
+    total = POSITIONS * len(prompts)
+    assert min(agree.values()) >= 0.9 * total, f"{agree} of {total}"

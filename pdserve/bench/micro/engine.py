@@ -281,7 +281,8 @@ def _rows_of(engine, fmt, kv_dtypes, variants, reps, hf_seconds, peaks, bandwidt
 
 
 def _engine(
-    model: str, prompt_lens, batches, contexts, weights="fp32", kv_dtype="fp32", gemm="auto"
+    model: str, prompt_lens, batches, contexts, weights="fp32", kv_dtype="fp32", gemm="auto",
+    activations="int8",
 ):
     """The model's directory and an engine with blocks for the largest workload."""
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -298,10 +299,12 @@ def _engine(
     max_len = min(max_ctx + 16, cfg.max_position_embeddings)
     engine_cfg = EngineConfig(
         cfg, CacheConfig(16, blocks), SchedulerConfig(max_ctx), max_len, weights,
-        kv_dtype=kv_dtype, prefill_gemm=gemm,
+        kv_dtype=kv_dtype, prefill_gemm=gemm, activations=activations,
     )  # fmt: skip
     tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
-    loaded = load_model(model_dir, cfg, max_len, weights=weights, prefill_gemm=gemm)
+    loaded = load_model(
+        model_dir, cfg, max_len, weights=weights, prefill_gemm=gemm, activations=activations
+    )
     engine = LLMEngine(engine_cfg, loaded, tokenizer)
     return model_dir, engine
 
