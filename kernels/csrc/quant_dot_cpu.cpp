@@ -251,14 +251,9 @@ template <bool Q4>
 void run_all(const Int8Rows& x, int64_t M, const Packed& w, int64_t tiles, const Epilogue& e) {
   static const auto group = make_passes<Q4, kNT>(std::make_integer_sequence<int, kMaxPass>{});
   static const auto single = make_passes<Q4, 1>(std::make_integer_sequence<int, kMaxPass>{});
-  const int64_t groups = (tiles + kNT - 1) / kNT;
-  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t t0 = g * kNT, count = std::min(kNT, tiles - t0);
-      const auto& passes = count == kNT ? group : single;
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxPass)
-        passes[std::min(kMaxPass, M - m0) - 1](x, m0, w, t0, e);
-    }
+  quant_tiles::for_each_pass(tiles, kNT, M, kMaxPass, [&](int64_t t0, int64_t count,
+                                                           int64_t m0, int64_t rows) {
+    (count == kNT ? group : single)[rows - 1](x, m0, w, t0, e);
   });
 }
 

@@ -159,14 +159,9 @@ template <Format F>
 void run_all(const float* xt, int64_t M, const Packed& w, int64_t tiles, const Epilogue& e) {
   static const auto group = make_passes<F, kGroup>(std::make_integer_sequence<int, kMaxPass>{});
   static const auto single = make_passes<F, 1>(std::make_integer_sequence<int, kMaxPass>{});
-  const int64_t groups = (tiles + kGroup - 1) / kGroup;
-  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t t0 = g * kGroup, count = std::min(kGroup, tiles - t0);
-      const auto& passes = count == kGroup ? group : single;
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxPass)
-        passes[std::min(kMaxPass, M - m0) - 1](xt, M, m0, w, t0, e);
-    }
+  quant_tiles::for_each_pass(tiles, kGroup, M, kMaxPass, [&](int64_t t0, int64_t count,
+                                                              int64_t m0, int64_t rows) {
+    (count == kGroup ? group : single)[rows - 1](xt, M, m0, w, t0, e);
   });
 }
 

@@ -5,6 +5,8 @@
 
 #include "cpu_kernels.h"
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 
 namespace quant_tiles {
@@ -30,6 +32,21 @@ inline void store_tile(const simd::vec* acc, int64_t m, int64_t n, const Epilogu
     const float y = lanes[j] + (e.bias ? e.bias[n + j] : 0.f);
     e.out[at + j] = e.residual ? y + e.residual[at + j] : y;
   }
+}
+
+// Every pass of an M-row matmul over `tiles` tiles, in parallel over groups of
+// `tiles_per_pass` tiles: run(t0, tiles in this group, m0, rows in this pass).
+template <class Run>
+void for_each_pass(int64_t tiles, int64_t tiles_per_pass, int64_t M, int64_t rows_per_pass,
+                   const Run& run) {
+  const int64_t groups = (tiles + tiles_per_pass - 1) / tiles_per_pass;
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t t0 = g * tiles_per_pass, count = std::min(tiles_per_pass, tiles - t0);
+      for (int64_t m0 = 0; m0 < M; m0 += rows_per_pass)
+        run(t0, count, m0, std::min(rows_per_pass, M - m0));
+    }
+  });
 }
 
 }  // namespace quant_tiles
