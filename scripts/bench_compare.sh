@@ -14,6 +14,8 @@
 #   ALSO_WEIGHTS=q4,int8 ...                         # + disaggregated_q4, _int8: the same pair
 #                                                    # on quantized weights, PREFILL_GEMM=auto
 #   VLLM=1 ...                                       # start vLLM-cpu here (VLLM_PORT, 8011)
+#   COLOCATED_WEIGHTS=q4 ...                         # + colocated_q4: one colocated worker (2
+#                                                    # threads) on quantized weights
 # Issue 22's goodput check, one command (prints goodput and each one's ratio to fp32 pdserve
 # and to vLLM at the end):
 #   ALSO_WEIGHTS=q4,int8 VLLM=1 COLOCATED=0 RATES=1,2,3,4 N=40 bash scripts/bench_compare.sh
@@ -28,6 +30,7 @@ PREFILL_GEMM=${PREFILL_GEMM:-auto}
 VLLM=${VLLM:-0}
 VLLM_PORT=${VLLM_PORT:-8011}
 COLOCATED=${COLOCATED:-1}
+COLOCATED_WEIGHTS=${COLOCATED_WEIGHTS:-}
 N=${N:-20}
 SLO_TTFT=${SLO_TTFT:-3}
 SLO_TPOT=${SLO_TPOT:-0.1}
@@ -72,6 +75,11 @@ done
 if [ "$COLOCATED" = 1 ]; then
   start_cluster colocated --num-prefill 0 --threads 2
 fi
+for weights in ${COLOCATED_WEIGHTS//,/ }; do  # one colocated worker on quantized weights
+  start_cluster "colocated_$weights" --num-prefill 0 --threads 2 --weights "$weights" \
+    --prefill-gemm "$PREFILL_GEMM"
+  ALSO+=("colocated_$weights")
+done
 if [ "$VLLM" = 1 ] && [ -z "${PEER_URL:-}" ]; then
   setsid bash ../shared/peers/vllm-cpu.sh "$VLLM_PORT" >"$OUT/vllm.out" 2>"$OUT/vllm.log" &
   PIDS+=(-$!)
