@@ -9,9 +9,10 @@ import pytest
 
 from engine.request import Request, SamplingParams
 from engine.scheduler import ScheduledSequence
+from pdserve.planner.cpu_share import CpuShare
 from pdserve.planner.profile import CPU_COST_FIELDS, Profile, load_profile
 from pdserve.planner.sim import SimConfig, Split, simulate
-from pdserve.planner.sim_workers import CpuShare
+from pdserve.planner.sim_workers import Clock
 from pdserve.planner.workload import TraceRequest
 from tests.conftest import needs_embedded
 from tests.test_planner_sim import toy_profile
@@ -67,16 +68,26 @@ def test_zero_load_tpot_is_a_decode_step_plus_one_sampled_row():
     assert sampled.ttfts[0] == pytest.approx(greedy.ttfts[0] + SAMPLE_S)
 
 
+def _step_ends(cores, steps: int, background_s: float) -> tuple[list[float], CpuShare]:
+    """``steps`` decode steps of 0.1 s alone and ``background_s`` of router CPU, all at 0."""
+    clock = Clock()
+    cpu = CpuShare(cores=cores, threads=1, clock=clock)
+    ends = []
+    for _ in range(steps):
+        clock.at(0.0, cpu.begin, "decode", 0.1, lambda e: ends.append(clock.now))
+    clock.at(0.0, cpu.charge, 0.0, background_s)
+    clock.run()
+    return ends, cpu
+
+
 def test_background_cpu_slows_a_step_only_past_the_cores():
-    cpu = CpuShare(cores=2, threads=1)
-    cpu.charge(0.0, 0.05)  # half of a 0.1 s step
-    assert cpu.start("decode", 0.0, 0.1) == 1.0  # one worker + half a thread fit on 2 cores
-    assert cpu.start("decode", 0.0, 0.1) == pytest.approx((2 + 0.5) / 2)
-    cpu.charge(0.0, 1.0)  # a backlog longer than the step: at most one core
-    assert cpu.start("decode", 0.0, 0.1) == pytest.approx((3 + 1) / 2)
-    own = CpuShare(None)
-    own.charge(0.0, 1.0)  # own hardware: the router has cores of its own
-    assert own.start("decode", 0.0, 0.1) == 1.0 and own.background_s == 0
+    # One worker and the background thread fit on 2 cores.
+    assert _step_ends(2, 1, 0.05)[0] == pytest.approx([0.1])
+    # Two workers and the background: 3 threads on 2 cores, each at 2/3 speed until the
+    # background's 0.05 s are done (at 0.075, 0.05 of each step done), then full speed.
+    assert _step_ends(2, 2, 0.05)[0] == pytest.approx([0.125, 0.125])
+    ends, own = _step_ends(None, 2, 1.0)  # own hardware: the router has cores of its own
+    assert ends == pytest.approx([0.1, 0.1]) and own.background_s == 0
 
 
 def test_on_one_core_every_streamed_tokens_router_cpu_adds_to_the_next_step():

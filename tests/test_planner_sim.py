@@ -138,24 +138,85 @@ def test_workers_sharing_cores_run_slower_than_workers_with_their_own():
     )
 
 
-def test_a_step_beside_another_worker_takes_the_measured_co_run_slowdown():
-    from pdserve.planner.sim_workers import CpuShare
+def _steps_on_shared_cores(cpu_kw: dict, steps: list[tuple[float, str, float]]) -> list[float]:
+    """Run ``(start, kind, alone_s)`` steps on a CpuShare; each one's end time, in order."""
+    from pdserve.planner.cpu_share import CpuShare
+    from pdserve.planner.sim_workers import Clock
 
-    cpu = CpuShare(cores=2, threads=1, co_run_slowdown=1.5)
-    assert cpu.start() == 1.0  # alone
-    assert cpu.start() == 1.5  # beside one other, each on its own core
-    assert cpu.start() == pytest.approx(1.5 * 1.5)  # three on two cores, and beside others
-    assert CpuShare(None, 1, 1.5).start() == 1.0  # own hardware: no sharing at all
+    clock = Clock()
+    cpu = CpuShare(clock=clock, **cpu_kw)
+    ends = [None] * len(steps)
+
+    def finish(i: int, elapsed: float) -> None:
+        ends[i] = clock.now
+        assert elapsed == pytest.approx(clock.now - steps[i][0])
+
+    for i, (t, kind, alone) in enumerate(steps):
+        clock.at(t, cpu.begin, kind, alone, lambda e, i=i: finish(i, e))
+    clock.run()
+    return ends
+
+
+def test_a_step_beside_another_worker_takes_the_measured_co_run_slowdown():
+    kw = {"cores": 2, "threads": 1, "co_run_slowdown": 1.5}
+    assert _steps_on_shared_cores(kw, [(0.0, "decode", 1.0)]) == [1.0]  # alone
+    two = _steps_on_shared_cores(kw, [(0.0, "decode", 1.0)] * 2)  # each on its own core
+    assert two == pytest.approx([1.5, 1.5])
+    three = _steps_on_shared_cores(kw, [(0.0, "decode", 1.0)] * 3)  # three on two cores
+    assert three == pytest.approx([1.5 * 1.5] * 3)
+    own = {**kw, "cores": None}  # own hardware: no sharing at all
+    assert _steps_on_shared_cores(own, [(0.0, "decode", 1.0)] * 3) == [1.0] * 3
+
+
+def test_running_steps_are_re_rated_when_a_neighbour_starts_and_ends():
+    """Fluid sharing: A (1 s alone) runs alone for 0.5 s, then at half speed beside B until
+    it ends at 1.5; B (1 s alone) does 0.5 s of work by then and the rest alone, ending at 2."""
+    kw = {"cores": 2, "threads": 1, "co_run_slowdown": 2.0}
+    ends = _steps_on_shared_cores(kw, [(0.0, "decode", 1.0), (0.5, "decode", 1.0)])
+    assert ends == pytest.approx([1.5, 2.0])
+
+
+def test_background_work_shares_the_cores_while_it_lasts():
+    """One core, a 1 s step, 0.25 s of router CPU arriving at 0: the two share the core until
+    the background is done at 0.5 (0.25 of the step done), then the step ends at 1.25."""
+    from pdserve.planner.cpu_share import CpuShare
+    from pdserve.planner.sim_workers import Clock
+
+    clock = Clock()
+    cpu = CpuShare(cores=1, clock=clock)
+    ends = []
+    clock.at(0.0, cpu.begin, "decode", 1.0, lambda e: ends.append(clock.now))
+    clock.at(0.0, cpu.charge, 0.0, 0.25)
+    clock.run()
+    assert ends == pytest.approx([1.25])
+    assert cpu.background_s == 0.25
+
+
+def test_a_neighbour_costs_what_its_kind_costs(tmp_path):
+    """A decode step beside a prefill takes ``co_run_slowdown``, beside another decode step the
+    decode pair's figure; a pair the profile did not measure takes its kind's figure."""
+    kw = {"cores": 2, "threads": 1, "co_run_slowdown": 2.0, "co_run_slowdown_prefill": 1.0,
+          "pairs": {("decode", "decode"): 1.25}}  # fmt: skip
+    decodes = _steps_on_shared_cores(kw, [(0.0, "decode", 1.0)] * 2)
+    assert decodes == pytest.approx([1.25, 1.25])
+    beside_prefill = _steps_on_shared_cores(kw, [(0.0, "decode", 1.0), (0.0, "prefill", 10.0)])
+    assert beside_prefill[0] == pytest.approx(2.0)
+    prefills = _steps_on_shared_cores(kw, [(0.0, "prefill", 1.0)] * 2)
+    assert prefills == pytest.approx([1.0, 1.0])  # no prefill pair given: the prefill figure
+    from pdserve.planner.profile import load_profile
+
+    prof = Profile(**{**toy_profile().__dict__, "co_run_slowdown_decode_pair": 1.1})
+    prof.save(tmp_path / "p.json")
+    again = load_profile(tmp_path / "p.json").co_run_pairs
+    assert again == {("decode", "decode"): 1.1, ("prefill", "prefill"): None}
 
 
 def test_prefill_and_decode_steps_take_their_own_co_run_slowdowns():
-    from pdserve.planner.sim_workers import CpuShare
+    from pdserve.planner.cpu_share import CpuShare
 
-    cpu = CpuShare(cores=2, threads=1, co_run_slowdown=2.0, co_run_slowdown_prefill=1.2)
-    assert cpu.start("prefill") == 1.0  # alone
-    assert cpu.start("prefill") == pytest.approx(1.2)  # beside a neighbour
-    cpu.end()
-    assert cpu.start("decode") == pytest.approx(2.0)
+    kw = {"cores": 2, "threads": 1, "co_run_slowdown": 2.0, "co_run_slowdown_prefill": 1.2}
+    pair = _steps_on_shared_cores(kw, [(0.0, "prefill", 1.0), (0.0, "decode", 1.0)])
+    assert pair == pytest.approx([1.2, 1.2 + (1.0 - 1.2 / 2.0)])
     # A profile from before the split: prefill steps take the one (decode) figure.
     assert CpuShare(2, 1, 2.0).slowdown == {"decode": 2.0, "prefill": 2.0}
 

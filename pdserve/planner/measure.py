@@ -183,24 +183,35 @@ def _beside(model_dir: str, kind: str, measure) -> float:
         proc.wait(10)
 
 
-def measure_co_run_slowdown(
-    timer: WorkerTimer, model_dir: str, reps: int = 9
-) -> tuple[float, float]:
-    """How much slower a decode step runs while another worker prefills beside it, and a
-    prefill step while another worker decodes beside it, each over its time alone. Measured
-    apart: a bandwidth-bound decode step loses more to a neighbour than a compute-bound
-    prefill (on this VM's two cores the one figure for both made the simulated TTFT ~3x the
-    real one). Medians of ``reps`` runs on both sides: the fastest run beside a neighbour is
-    the one it happened not to disturb (best-of read 1.00 for both on this VM, where step
-    traces of live 1P1D runs showed 1.17 and 1.3-1.4)."""
+def measure_co_run_slowdown(timer: WorkerTimer, model_dir: str, reps: int = 9) -> dict:
+    """How much slower a step runs while another worker computes beside it, over its time alone,
+    for each pair of kinds: a decode step beside a prefilling and beside a decoding neighbour,
+    a prefill step beside each. What a neighbour costs depends on both kinds: a bandwidth-bound
+    decode step loses more than a compute-bound prefill, and on vCPUs that are two hyperthreads
+    of one core a prefill beside a decode step costs it far more than another decode step does
+    (live step traces on an AMD EPYC VM: decode beside decode 1.07, beside prefill 1.35).
+    Medians of ``reps`` runs on both sides: the fastest run beside a neighbour is the one it
+    happened not to disturb (best-of read 1.00 on a Xeon VM, where step traces of live 1P1D
+    runs showed 1.17 and 1.3-1.4). Keys: the Profile fields they set."""
     batch, ctx = min(16, max(timer.grid.batches)), min(256, max(timer.grid.contexts))
     chunk = min(256, max(timer.grid.prefill_tokens))
     steady = WorkerTimer(timer.engine, replace(timer.grid, reps=reps))
     decode_alone = steady.decode(batch, ctx)
-    decode_beside = _beside(model_dir, "prefill", lambda: steady.decode(batch, ctx))
     prefill_alone = steady.prefill(chunk, 0)
-    prefill_beside = _beside(model_dir, "decode", lambda: steady.prefill(chunk, 0))
-    return max(1.0, decode_beside / decode_alone), max(1.0, prefill_beside / prefill_alone)
+
+    def beside(neighbour: str, kind: str) -> float:
+        if kind == "decode":
+            return max(1.0, _beside(model_dir, neighbour, lambda: steady.decode(batch, ctx))
+                       / decode_alone)  # fmt: skip
+        return max(1.0, _beside(model_dir, neighbour, lambda: steady.prefill(chunk, 0))
+                   / prefill_alone)  # fmt: skip
+
+    return {
+        "co_run_slowdown": beside("prefill", "decode"),
+        "co_run_slowdown_prefill": beside("decode", "prefill"),
+        "co_run_slowdown_decode_pair": beside("decode", "decode"),
+        "co_run_slowdown_prefill_pair": beside("prefill", "prefill"),
+    }
 
 
 def measure_sample_cost(engine, batch: int = 8, reps: int = 15) -> float:
@@ -330,7 +341,7 @@ def run_profile(
     transfer = measure_transfer(model_cfg, settings, cfg.kv_transport, grid.transfer_tokens)
     bar.update(1)
     bar.set_postfix_str("beside another worker")
-    co_run = (1.0, 1.0) if quick else measure_co_run_slowdown(timer, str(engine_dir(cfg.model)))
+    co_run = {} if quick else measure_co_run_slowdown(timer, str(engine_dir(cfg.model)))
     bar.update(1)
     bar.set_postfix_str("router")
     router_s = QUICK_ROUTER_OVERHEAD_S if quick or skip_router else measure_router_overhead()
@@ -367,8 +378,7 @@ def run_profile(
         transfer_bytes=tuple(float(t * kv_per_token) for t in grid.transfer_tokens),
         transfer_seconds=tuple(transfer),
         router_overhead_s=router_s,
-        co_run_slowdown=co_run[0],
-        co_run_slowdown_prefill=co_run[1],
+        **co_run,
         **cpu_costs,
         kv_bytes_per_token=kv_per_token,
         num_layers=model_cfg.num_layers,

@@ -108,6 +108,10 @@ class Profile:
     co_run_slowdown: float = 1.0  # a decode step's
     # A prefill step's, measured apart (None in older profiles: the decode step's figure).
     co_run_slowdown_prefill: float | None = None
+    # The same-kind pairs: a decode step beside another worker's decode step, a prefill step
+    # beside another's prefill (None in older profiles: the kind's figure above).
+    co_run_slowdown_decode_pair: float | None = None
+    co_run_slowdown_prefill_pair: float | None = None
     # What a row sampled at a temperature costs over a greedy one (the tables are greedy).
     sample_seconds_per_row: float = 0.0
     # CPU the router and its client spend, beside the workers on a small machine: per request
@@ -117,6 +121,14 @@ class Profile:
     router_cpu_per_token_s: float = 0.0
     stream_cpu_per_token_s: float = 0.0
     meta: dict = field(default_factory=dict)  # hardware, model, dtype, versions, date
+
+    @property
+    def co_run_pairs(self) -> dict[tuple[str, str], float | None]:
+        """(kind, neighbour kind) -> slowdown, for the same-kind pairs (CpuShare's ``pairs``)."""
+        return {
+            ("decode", "decode"): self.co_run_slowdown_decode_pair,
+            ("prefill", "prefill"): self.co_run_slowdown_prefill_pair,
+        }
 
     # ---- latencies -----------------------------------------------------------------------
     def prefill_seconds(self, tokens: float, offset: float = 0.0) -> float:
@@ -191,6 +203,8 @@ class Profile:
                 engine=EngineSettings(**d.get("engine", {})),
                 co_run_slowdown=float(d.get("co_run_slowdown", 1.0)),
                 co_run_slowdown_prefill=_optional_float(d.get("co_run_slowdown_prefill")),
+                co_run_slowdown_decode_pair=_optional_float(d.get("co_run_slowdown_decode_pair")),
+                co_run_slowdown_prefill_pair=_optional_float(d.get("co_run_slowdown_prefill_pair")),
                 **{k: float(d.get(k, 0.0)) for k in CPU_COST_FIELDS},
                 meta=dict(d.get("meta", {})),
             )

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field, replace
 
 from engine.block_manager import blocks_for
 from pdserve.bench.loadgen.metrics import SLO, BenchResult, RequestRecord, compute_result
+from pdserve.planner.cpu_share import CpuShare
 from pdserve.planner.profile import EngineSettings, Profile
-from pdserve.planner.sim_workers import Clock, CpuShare, SimDecodeWorker, SimPrefillWorker
+from pdserve.planner.sim_workers import Clock, SimDecodeWorker, SimPrefillWorker
 from pdserve.planner.workload import TraceRequest
 from router.policies import get_policy
 
@@ -125,7 +126,12 @@ class SimCluster:
         self.decode_policy = get_policy("decode", cfg.decode_policy)
         threads = int(profile.meta.get("threads") or 1)
         cpu = CpuShare(
-            cfg.cpu_cores, threads, profile.co_run_slowdown, profile.co_run_slowdown_prefill
+            cfg.cpu_cores,
+            threads,
+            profile.co_run_slowdown,
+            profile.co_run_slowdown_prefill,
+            self.clock,
+            profile.co_run_pairs,
         )
         self.cpu = cpu
         # The router's and client's CPU per streamed token, with the decode worker's gRPC

@@ -22,6 +22,7 @@ from engine.config import SchedulerConfig
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step import StepHooks, StepLoop, TokensDone
+from pdserve.planner.cpu_share import CpuShare
 from pdserve.planner.profile import EngineSettings, Profile
 
 TOKEN = 3  # what every simulated sample returns; never an EOS id (none are set)
@@ -55,53 +56,6 @@ class Clock:
             fn(*args)
 
 
-class CpuShare:
-    """Workers that share ``cores`` CPU cores (several workers on one small machine): a step
-    that starts while ``k`` workers compute, each with ``threads`` threads, runs
-    max(1, (k x threads + b) / cores) times slower (processor sharing, judged at the step's
-    start), and slower again while another worker computes beside it, by the slowdown the
-    profile measured for the step's kind: a decode step (bound by memory bandwidth) loses more to
-    a neighbour than a prefill step (bound by its own core's FLOPs). ``b`` is the background's
-    share of the step: the router's and its client's CPU work (``charge``), worked through in
-    order by one thread (one GIL), its backlog spread over the step (at most one core).
-    ``cores`` None: every worker has its own hardware, as on GPUs."""
-
-    def __init__(
-        self,
-        cores: int | None = None,
-        threads: int = 1,
-        co_run_slowdown: float = 1.0,
-        co_run_slowdown_prefill: float | None = None,
-    ):
-        self.cores = cores
-        self.threads = max(threads, 1)
-        prefill = co_run_slowdown if co_run_slowdown_prefill is None else co_run_slowdown_prefill
-        self.slowdown = {"decode": co_run_slowdown, "prefill": prefill}
-        self.busy = 0
-        self.background_until = 0.0  # when the background thread has done what it was given
-        self.background_s = 0.0  # all it was given
-
-    def charge(self, now: float, cpu_s: float) -> None:
-        """``cpu_s`` of background CPU work arrives at ``now``."""
-        if self.cores and cpu_s > 0:
-            self.background_until = max(self.background_until, now) + cpu_s
-            self.background_s += cpu_s
-
-    def start(self, kind: str = "decode", now: float = 0.0, alone_s: float = 0.0) -> float:
-        """A step of ``kind`` ("prefill": it computes prompt tokens; else "decode") starts at
-        ``now`` and takes ``alone_s`` on its own; returns how many times slower it runs."""
-        self.busy += 1
-        if not self.cores:
-            return 1.0
-        shared = self.slowdown[kind] if self.busy > 1 else 1.0
-        backlog = max(0.0, self.background_until - now)
-        background = min(1.0, backlog / alone_s) if alone_s > 0 else 0.0
-        return max(1.0, (self.busy * self.threads + background) / self.cores) * shared
-
-    def end(self) -> None:
-        self.busy -= 1
-
-
 class SimWorker(StepHooks):
     """One worker driving the engine's step on the simulated clock: the worker is the step's
     hooks and its executor. Also carries the load counters the router's policies read (the
@@ -121,7 +75,7 @@ class SimWorker(StepHooks):
     ):
         self.clock = clock
         self.temperature = temperature  # every request's: the profile charges sampled rows
-        self.cpu = cpu or CpuShare()
+        self.cpu = cpu or CpuShare(clock=clock)
         self.profile = profile
         self.address = name
         self.blocks = BlockManager(num_blocks, engine.block_size, enable_prefix_caching=False)
@@ -157,14 +111,12 @@ class SimWorker(StepHooks):
         self.busy = True
         kind = "prefill" if self.profile.has_prefill(plan.scheduled) else "decode"
         alone = self.profile.step_seconds(plan.scheduled)
-        dt = alone * self.cpu.start(kind, self.clock.now, alone)
-        self.busy_s += dt
         self.steps += 1
         tokens = [TOKEN] * sum(1 for s in plan.scheduled if s.samples)
-        self.clock.at(self.clock.now + dt, self._end_step, done, tokens)
+        self.cpu.begin(kind, alone, lambda elapsed: self._end_step(done, tokens, elapsed))
 
-    def _end_step(self, done: TokensDone, tokens: list[int]) -> None:
-        self.cpu.end()
+    def _end_step(self, done: TokensDone, tokens: list[int], elapsed: float) -> None:
+        self.busy_s += elapsed
         done(tokens)  # the scheduler's update, then on_updated
         self.busy = False
         self.wake()

@@ -1,0 +1,157 @@
+"""Workers that share a few CPU cores (several workers on one small machine): fluid processor
+sharing on the simulated clock.
+
+Every running step has a remaining amount of work, in seconds of the step alone, and a rate.
+Whenever a step starts or ends, or the background thread starts or runs dry, every running step
+is advanced to now and re-rated, and its end is rescheduled. So a step that was running alone
+slows down when a neighbour starts, and speeds up again when it ends (a step judged once at its
+start would take all or none of a neighbour's cost).
+
+A step's slowdown while ``k`` workers compute, each with ``threads`` threads, and the background
+thread is busy (``b`` = 1) or not (0), is max(1, (k x threads + b) / cores), times the slowdown
+the profile measured for the step's kind beside a neighbour of each kind (k > 1; the largest
+over the neighbours running): what a neighbour costs depends on both. A decode step (bound by
+memory bandwidth) loses more to a neighbour than a prefill step (bound by its own core's FLOPs),
+and on vCPUs that are one core's two hyperthreads a prefill beside it costs far more than
+another decode step. The background is the router's and its client's CPU work (``charge``),
+worked through in order by one thread (one GIL), itself slowed only by processor sharing.
+``cores`` None: every worker has its own hardware, as on GPUs; steps take their alone time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+KINDS = ("decode", "prefill")
+_EPS = 1e-9  # seconds: float error on an hour-long clock is far below it
+
+
+@dataclass
+class _Running:
+    kind: str
+    remaining: float  # seconds of the step alone still to do
+    done: Callable[[float], None]
+    started: float
+    rate: float = 1.0  # work done per simulated second
+    gen: int = 0  # the version of its end event that still counts
+
+
+class CpuShare:
+    def __init__(
+        self,
+        cores: int | None = None,
+        threads: int = 1,
+        co_run_slowdown: float = 1.0,
+        co_run_slowdown_prefill: float | None = None,
+        clock=None,
+        pairs: dict[tuple[str, str], float] | None = None,
+    ):
+        """``co_run_slowdown``: a decode step's beside a prefilling neighbour;
+        ``co_run_slowdown_prefill``: a prefill step's beside a decoding one (None: the decode
+        figure); ``pairs``: (kind, neighbour kind) -> slowdown for the other pairs (a pair not
+        given takes its kind's figure)."""
+        self.cores = cores
+        self.threads = max(threads, 1)
+        prefill = co_run_slowdown if co_run_slowdown_prefill is None else co_run_slowdown_prefill
+        self.slowdown = {"decode": co_run_slowdown, "prefill": prefill}
+        self.pairs = {(k, n): self.slowdown[k] for k in KINDS for n in KINDS}
+        self.pairs.update({k: v for k, v in (pairs or {}).items() if v is not None})
+        self.clock = clock
+        self.running: dict[int, _Running] = {}
+        self._next_id = 0
+        self._last = 0.0  # when every running step's remaining work was last brought up to date
+        self.background_s = 0.0  # all the background was given
+        self._bg_remaining = 0.0
+        self._bg_active = False
+        self._bg_rate = 1.0
+        self._bg_gen = 0
+
+    def factor(self, kind: str, busy: int, background: bool, neighbours=()) -> float:
+        """How many times slower than alone a step of ``kind`` runs while ``busy`` steps (its
+        own included) compute, the others of ``neighbours`` kinds (default: all of its own
+        kind), and the background thread is busy or not."""
+        if not self.cores:
+            return 1.0
+        share = max(1.0, (busy * self.threads + int(background)) / self.cores)
+        if busy <= 1:
+            return share
+        return share * max(self.pairs[kind, n] for n in (neighbours or (kind,)))
+
+    @property
+    def busy(self) -> int:
+        return len(self.running)
+
+    def begin(self, kind: str, alone_s: float, done: Callable[[float], None]) -> None:
+        """A step of ``kind`` ("prefill": it computes prompt tokens; else "decode") that takes
+        ``alone_s`` on its own starts now; ``done(elapsed_s)`` runs at its end."""
+        now = self.clock.now
+        if not self.cores:
+            self.clock.at(now + alone_s, done, alone_s)
+            return
+        self._advance(now)
+        self._next_id += 1
+        self.running[self._next_id] = _Running(kind if kind == "prefill" else "decode",
+                                               alone_s, done, now)  # fmt: skip
+        self._rerate(now)
+
+    def charge(self, now: float, cpu_s: float) -> None:
+        """``cpu_s`` of background CPU work arrives at ``now``."""
+        if not self.cores or cpu_s <= 0:
+            return
+        self.background_s += cpu_s
+        if self._bg_active:  # rates unchanged: its end event, now early, is pushed back then
+            self._bg_remaining += cpu_s
+            return
+        self._advance(now)
+        self._bg_active, self._bg_remaining = True, cpu_s
+        self._rerate(now)
+
+    def _advance(self, now: float) -> None:
+        dt = now - self._last
+        if dt > 0:
+            for step in self.running.values():
+                step.remaining -= dt * step.rate
+            if self._bg_active:
+                self._bg_remaining -= dt * self._bg_rate
+        self._last = now
+
+    def _rerate(self, now: float) -> None:
+        busy, bg = len(self.running), self._bg_active
+        counts = {k: 0 for k in KINDS}
+        for step in self.running.values():
+            counts[step.kind] += 1
+        for sid, step in self.running.items():
+            others = [k for k in KINDS if counts[k] - (k == step.kind) > 0]
+            step.rate = 1.0 / self.factor(step.kind, busy, bg, others)
+            step.gen += 1
+            self.clock.at(now + max(step.remaining, 0.0) / step.rate, self._finish, sid, step.gen)
+        if bg:
+            self._bg_rate = 1.0 / max(1.0, (busy * self.threads + 1) / self.cores)
+            self._schedule_background(now)
+
+    def _schedule_background(self, now: float) -> None:
+        self._bg_gen += 1
+        end = now + max(self._bg_remaining, 0.0) / self._bg_rate
+        self.clock.at(end, self._background_dry, self._bg_gen)
+
+    def _finish(self, sid: int, gen: int) -> None:
+        step = self.running.get(sid)
+        if step is None or step.gen != gen:
+            return  # superseded by a later re-rating
+        now = self.clock.now
+        self._advance(now)
+        del self.running[sid]
+        self._rerate(now)
+        step.done(now - step.started)
+
+    def _background_dry(self, gen: int) -> None:
+        if gen != self._bg_gen:
+            return
+        now = self.clock.now
+        self._advance(now)
+        if self._bg_remaining > _EPS:  # work arrived since this end was scheduled
+            self._schedule_background(now)
+            return
+        self._bg_active, self._bg_remaining = False, 0.0
+        self._rerate(now)
