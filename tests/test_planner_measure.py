@@ -34,3 +34,54 @@ def test_the_transfer_is_timed_on_the_cache_format_the_engine_stores(
     settings = EngineSettings(block_size=16, kv_dtype=kv_dtype)
     assert measure.measure_transfer(Model, settings, "grpc", (32,)) == [0.01]
     assert pushed == [2 * 2 * 32 * 3 * row_bytes]  # K and V, 2 layers, 32 tokens, 3 heads
+
+
+def test_each_pair_of_kinds_is_timed_beside_its_own_neighbour_and_sets_its_profile_field(
+    monkeypatch,
+):
+    """A decode step beside a prefilling and beside a decoding neighbour, a prefill step beside
+    each: four figures, each over its own step alone, each keyed by the Profile field it sets
+    (never below 1: a neighbour does not make a step faster)."""
+    import dataclasses
+
+    from pdserve.planner import measure
+    from pdserve.planner.profile import Profile
+
+    # Alone: decode 1 s, prefill 2 s. Beside a neighbour: the seconds in this table.
+    seconds = {
+        ("decode", None): 1.0, ("prefill", None): 2.0,
+        ("decode", "prefill"): 1.5, ("decode", "decode"): 1.25,
+        ("prefill", "decode"): 1.0, ("prefill", "prefill"): 3.0,
+    }  # fmt: skip
+    neighbour = [None]
+
+    class FakeTimer:
+        grid = measure.QUICK
+        engine = None
+
+        def __init__(self, engine=None, grid=None):
+            pass
+
+        def decode(self, batch, ctx):
+            return seconds["decode", neighbour[0]]
+
+        def prefill(self, n, offset):
+            return seconds["prefill", neighbour[0]]
+
+    def fake_beside(model_dir, kind, measure_fn):
+        neighbour[0] = kind
+        try:
+            return measure_fn()
+        finally:
+            neighbour[0] = None
+
+    monkeypatch.setattr(measure, "WorkerTimer", FakeTimer)
+    monkeypatch.setattr(measure, "_beside", fake_beside)
+    got = measure.measure_co_run_slowdown(FakeTimer(), "model")
+    assert got == {
+        "co_run_slowdown": 1.5,
+        "co_run_slowdown_prefill": 1.0,  # 1.0 / 2.0 beside a decode step: held at 1
+        "co_run_slowdown_decode_pair": 1.25,
+        "co_run_slowdown_prefill_pair": 1.5,
+    }
+    assert set(got) <= {f.name for f in dataclasses.fields(Profile)}

@@ -78,10 +78,6 @@ class CpuShare:
             return share
         return share * max(self.pairs[kind, n] for n in (neighbours or (kind,)))
 
-    @property
-    def busy(self) -> int:
-        return len(self.running)
-
     def begin(self, kind: str, alone_s: float, done: Callable[[float], None]) -> None:
         """A step of ``kind`` ("prefill": it computes prompt tokens; else "decode") that takes
         ``alone_s`` on its own starts now; ``done(elapsed_s)`` runs at its end."""
@@ -91,8 +87,8 @@ class CpuShare:
             return
         self._advance(now)
         self._next_id += 1
-        self.running[self._next_id] = _Running(kind if kind == "prefill" else "decode",
-                                               alone_s, done, now)  # fmt: skip
+        kind = "prefill" if kind == "prefill" else "decode"
+        self.running[self._next_id] = _Running(kind, alone_s, done, now)
         self._rerate(now)
 
     def charge(self, now: float, cpu_s: float) -> None:

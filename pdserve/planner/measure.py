@@ -196,15 +196,14 @@ def measure_co_run_slowdown(timer: WorkerTimer, model_dir: str, reps: int = 9) -
     batch, ctx = min(16, max(timer.grid.batches)), min(256, max(timer.grid.contexts))
     chunk = min(256, max(timer.grid.prefill_tokens))
     steady = WorkerTimer(timer.engine, replace(timer.grid, reps=reps))
-    decode_alone = steady.decode(batch, ctx)
-    prefill_alone = steady.prefill(chunk, 0)
+    steps = {
+        "decode": lambda: steady.decode(batch, ctx),
+        "prefill": lambda: steady.prefill(chunk, 0),
+    }
+    alone = {kind: step() for kind, step in steps.items()}
 
     def beside(neighbour: str, kind: str) -> float:
-        if kind == "decode":
-            return max(1.0, _beside(model_dir, neighbour, lambda: steady.decode(batch, ctx))
-                       / decode_alone)  # fmt: skip
-        return max(1.0, _beside(model_dir, neighbour, lambda: steady.prefill(chunk, 0))
-                   / prefill_alone)  # fmt: skip
+        return max(1.0, _beside(model_dir, neighbour, steps[kind]) / alone[kind])
 
     return {
         "co_run_slowdown": beside("prefill", "decode"),
