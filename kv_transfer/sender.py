@@ -160,7 +160,7 @@ class KVStream:
         except TransferError:
             raise
         except Exception as e:
-            self._channel.cancel()
+            _cancel_quietly(self._channel)
             raise TransferError([f"commit failed: {type(e).__name__}: {e}"]) from e
         finally:
             self._committed = True
@@ -316,6 +316,15 @@ class KVSender:
         # The next stream on this link fails and reports it; nobody waits on a ping.
         except Exception as e:  # noqa: BLE001
             log.warning("kv link to %s failed while idle: %s", self.endpoint, e)
+
+
+def _cancel_quietly(channel: Channel) -> None:
+    try:
+        channel.cancel()
+    # The commit already failed; a link too broken to carry the abort changes nothing for the
+    # caller, who gets that failure as a TransferError, not this.
+    except Exception as e:  # noqa: BLE001
+        log.info("cancelling a failed kv stream: %s: %s", type(e).__name__, e)
 
 
 def _close_quietly(link: Link) -> None:

@@ -120,7 +120,7 @@ class _DistChannel(Channel):
 
     def cancel(self) -> None:
         if self._errors is None and not self._link.broken:
-            self._link.send_message(OP_ABORT, self._tag, b"", b"")
+            self._link.abort_stream(self._tag)
 
 
 class _DistLink(Link):
@@ -156,7 +156,33 @@ class _DistLink(Link):
     def open_channel(self, request_id: str, lease_id: str) -> Channel:
         if self.broken:
             raise ConnectionError("torch_dist pair is broken; make a new sender")
+        self._check_peer()
         return _DistChannel(self, next(self._tags))
+
+    def _check_peer(self) -> None:
+        """Ask the receiver's store whether the receiver is still there (~0.1 ms on loopback).
+        A receiver killed while this link sat idle is not always noticed by gloo: the next
+        send can wait out the pair's whole timeout on the dead peer (seen under load). The
+        store's socket shows the death at once, so a stream fails here in milliseconds."""
+        try:
+            self._store.check(["backend"])
+        except Exception as e:
+            self.broken = True
+            raise ConnectionError(f"torch_dist receiver is gone: {type(e).__name__}: {e}") from e
+
+    def abort_stream(self, tag: int) -> None:
+        """Tell the receiver to drop stream ``tag``. A commit that timed out calls this while
+        the sender thread may still be inside a gloo op under the lock, for as long as the
+        pair's timeout; waiting for it would stretch the commit's own timeout to that. A pair
+        with an op stuck that long is not trusted again: it is marked broken instead, and the
+        receiver's lease expires."""
+        if not self._lock.acquire(blocking=False):
+            self.broken = True
+            return
+        try:
+            self._send_locked(OP_ABORT, tag, b"", b"")
+        finally:
+            self._lock.release()
 
     def send_message(self, op: int, tag: int, header, payload) -> None:
         with self._lock:

@@ -1,9 +1,12 @@
-"""A torch_dist (gloo) link whose receiver dies: the stream on it fails at once instead of
+"""A torch_dist (gloo) link whose receiver dies: the next stream on it fails at once instead of
 hanging the sender, the broken link is dropped, a reconnect while the peer is still gone fails
-fast, and once a receiver is back on the endpoint the same sender reconnects and delivers."""
+fast, and once a receiver is back on the endpoint the same sender reconnects and delivers. And
+a receiver that hangs fails its stream's commit at the commit's timeout, not gloo's."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -87,3 +90,28 @@ def test_a_dead_receiver_is_dropped_and_the_link_comes_back_with_it():
                 proc.stdin.close()
                 proc.kill()
                 proc.wait()
+
+
+def test_a_hung_receiver_fails_the_commit_at_its_own_timeout_and_breaks_the_link():
+    """A receiver that stops answering (SIGSTOP: alive, its sockets open) leaves the sender
+    thread inside a gloo send until the pair's timeout. The commit still fails at the timeout
+    its caller gave, with a TransferError, and the link is marked broken for the next stream
+    instead of waiting on the stuck pair."""
+    receiver, endpoint = start_receiver(0)
+    sender = make_sender("torch_dist", endpoint, timeout_s=8.0)
+    try:
+        assert transfer(sender, 0).frames == LAYERS
+        os.kill(receiver.pid, signal.SIGSTOP)
+        stream = sender.open_stream("r1", "lease-1")
+        k = torch.randn(BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
+        for layer in range(LAYERS):
+            stream.send_layer(layer, [3, 7], [0, 1], k, k)
+        started = time.monotonic()
+        with pytest.raises(TransferError, match="commit failed"):
+            stream.commit(timeout=1.0)
+        assert time.monotonic() - started < 3.0  # its own 1 s, not gloo's 8 s
+        assert sender._link.broken
+    finally:
+        receiver.kill()
+        receiver.wait()
+        sender.close()
