@@ -135,11 +135,25 @@ class _DistLink(Link):
         host, _, port = endpoint.rpartition(":")
         host = host.strip("[]")
         # A peer that is gone fails here at once (connection refused), not after TCPStore's
-        # connect retries; that is what a sender reconnecting a broken link meets first.
-        socket.create_connection((host, int(port)), timeout=connect_timeout_s).close()
-        self._store = dist.TCPStore(
-            host, int(port), is_master=False, timeout=datetime.timedelta(seconds=connect_timeout_s)
-        )
+        # connect retries; that is what a sender reconnecting a broken link meets first. The
+        # connection stays open, idle, as a watch on the receiver's process (_check_peer).
+        self._watch = socket.create_connection((host, int(port)), timeout=connect_timeout_s)
+        self._watch.setblocking(False)
+        try:
+            group, device = self._join(host, int(port), timeout_s, bind_host, token,
+                                       connect_timeout_s)  # fmt: skip
+        except BaseException:
+            self._watch.close()
+            raise
+        self._pair = _Pair(group, peer=1, device=device)
+        self._tags = itertools.count()
+        self._lock = threading.Lock()
+        self.broken = False
+
+    def _join(self, host, port, timeout_s, bind_host, token, connect_timeout_s):
+        """Take a pair number from the receiver's store, prove the token, build the group."""
+        connect = datetime.timedelta(seconds=connect_timeout_s)
+        self._store = dist.TCPStore(host, port, is_master=False, timeout=connect)
         self._store.set_timeout(datetime.timedelta(seconds=timeout_s))
         backend = self._store.get("backend").decode()
         self.idle_interval_s = int(self._store.get("idle_timeout_ms").decode()) / 4000
@@ -148,10 +162,7 @@ class _DistLink(Link):
         prefixed = dist.PrefixStore(f"pair/{n}", self._store)
         _answer_challenge(prefixed, token)
         group = make_pair_group(backend, prefixed, 0, timeout_s, bind_host or _local_ip(host))
-        self._pair = _Pair(group, peer=1, device=device or torch.device("cpu"))
-        self._tags = itertools.count()
-        self._lock = threading.Lock()
-        self.broken = False
+        return group, device or torch.device("cpu")
 
     def open_channel(self, request_id: str, lease_id: str) -> Channel:
         if self.broken:
@@ -160,15 +171,21 @@ class _DistLink(Link):
         return _DistChannel(self, next(self._tags))
 
     def _check_peer(self) -> None:
-        """Ask the receiver's store whether the receiver is still there (~0.1 ms on loopback).
-        A receiver killed while this link sat idle is not always noticed by gloo: the next
-        send can wait out the pair's whole timeout on the dead peer (seen under load). The
-        store's socket shows the death at once, so a stream fails here in milliseconds."""
+        """Whether the receiver's process is still there, without a round trip: the idle watch
+        connection to its store reads end-of-file (or a reset) once the process is gone. A
+        receiver killed while this link sat idle is not always noticed by gloo: the next send
+        can wait out the pair's whole timeout on the dead peer (seen under load). A receiver
+        that hangs instead keeps the connection open; its streams fail at their commit's
+        timeout. (Not a store request: one to a hung receiver would block without a bound.)"""
         try:
-            self._store.check(["backend"])
-        except Exception as e:
+            alive = self._watch.recv(1, socket.MSG_PEEK) != b""
+        except BlockingIOError:
+            return  # nothing to read: the connection is open
+        except OSError:
+            alive = False
+        if not alive:
             self.broken = True
-            raise ConnectionError(f"torch_dist receiver is gone: {type(e).__name__}: {e}") from e
+            raise ConnectionError("torch_dist receiver is gone: its store connection closed")
 
     def abort_stream(self, tag: int) -> None:
         """Tell the receiver to drop stream ``tag``. A commit that timed out calls this while
@@ -229,6 +246,7 @@ class _DistLink(Link):
                 log.info("torch_dist close: %s", e)
         self.broken = True
         self._pair = None
+        self._watch.close()
 
 
 def _answer_challenge(store, token: str | None) -> None:
