@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Builds the llama.cpp baseline that scripts/bench_quant.py runs side by side with pdserve:
+# llama-bench and llama-batched-bench from the vendored sources of the llama-cpp-python sdist
+# (PyPI is the only source reachable here), one build per instruction set.
+#
+#   bash scripts/build_llama_cpp.sh [DIR] [avx512|avx2|all]
+#
+# DIR/cbuild/bin       GGML_NATIVE=ON, AMX off: a -march=native build died with SIGILL in its
+#                      AMX path on a VM whose CPU reported AMX it could not run.
+# DIR/cbuild-avx2/bin  GGML_NATIVE=OFF, AVX/AVX2/FMA/F16C only, every AVX-512/VNNI/AMX option off.
+# About 20 minutes per build on 2 cores.
+set -euo pipefail
+DIR=${1:-/work/llama-build}
+WHICH=${2:-all}
+VERSION=0.3.36
+mkdir -p "$DIR"
+cd "$DIR"
+if [ ! -d src ]; then
+    python3 -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d .
+    mkdir -p src
+    tar -xzf "llama_cpp_python-$VERSION.tar.gz" -C src --strip-components=1
+fi
+SRC="$DIR/src/vendor/llama.cpp"
+COMMON=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
+        -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=ON -DBUILD_SHARED_LIBS=OFF)
+TARGETS=(--target llama-bench llama-batched-bench)
+if [ "$WHICH" = all ] || [ "$WHICH" = avx512 ]; then
+    cmake -S "$SRC" -B cbuild "${COMMON[@]}" -DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF \
+        -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+    cmake --build cbuild -j "$(nproc)" "${TARGETS[@]}"
+fi
+if [ "$WHICH" = all ] || [ "$WHICH" = avx2 ]; then
+    cmake -S "$SRC" -B cbuild-avx2 "${COMMON[@]}" -DGGML_NATIVE=OFF -DGGML_AVX=ON \
+        -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF \
+        -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF \
+        -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+    cmake --build cbuild-avx2 -j "$(nproc)" "${TARGETS[@]}"
+fi
+ls -1 "$DIR"/cbuild*/bin/llama-bench
