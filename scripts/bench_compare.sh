@@ -109,3 +109,6 @@ if [ -n "${PEER_URL:-}" ]; then
   PEER_ARGS=(--peer vllm)
 fi
 python scripts/goodput_ratios.py "$OUT/compare.json" --base disaggregated "${PEER_ARGS[@]}"
+# The machine's compute ceiling for these prompts (GEMM peak on every core, measured now) and
+# each system's goodput against it; with a peer, where issue 22's 2x target lands.
+python scripts/goodput_ceiling.py "$OUT/compare.json" "${PEER_ARGS[@]}" --json "$OUT/ceiling.json"
