@@ -35,10 +35,6 @@ import torch.distributed as dist
 
 OP_FRAME, OP_COMMIT, OP_ABORT, OP_PING, OP_CLOSE = 1, 2, 3, 4, 5
 TAG_DATA, TAG_ACK = 0, 1
-MAX_REASON_BYTES = 16 * 1024
-POLL_S = 0.05  # how often the receiver looks for new pairs
-
-
 VERDICT_OK, VERDICT_REFUSED = b"ok", b"refused"
 
 

@@ -15,18 +15,17 @@ import torch.distributed as dist
 
 from grpc_plumbing.auth import OpenBindError, is_loopback
 from kv_transfer.dist_pair import (
-    MAX_REASON_BYTES,
     OP_ABORT,
     OP_CLOSE,
     OP_COMMIT,
     OP_FRAME,
     OP_PING,
-    POLL_S,
     TAG_ACK,
     TAG_DATA,
     VERDICT_OK,
     VERDICT_REFUSED,
     Pair,
+    as_tensor,
     backend_for,
     make_pair_group,
     token_proof,
@@ -36,6 +35,9 @@ from kv_transfer.frame import MAX_FRAME_BYTES, MAX_HEADER_BYTES
 from kv_transfer.sender import ReceiverServer
 
 log = logging.getLogger("pdserve.kv")
+
+MAX_REASON_BYTES = 16 * 1024  # of the rejection reasons a commit ack carries
+POLL_S = 0.05  # how often the receiver looks for new pairs
 
 
 class _StreamTally:
@@ -186,4 +188,4 @@ class DistReceiverServer(ReceiverServer):
         reasons = "\n".join(tally.reasons).encode()[:MAX_REASON_BYTES]
         pair.send_ints([tag, tally.accepted, tally.rejected, len(reasons)], TAG_ACK)
         if reasons:
-            pair.send(torch.frombuffer(bytearray(reasons), dtype=torch.uint8), TAG_ACK)
+            pair.send(as_tensor(reasons, pair.device), TAG_ACK)

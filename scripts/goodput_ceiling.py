@@ -34,8 +34,6 @@ from pdserve.bench.micro.limits import gemm_peak
 
 def mean_prefill_flops(cfg, input_lens: list[int]) -> float:
     """Mean prefill FLOPs of one request over the prompt lengths ``input_lens``."""
-    if not input_lens:
-        raise ValueError("no prompt lengths: the run recorded no finished request")
     return sum(prefill_flops(cfg, n) for n in input_lens) / len(input_lens)
 
 
@@ -47,17 +45,17 @@ def system_input_lens(system: dict) -> list[int]:
 def measure_peak(threads: int) -> dict[str, float]:
     """GEMM FLOP/s on ``threads`` threads, fp32 and bf16."""
     torch.set_num_threads(threads)
-    return {name: gemm_peak(dtype=dtype) for name, dtype in (("fp32", torch.float32),
-                                                               ("bf16", torch.bfloat16))}  # fmt: skip
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    return {name: gemm_peak(dtype=dtype) for name, dtype in dtypes.items()}
 
 
 def ceiling_rows(result: dict, cfg, peak: float) -> list[dict]:
     rows = []
     for name, system in result.items():
-        try:
-            flops = mean_prefill_flops(cfg, system_input_lens(system))
-        except ValueError as e:
-            raise ValueError(f"system {name!r}: {e}") from None
+        lens = system_input_lens(system)
+        if not lens:
+            raise ValueError(f"system {name!r}: no prompt lengths (no finished request)")
+        flops = mean_prefill_flops(cfg, lens)
         ceiling = peak / flops
         goodput = float(system["goodput"])
         rows.append({"system": name, "goodput": goodput, "mean_prefill_gflop": flops / 1e9,
