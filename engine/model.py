@@ -69,7 +69,8 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, rope_tables, meta: AttentionMetadata, kv) -> torch.Tensor:
+    def forward(self, x, rope_tables, meta: AttentionMetadata, kv, bf16=False) -> torch.Tensor:
+        """``bf16``: the batch multiplies in bf16 (LlamaModel.gemm_dtype_for), attention too."""
         cfg = self.cfg
         q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
@@ -78,7 +79,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, k, *rope_tables)
         k_cache, v_cache = kv
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, bf16=bf16)
         return self.o_proj(out.reshape(-1, cfg.q_size))
 
 
@@ -102,8 +103,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, rope_tables, meta, kv) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope_tables, meta, kv)
+    def forward(self, h, rope_tables, meta, kv, bf16=False) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope_tables, meta, kv, bf16)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -150,7 +151,7 @@ class LlamaModel(nn.Module):
             )  # fmt: skip
             return self.norm(h)
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope_tables, meta, kv_caches[i])
+            h = layer(h, rope_tables, meta, kv_caches[i], not fp32_rows)
             if layer_callback is not None:
                 layer_callback(i)
         return self.norm(h)

@@ -77,10 +77,14 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     backend: str = "auto",
+    bf16: bool = False,
 ) -> torch.Tensor:
-    """Causal attention of query [T, h, d] over the paged cache, for any batch."""
-    attend = decode_attention if meta.is_decode_only else prefill_attention
-    return attend(query, k_cache, v_cache, meta, scale, backend=backend)
+    """Causal attention of query [T, h, d] over the paged cache, for any batch. ``bf16``: a
+    bf16 prefill's batch (engine/model.py gemm_dtype_for): the CPU kernel's prompt GEMMs take
+    bf16 operands; decode rows and other backends are unchanged."""
+    if meta.is_decode_only:
+        return decode_attention(query, k_cache, v_cache, meta, scale, backend=backend)
+    return prefill_attention(query, k_cache, v_cache, meta, scale, backend=backend, bf16=bf16)
 
 
 def prefill_attention(
@@ -90,11 +94,12 @@ def prefill_attention(
     meta: AttentionMetadata,
     scale: float,
     backend: str = "auto",
+    bf16: bool = False,
 ) -> torch.Tensor:
     """Variable-length causal attention; each chunk also sees its sequence's cached prefix."""
     if _triton(query, k_cache, backend):
         return triton_kernels.prefill_attention_triton(query, k_cache, v_cache, meta, scale)
-    return _prefill_torch(query, k_cache, v_cache, meta, scale)
+    return _prefill_torch(query, k_cache, v_cache, meta, scale, bf16)
 
 
 def decode_attention(
@@ -128,9 +133,10 @@ def _as_float(rows: torch.Tensor) -> torch.Tensor:
     return kv_fp8.dequantize(rows) if kv_fp8.is_fp8(rows) else kv_int8.as_float(rows)
 
 
-def _prefill_torch(query, k_cache, v_cache, meta, scale):
-    """Per-sequence causal attention (the C++ kernel on CPU fp32, else SDPA over gathered
-    K/V); single-token rows of a mixed batch go batched through the decode path."""
+def _prefill_torch(query, k_cache, v_cache, meta, scale, bf16=False):
+    """Per-sequence causal attention (the C++ kernel on CPU fp32, its GEMMs in bf16 with
+    ``bf16``; else SDPA over gathered K/V); single-token rows of a mixed batch go batched
+    through the decode path."""
     out = torch.empty_like(query)
     starts = meta.query_start_loc.tolist()
     decode_rows = [i for i, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
@@ -147,7 +153,7 @@ def _prefill_torch(query, k_cache, v_cache, meta, scale):
         rows = slice(starts[i], starts[i] + q_len)
         if ext is not None and q_len >= CPU_PREFILL_KERNEL_MIN_ROWS:
             out[rows] = ext.prefill_causal_attention(
-                query[rows], k_cache, v_cache, meta.block_tables[i], seq_len, scale
+                query[rows], k_cache, v_cache, meta.block_tables[i], seq_len, scale, bf16
             )
             continue
         table = meta.block_tables[i : i + 1]

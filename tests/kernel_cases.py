@@ -78,19 +78,19 @@ def check_case(case: KernelCase, backend: str, device: str = "cpu") -> dict[str,
     store_kv_ref(x["key"], x["value"], k_ref, v_ref, meta.slot_mapping)
     k_out, v_out = x["k_cache"].clone(), x["v_cache"].clone()
     ops.store_kv(x["key"], x["value"], k_out, v_out, meta.slot_mapping, backend=backend)
-    errors = {"store_kv": max(_err(k_out, k_ref), _err(v_out, v_ref))}
+    errors = {"store_kv": max(max_error(k_out, k_ref), max_error(v_out, v_ref))}
 
     # Attention reads the reference-stored cache so a store bug cannot hide an attention bug.
     args = (x["query"], k_ref, v_ref, meta, scale)
     expected = paged_attention_ref(*args)
-    errors["paged_attention"] = _err(ops.paged_attention(*args, backend=backend), expected)
-    errors["prefill_attention"] = _err(ops.prefill_attention(*args, backend=backend), expected)
+    errors["paged_attention"] = max_error(ops.paged_attention(*args, backend=backend), expected)
+    errors["prefill_attention"] = max_error(ops.prefill_attention(*args, backend=backend), expected)
     if case.is_decode_only:
-        errors["decode_attention"] = _err(ops.decode_attention(*args, backend=backend), expected)
+        errors["decode_attention"] = max_error(ops.decode_attention(*args, backend=backend), expected)
     return errors
 
 
-def _err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
     if not torch.isfinite(actual).all():
         return float("inf")

@@ -13,7 +13,7 @@ from kernels import ops
 from kernels.metadata import AttentionMetadata
 from kernels.reference import paged_attention_ref
 from tests import cpu_variants
-from tests.kernel_cases import KernelCase, build_inputs, check_case, make_cases
+from tests.kernel_cases import KernelCase, build_inputs, check_case, make_cases, max_error
 
 cpu_variant = cpu_variants.cpu_variant  # fixture: each build, then the torch path
 
@@ -115,3 +115,65 @@ def test_cpp_decode_kernel_refuses_block_ids_outside_the_cache(name) -> None:
         ext.paged_decode_attention(
             query, cache, cache, torch.tensor([[4]], dtype=torch.int32), lens, 1.0
         )
+
+
+BF16_CASES = [c for c in CPU_CASES if c.dtype == "float32" and not c.is_decode_only]
+
+
+def _bf16_emulated_attention(query, k, v, scale):
+    """The bf16 kernel's arithmetic in torch for one fresh prompt [T, h, d] with K/V [T, kvh, d]:
+    bf16 scaled queries, keys and values; bf16 scores; fp32 max and sum; bf16 exponentials; a
+    bf16 output divided by the fp32 sum."""
+    group = query.shape[1] // k.shape[1]
+    bf = torch.bfloat16
+    q = (query * scale).to(bf).transpose(0, 1).float()  # [h, T, d]
+    kk = k.repeat_interleave(group, 1).to(bf).transpose(0, 1).float()
+    vv = v.repeat_interleave(group, 1).to(bf).transpose(0, 1).float()
+    scores = (q @ kk.transpose(1, 2)).to(bf).float()
+    mask = torch.ones(scores.shape[1:], dtype=torch.bool).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    e = torch.exp(scores - scores.amax(-1, keepdim=True))
+    out = (e.to(bf).float() @ vv).to(bf).float() / e.sum(-1, keepdim=True)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("case", BF16_CASES, ids=lambda c: c.name)
+def test_bf16_prefill_attention_stays_within_bf16_of_the_reference(case, cpu_variant) -> None:
+    """``bf16=True`` (a bf16 prefill's batch): the C++ kernel's GEMMs on bf16 operands, within
+    bf16's tolerance of the fp32 reference on every variant (the torch path ignores it)."""
+    x = build_inputs(case)
+    k, v = x["k_cache"].clone(), x["v_cache"].clone()
+    ops.store_kv(x["key"], x["value"], k, v, x["meta"].slot_mapping)
+    args = (x["query"], k, v, x["meta"], x["scale"])
+    err = max_error(
+        ops.prefill_attention(*args, backend="torch", bf16=True), paged_attention_ref(*args)
+    )
+    assert err <= TOLERANCE["bfloat16"], err
+
+
+@pytest.mark.parametrize("variant", cpu_variants.BUILDS)
+def test_bf16_prefill_kernel_computes_in_bf16_as_specified(variant) -> None:
+    """A 300-token prompt, GQA groups of 3: the bf16 kernel equals its torch emulation (to the
+    GEMMs' accumulation order) and is not the fp32 kernel's result."""
+    from kernels import cpu_extension
+
+    ext = cpu_extension.load(variant)
+    if ext is None:
+        pytest.skip(f"the {variant} build failed")
+    gen = torch.Generator().manual_seed(7)
+    n, heads, kv_heads, d, bs = 300, 9, 3, 64, 16
+    query = torch.randn(n, heads, d, generator=gen) * 2
+    k = torch.randn(n, kv_heads, d, generator=gen)
+    v = torch.randn(n, kv_heads, d, generator=gen)
+    blocks = -(-n // bs)
+    table = torch.randperm(blocks, generator=gen).to(torch.int32)
+    k_cache, v_cache = torch.zeros(blocks, bs, kv_heads, d), torch.zeros(blocks, bs, kv_heads, d)
+    slots = (table.long()[:, None] * bs + torch.arange(bs)).flatten()[:n]
+    ops.store_kv(k, v, k_cache, v_cache, slots)
+    got = ext.prefill_causal_attention(query, k_cache, v_cache, table, n, 0.125, True)
+    fp32 = ext.prefill_causal_attention(query, k_cache, v_cache, table, n, 0.125, False)
+    emulated = _bf16_emulated_attention(query, k, v, 0.125)
+    err = {"bf16": (got - emulated).norm().item(), "fp32": (fp32 - emulated).norm().item()}
+    # Closer to the bf16 arithmetic than the fp32 kernel is: it really multiplies in bf16.
+    assert err["bf16"] < err["fp32"] / 2, err
+    assert (got - emulated).abs().max() <= 2e-2, err

@@ -8,12 +8,14 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+import engine.model
 from engine import prefill_gemm
 from engine.config import CacheConfig, EngineConfig
 from engine.linear import SKINNY_MAX_ROWS, Linear
 from engine.loader import load_config, load_model
 from kernels import cpu_extension, quant
 from kernels.metadata import AttentionMetadata
+from kernels.ops import paged_attention
 from pdserve.config import ConfigError, validate_config
 from tests.conftest import tiny_llama_dir
 
@@ -143,7 +145,8 @@ def test_bf16_prefill_logits_are_close_to_fp32_prefill(tmp_path, monkeypatch):
     assert (got - ref).abs().mean() <= 0.03 * ref.std(), ((got - ref).abs().mean(), ref.std())
     assert (got - ref).abs().max() <= 0.1 * ref.abs().max()
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
-    # ... and exactly what every projection computing bf16(x) @ bf16(W)^T gives.
+    # ... and exactly what every projection computing bf16(x) @ bf16(W)^T gives, with the
+    # attention kernel's bf16 GEMMs (tests/test_kernels.py checks those against torch).
     emulated = load_model(d, cfg, 256, prefill_gemm="fp32")
     emulated.cpu_stack = None
 
@@ -151,7 +154,11 @@ def test_bf16_prefill_logits_are_close_to_fp32_prefill(tmp_path, monkeypatch):
         y = F.linear(x.bfloat16(), self.weight.bfloat16()).float()
         return y if self.bias is None else y + self.bias
 
+    def bf16_attention(*args, **kwargs):
+        return paged_attention(*args, **{**kwargs, "bf16": True})
+
     monkeypatch.setattr(Linear, "forward", bf16_forward)
+    monkeypatch.setattr(engine.model, "paged_attention", bf16_attention)
     torch.testing.assert_close(got, prefill_logits(emulated, MANY), rtol=1e-3, atol=1e-3)
     monkeypatch.undo()
     # A batch the skinny kernels take runs the fp32 C++ layers in both: the same numbers.
@@ -206,6 +213,6 @@ def test_a_worker_process_gets_prefill_gemm_through_its_flags():
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    s = EngineSettings(weights="q4", prefill_gemm="bf16")
+    s = EngineSettings(weights="q4", prefill_gemm="bf16", threads=2, nice=7)
     assert engine_settings_from_args(parser.parse_args(engine_args(s))) == s
     assert parser.parse_args([]).prefill_gemm == "auto"

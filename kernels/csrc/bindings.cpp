@@ -45,7 +45,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention_int8", &paged_decode_attention_int8,
         "decode attention over an int8 paged KV cache (codes + a scale per row, CPU)", release());
   m.def("prefill_causal_attention", &prefill_causal_attention,
-        "causal prefill attention of one sequence over a paged KV cache (fp32, CPU)", release());
+        "causal prefill attention of one sequence over a paged KV cache (fp32 cache, CPU; bf16: "
+        "bf16 GEMMs)",
+        py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+        py::arg("seq_len"), py::arg("scale"), py::arg("bf16") = false, release());
   m.def("pack_skinny_weight", &pack_skinny_weight, "pack [N, K] fp32 for skinny_linear", release());
   m.def("skinny_linear", &skinny_linear, "x @ W^T (+ bias) (+ residual) for a few rows (fp32, CPU)",
         py::arg("x"), py::arg("packed"), py::arg("n_out"), py::arg("bias") = py::none(),

@@ -89,9 +89,10 @@ torch::Tensor paged_decode_attention_int8(torch::Tensor query, torch::Tensor k_c
 // kernels/kv_int8.py's quantize.
 void quantize_kv_row(const float* x, int8_t* row, int64_t D);
 
+// bf16: both GEMMs on bf16 operands (a bf16 prefill's precision); else fp32 throughout.
 torch::Tensor prefill_causal_attention(torch::Tensor query, torch::Tensor k_cache,
                                        torch::Tensor v_cache, torch::Tensor block_table,
-                                       int64_t seq_len, double scale);
+                                       int64_t seq_len, double scale, bool bf16);
 
 // Weights packed for skinny_linear: [ceil(N / 16), K, 16], zero-padded past N.
 at::Tensor pack_skinny_weight(const at::Tensor& weight);
