@@ -13,11 +13,18 @@ import pytest
 from engine.loop import EngineThread
 from pdserve.cluster.local import ClusterSpec, LocalCluster
 from tests.cluster_utils import assert_all_blocks_free, generate_concurrently
-from tests.test_disagg import NEW_TOKENS, engine_reference, mixed_prompts, tiny_model  # noqa: F401
+from tests.conftest import tiny_llama_dir
+from tests.test_disagg import NEW_TOKENS, engine_reference, mixed_prompts
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="a thread's own niceness is Linux's"
 )
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path, _ = tiny_llama_dir(tmp_path_factory.mktemp("nice"), num_heads=4, num_kv_heads=2, layers=2)
+    return path
 
 
 def niceness(tid: int | None = None) -> int:
