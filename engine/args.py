@@ -28,14 +28,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk-size", type=int, default=d.prefill_chunk_size)
     g.add_argument("--threads", type=int, default=d.threads, help="torch threads (0: default)")
     g.add_argument(
-        "--nice",
-        type=int,
-        default=d.nice,
-        choices=range(20),
-        metavar="0-19",
-        help="the engine thread's Linux niceness (0: an equal share of the CPU)",
-    )
-    g.add_argument(
         "--device",
         type=device_name,
         default=d.device,
@@ -69,7 +61,6 @@ def engine_settings_from_args(args: argparse.Namespace) -> EngineSettings:
         prefill_chunk_size=args.prefill_chunk_size,
         device=args.device,
         threads=args.threads,
-        nice=args.nice,
         weights=args.weights,
         weight_group=args.weight_group,
         kv_dtype=args.kv_dtype,
@@ -86,7 +77,7 @@ def engine_args(s: EngineSettings) -> list[str]:
         *("--max-num-batched-tokens", str(s.max_num_batched_tokens)),
         *("--max-num-seqs", str(s.max_num_seqs)),
         *("--prefill-chunk-size", str(s.prefill_chunk_size)),
-        *("--threads", str(s.threads), "--nice", str(s.nice), "--device", s.device),
+        *("--threads", str(s.threads), "--device", s.device),
         *("--weights", s.weights, "--weight-group", str(s.weight_group)),
         *("--kv-dtype", s.kv_dtype, "--prefill-gemm", s.prefill_gemm),
         *("--activations", s.activations),

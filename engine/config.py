@@ -172,14 +172,11 @@ class EngineConfig:
     kv_dtype: str = "fp32"  # the KV cache: fp32 | int8 | fp8 (a scale per token and head)
     prefill_gemm: str = "auto"  # prefill's many-row matmuls: fp32 | bf16 | auto
     activations: str = "int8"  # int8 / q4 weights' decode rows on CPU: int8 | fp32
-    nice: int = 0  # the engine thread's Linux niceness, 0-19 (a pool's ``nice``)
 
     def __post_init__(self):
         check_weights(self.weights, self.weight_group)
         check_activations(self.activations)
         check_kv_dtype(self.kv_dtype)
         check_prefill_gemm(self.prefill_gemm)
-        if not 0 <= self.nice <= 19:
-            raise ValueError(f"nice must be within 0..19, not {self.nice}")
         if self.kv_dtype == "fp8" and self.model.head_dim % 4:  # each row's fp32 scale aligned
             raise ValueError(f"kv_dtype fp8 needs head_dim % 4 == 0, not {self.model.head_dim}")

@@ -8,8 +8,6 @@ whole step.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 from collections.abc import Callable
 
@@ -23,20 +21,16 @@ class EngineThread:
         on_error: Callable[[BaseException], None],
         name: str,
         lock: threading.RLock | None = None,
-        nice: int = 0,
     ):
         """``step()`` returns whether it did work; ``on_error`` fails in-flight requests as a
         worker error (the step raised outside any one request: a failing request or forward is
         handled inside the step, engine/step_isolation.py); ``lock`` is the one ``step`` takes
-        around scheduling (a new one if None); ``nice``: the thread's Linux niceness, raised
-        once it starts (the torch threads it starts inherit it; the RPC threads keep theirs, so
-        KV frames and token streams are not starved)."""
+        around scheduling (a new one if None)."""
         self.lock = lock if lock is not None else threading.RLock()
         self._step = step
         self._on_error = on_error
         self._wake = threading.Event()
         self._stopped = threading.Event()
-        self._nice = nice
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -56,7 +50,6 @@ class EngineThread:
         return self._thread.is_alive() and not self._stopped.is_set()
 
     def _run(self) -> None:
-        lower_priority(self._nice)
         while not self._stopped.is_set():
             try:
                 busy = self._step()
@@ -67,16 +60,3 @@ class EngineThread:
             if not busy:
                 self._wake.wait(0.05)
                 self._wake.clear()
-
-
-def lower_priority(nice: int) -> None:
-    """Raise the calling thread's niceness by ``nice``. On Linux a thread's niceness is its own
-    (``setpriority`` on its thread id) and threads it starts inherit it; raising one needs no
-    privilege. Elsewhere (no thread ids for it) the step runs at the process's priority."""
-    if not nice:
-        return
-    if not sys.platform.startswith("linux"):
-        log.warning("nice %d ignored: per-thread priority is Linux-only", nice)
-        return
-    tid = threading.get_native_id()
-    os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))

@@ -25,7 +25,6 @@ class EngineSettings:
     prefill_chunk_size: int = SchedulerConfig.prefill_chunk_size
     device: str = "auto"  # cpu, cuda[:N], or auto: cuda where a GPU is visible
     threads: int = 0  # torch threads of the process that builds it; 0: torch's default
-    nice: int = 0  # the engine thread's Linux niceness (engine.loop.EngineThread)
     weights: str = EngineConfig.weights  # how weights are stored: engine.config.WEIGHT_FORMATS
     weight_group: int = EngineConfig.weight_group  # q4: weights per scale
     kv_dtype: str = EngineConfig.kv_dtype  # the KV cache: engine.config.KV_DTYPES
@@ -95,7 +94,6 @@ def build_engine(s: EngineSettings, loaded: LoadedModel | None = None) -> LLMEng
         kv_dtype=s.kv_dtype,
         prefill_gemm=s.prefill_gemm,
         activations=s.activations,
-        nice=s.nice,
     )
     return LLMEngine(cfg, loaded.weights, loaded.tokenizer)
 

@@ -28,11 +28,7 @@ class EngineWorker(StepHooks):
         trace = StepTrace.from_env(self.worker_id)  # PDSERVE_STEP_TRACE: per-step timings
         self.step_loop = StepLoop(self.scheduler, engine.executor, self, lock, trace)
         self.loop = EngineThread(
-            self.step_loop.step,
-            self._fail_all,
-            name=f"{self.worker_id}-engine",
-            lock=lock,
-            nice=engine.config.nice,
+            self.step_loop.step, self._fail_all, name=f"{self.worker_id}-engine", lock=lock
         )
         self._aborts: set[str] = set()
         self._draining = False

@@ -60,16 +60,6 @@ class PoolConfig(_Strict):
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     threads: int = Field(1, ge=0, description="torch threads per worker (0: torch's default)")
-    nice: int = Field(
-        0,
-        ge=0,
-        le=19,
-        description=(
-            "Linux niceness of each worker's engine thread, where its forwards run (0: an equal"
-            " share). A pool with headroom on its SLO (decode, on TPOT) at nice 10 lends its"
-            " cores to a pool on the same machine with more threads (prefill, for TTFT)"
-        ),
-    )
     resources: dict[str, float] = Field(default_factory=dict, description="Ray custom resources")
 
     @model_validator(mode="after")

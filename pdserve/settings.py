@@ -20,12 +20,8 @@ from pdserve.security_config import api_security, cluster_tls, request_limits
 from prefill_worker.launch import PrefillSettings
 from router.settings import RouterSettings
 
-# What a ClusterConfig field of the same name sets; the model and the pool's own fields come
-# from elsewhere.
-POOL_FIELDS = ("threads", "nice")
-ENGINE_FIELDS = tuple(
-    f.name for f in fields(EngineSettings) if f.name not in ("model", *POOL_FIELDS)
-)
+# What a ClusterConfig field of the same name sets; model and threads come from elsewhere.
+ENGINE_FIELDS = tuple(f.name for f in fields(EngineSettings) if f.name not in ("model", "threads"))
 
 
 @dataclass(frozen=True)
@@ -53,8 +49,7 @@ def settings_from_config(cfg: ClusterConfig, host: str, model_dir: str | None = 
         # Every engine knob the config names the same way (block_size, weights, kv_dtype...)
         # is copied: a new one reaches the workers by being declared on both.
         same = {k: getattr(cfg, k) for k in ENGINE_FIELDS if k in ClusterConfig.model_fields}
-        pool = {k: getattr(cfg.pools[role], k) for k in POOL_FIELDS}
-        return EngineSettings(**same, **pool, model=model)
+        return EngineSettings(**same, model=model, threads=cfg.pools[role].threads)
 
     server = ServerSettings(host=host, cluster_token=cfg.cluster_token, cluster_tls=tls)
     return ClusterSettings(

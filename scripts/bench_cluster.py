@@ -31,10 +31,6 @@ def main() -> int:
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--prefill-threads", type=int, help="the prefill pool's (default: --threads)")
-    p.add_argument(
-        "--decode-nice", type=int, default=0, help="the decode pool's engine niceness (0-19)"
-    )
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--local-prefill-max-tokens", type=int, default=0)
     p.add_argument(
@@ -57,10 +53,7 @@ def main() -> int:
         num_blocks=args.num_blocks,
         max_model_len=args.max_model_len,
         http_port=0,
-        pools={
-            "prefill": {"threads": args.prefill_threads or args.threads},
-            "decode": {"threads": args.threads, "nice": args.decode_nice},
-        },
+        threads_per_worker=args.threads,
         separate_processes=not args.in_process,
         max_num_batched_tokens=args.max_num_batched_tokens,
         local_prefill_max_tokens=args.local_prefill_max_tokens,

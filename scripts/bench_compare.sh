@@ -16,10 +16,6 @@
 #   VLLM=1 ...                                       # start vLLM-cpu here (VLLM_PORT, 8011)
 #   COLOCATED_WEIGHTS=q4 ...                         # + colocated_q4: one colocated worker (2
 #                                                    # threads) on quantized weights
-#   LEND_WEIGHTS=q4 ...                              # + lend_q4: the pair on quantized weights
-#                                                    # with a 2-thread prefill worker and the
-#                                                    # decode engine at nice LEND_NICE (10): it
-#                                                    # lends its core while a prompt prefills
 # Issue 22's goodput check, one command (prints goodput and each one's ratio to fp32 pdserve
 # and to vLLM at the end):
 #   ALSO_WEIGHTS=q4,int8 VLLM=1 COLOCATED=0 RATES=1,2,3,4 N=40 bash scripts/bench_compare.sh
@@ -35,8 +31,6 @@ VLLM=${VLLM:-0}
 VLLM_PORT=${VLLM_PORT:-8011}
 COLOCATED=${COLOCATED:-1}
 COLOCATED_WEIGHTS=${COLOCATED_WEIGHTS:-}
-LEND_WEIGHTS=${LEND_WEIGHTS:-}
-LEND_NICE=${LEND_NICE:-10}
 N=${N:-20}
 SLO_TTFT=${SLO_TTFT:-3}
 SLO_TPOT=${SLO_TPOT:-0.1}
@@ -73,11 +67,6 @@ for weights in ${ALSO_WEIGHTS//,/ }; do  # the same pair on quantized weights
   start_cluster "disaggregated_$weights" --threads 1 --weights "$weights" \
     --prefill-gemm "$PREFILL_GEMM"
   ALSO+=("disaggregated_$weights")
-done
-for weights in ${LEND_WEIGHTS//,/ }; do  # the pair, decode lending its core to prefill
-  start_cluster "lend_$weights" --threads 1 --prefill-threads 2 --decode-nice "$LEND_NICE" \
-    --weights "$weights" --prefill-gemm "$PREFILL_GEMM"
-  ALSO+=("lend_$weights")
 done
 for isa in ${ALSO_ISAS//,/ }; do  # the same pair, its workers forced onto these kernels
   PDSERVE_CPU_ISA=$isa start_cluster "disaggregated_$isa" --threads 1

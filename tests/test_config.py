@@ -64,8 +64,6 @@ def _error(data: dict) -> str:
     [
         ({"pools": {"decode": {"replicas": 0}}}, "pools.decode.replicas: must be >= 1"),
         ({"pools": {"prefill": {"num_cpus": -1}}}, "pools.prefill.num_cpus: must be >= 0"),
-        ({"pools": {"decode": {"nice": 20}}}, "pools.decode.nice: must be <= 19"),
-        ({"pools": {"decode": {"nice": -5}}}, "pools.decode.nice: must be >= 0"),
         (
             {"pools": {"decode": {"replicas": 5, "max": 4}}},
             "pools.decode: replicas (5) must be within",

@@ -213,6 +213,6 @@ def test_a_worker_process_gets_prefill_gemm_through_its_flags():
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    s = EngineSettings(weights="q4", prefill_gemm="bf16", threads=2, nice=7)
+    s = EngineSettings(weights="q4", prefill_gemm="bf16")
     assert engine_settings_from_args(parser.parse_args(engine_args(s))) == s
     assert parser.parse_args([]).prefill_gemm == "auto"

@@ -51,7 +51,7 @@ def test_every_config_field_reaches_the_process_that_uses_it():
             "lease_ttl_s": 12.0,
             "cluster_token": "t",
             "api_key": "k",
-            "pools": {"prefill": {"threads": 3}, "decode": {"threads": 2, "nice": 10}},
+            "pools": {"prefill": {"threads": 3}, "decode": {"threads": 2}},
             "router": {"concurrent_reserve_headroom": -1, "local_prefill_max_tokens": 7},
             "security": {"cluster_tls": TLS, "kv_private_network": True},
             "limits": {"max_stop_strings": 4, "max_lease_seconds": 90},
@@ -60,7 +60,6 @@ def test_every_config_field_reaches_the_process_that_uses_it():
     s = settings_from_config(cfg, "127.0.0.1", "/m")
     assert s.router.block_size == s.prefill.engine.block_size == s.decode.engine.block_size == 8
     assert (s.prefill.engine.threads, s.decode.engine.threads) == (3, 2)
-    assert (s.prefill.engine.nice, s.decode.engine.nice) == (0, 10)
     assert s.decode.engine.num_blocks == 99 and s.decode.engine.max_num_seqs == 5
     for engine in (s.prefill.engine, s.decode.engine):
         assert (engine.weights, engine.weight_group, engine.kv_dtype) == ("q4", 64, "int8")
