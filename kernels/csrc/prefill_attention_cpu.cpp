@@ -20,7 +20,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 
 namespace {
@@ -44,66 +43,28 @@ at::Tensor gather_heads(const at::Tensor& cache, const int32_t* table, int64_t s
   return bf16 ? out.to(at::kBFloat16) : out;
 }
 
-// bf16 <-> fp32 by bits, rounding to nearest even (finite values: scores and probabilities).
-inline float from_bf16(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
-inline uint16_t to_bf16(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-#if defined(__AVX512F__)
-inline simd::vec load_bf16(const uint16_t* p) {
-  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-inline void store_bf16(uint16_t* p, simd::vec x) {
-  __m512i u = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  u = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(u));
-}
-#else
-inline simd::vec load_bf16(const uint16_t* p) {
-  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-inline void store_bf16(uint16_t* p, simd::vec x) {
-  __m256i u = _mm256_castps_si256(x);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  // Per 128-bit lane packus gives [a0..a3 a0..a3 | a4..a7 a4..a7]: qwords 0 and 2 are a0..a7.
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
-#endif
-
 // exp_row on a bf16 row: the exponentials are summed in fp32 and stored rounded to bf16.
 float exp_row(at::BFloat16* row, int64_t len, int64_t width) {
   uint16_t* s = reinterpret_cast<uint16_t*>(row);
   float m = -std::numeric_limits<float>::infinity();
   int64_t t = 0;
   simd::vec vmax = simd::set1(m);
-  for (; t + simd::kWidth <= len; t += simd::kWidth) vmax = simd::max(vmax, load_bf16(s + t));
+  for (; t + simd::kWidth <= len; t += simd::kWidth)
+    vmax = simd::max(vmax, simd::load_bf16(s + t));
   m = simd::reduce_max(vmax);
-  for (; t < len; ++t) m = std::max(m, from_bf16(s[t]));
+  for (; t < len; ++t) m = std::max(m, simd::from_bf16(s[t]));
   const simd::vec vm = simd::set1(m);
   simd::vec vsum = simd::zero();
   for (t = 0; t + simd::kWidth <= len; t += simd::kWidth) {
-    const simd::vec e = simd::exp(simd::sub(load_bf16(s + t), vm));
+    const simd::vec e = simd::exp(simd::sub(simd::load_bf16(s + t), vm));
     vsum = simd::add(vsum, e);
-    store_bf16(s + t, e);
+    simd::store_bf16(s + t, e);
   }
   float sum = simd::reduce_add(vsum);
   for (; t < len; ++t) {
-    const float e = std::exp(from_bf16(s[t]) - m);
+    const float e = std::exp(simd::from_bf16(s[t]) - m);
     sum += e;
-    s[t] = to_bf16(e);
+    s[t] = simd::to_bf16(e);
   }
   std::fill(s + len, s + width, uint16_t(0));
   return sum;
