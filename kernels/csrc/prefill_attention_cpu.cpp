@@ -43,44 +43,41 @@ at::Tensor gather_heads(const at::Tensor& cache, const int32_t* table, int64_t s
   return bf16 ? out.to(at::kBFloat16) : out;
 }
 
-// exp_row on a bf16 row: the exponentials are summed in fp32 and stored rounded to bf16.
-float exp_row(at::BFloat16* row, int64_t len, int64_t width) {
-  uint16_t* s = reinterpret_cast<uint16_t*>(row);
-  float m = -std::numeric_limits<float>::infinity();
-  int64_t t = 0;
-  simd::vec vmax = simd::set1(m);
-  for (; t + simd::kWidth <= len; t += simd::kWidth)
-    vmax = simd::max(vmax, simd::load_bf16(s + t));
-  m = simd::reduce_max(vmax);
-  for (; t < len; ++t) m = std::max(m, simd::from_bf16(s[t]));
-  const simd::vec vm = simd::set1(m);
-  simd::vec vsum = simd::zero();
-  for (t = 0; t + simd::kWidth <= len; t += simd::kWidth) {
-    const simd::vec e = simd::exp(simd::sub(simd::load_bf16(s + t), vm));
-    vsum = simd::add(vsum, e);
-    simd::store_bf16(s + t, e);
-  }
-  float sum = simd::reduce_add(vsum);
-  for (; t < len; ++t) {
-    const float e = std::exp(simd::from_bf16(s[t]) - m);
-    sum += e;
-    s[t] = simd::to_bf16(e);
-  }
-  std::fill(s + len, s + width, uint16_t(0));
-  return sum;
+// A row's elements as fp32 registers and back: fp32 as they are, bf16 widened and rounded to
+// nearest even (simd.h).
+inline simd::vec load_row(const float* p) { return simd::load(p); }
+inline simd::vec load_row(const at::BFloat16* p) {
+  return simd::load_bf16(reinterpret_cast<const uint16_t*>(p));
+}
+inline void store_row(float* p, simd::vec x) { simd::store(p, x); }
+inline void store_row(at::BFloat16* p, simd::vec x) {
+  simd::store_bf16(reinterpret_cast<uint16_t*>(p), x);
 }
 
 // Row r of `scores` keeps its first `len` entries: exp(s - max) there, zeros after; returns
-// the sum of the kept exponentials.
-float exp_row(float* s, int64_t len, int64_t width) {
+// the sum of the kept exponentials. The max and the sum are fp32 for a bf16 row too.
+template <typename T>
+float exp_row(T* s, int64_t len, int64_t width) {
   float m = -std::numeric_limits<float>::infinity();
   int64_t t = 0;
   simd::vec vmax = simd::set1(m);
-  for (; t + simd::kWidth <= len; t += simd::kWidth) vmax = simd::max(vmax, simd::load(s + t));
+  for (; t + simd::kWidth <= len; t += simd::kWidth) vmax = simd::max(vmax, load_row(s + t));
   m = simd::reduce_max(vmax);
-  for (; t < len; ++t) m = s[t] > m ? s[t] : m;
-  const float sum = exp_shifted_sum(s, len, m);
-  std::fill(s + len, s + width, 0.f);
+  for (; t < len; ++t) m = std::max(m, float(s[t]));
+  const simd::vec vm = simd::set1(m);
+  simd::vec vsum = simd::zero();
+  for (t = 0; t + simd::kWidth <= len; t += simd::kWidth) {
+    const simd::vec e = simd::exp(simd::sub(load_row(s + t), vm));
+    store_row(s + t, e);
+    vsum = simd::add(vsum, e);
+  }
+  float sum = simd::reduce_add(vsum);
+  for (; t < len; ++t) {
+    const float e = std::exp(float(s[t]) - m);
+    s[t] = T(e);
+    sum += e;
+  }
+  std::fill(s + len, s + width, T(0.f));
   return sum;
 }
 

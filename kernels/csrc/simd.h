@@ -11,7 +11,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -90,20 +89,8 @@ inline vec exp(vec x) {
 }
 #endif
 
-// bf16 <-> fp32 by bits, rounding to nearest even (finite values: scores and probabilities).
-inline float from_bf16(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
-inline uint16_t to_bf16(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-// kWidth bf16 values widened to a register, and a register rounded to kWidth bf16 values.
+// kWidth bf16 values widened to a register, and a register rounded to kWidth bf16 values
+// (to nearest even; finite values: the prefill kernel's scores and probabilities).
 #if defined(__AVX512F__)
 inline vec load_bf16(const uint16_t* p) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
