@@ -31,7 +31,11 @@ from tests.cluster_utils import assert_all_blocks_free
 from tests.conftest import tiny_llama_dir
 from tests.test_disagg import engine_reference, mixed_prompts
 
-MAX_REQUESTS = 240  # the load stops sooner: AFTER_KILLS requests after the second kill
+# The load stops AFTER_KILLS requests after the second kill, after ~100-300 requests. It must not
+# run out sooner: while its transfers fail, the prefill worker is out of routing for a second at
+# a time (the requests prefill on the decode side meanwhile), and the load's requests go by at
+# ~50/s, so a plan of a few hundred could end before the prefill worker is back to be killed.
+MAX_REQUESTS = 2000
 AFTER_KILLS = 16
 CONCURRENCY = 8  # requests in flight at any time: a steady load
 MAX_NEW_TOKENS = 64
@@ -75,6 +79,10 @@ class Load:
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = pb_grpc.GenerationStub(self._channel)
 
+    @property
+    def ran_out(self) -> bool:
+        return self._next >= len(self.planned)
+
     async def run(self) -> None:
         try:
             await asyncio.gather(*(self._client() for _ in range(CONCURRENCY)))
@@ -110,10 +118,12 @@ class Load:
                 return
 
 
-async def until(predicate, what: str, timeout: float = 120.0, period: float = 0.01) -> None:
+async def until(load: Load, predicate, what: str, timeout: float = 120.0, period: float = 0.01):
     deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        assert not load.ran_out, f"the load ran out of requests waiting for {what}"
+        late = asyncio.get_running_loop().time() >= deadline
+        assert not late, f"timed out waiting for {what} ({load.done} requests done)"
         await asyncio.sleep(period)
 
 
@@ -122,7 +132,7 @@ async def run_chaos(load: Load, decode, prefill, transfer_failures) -> list[int]
     requests around again (``transfer_failures()``), kill -9 the prefill worker while a Prefill
     call waits for its first token there; then AFTER_KILLS more requests. Returns the in-flight
     streams' token counts at the first kill."""
-    await until(lambda: load.done >= 24, "a first share of the load")
+    await until(load, lambda: load.done >= 24, "a first share of the load")
     decode_proc, decode_address = decode
     async with grpc.aio.insecure_channel(decode_address) as channel:
         status = pb_grpc.DecodeWorkerStub(channel).Status
@@ -130,12 +140,13 @@ async def run_chaos(load: Load, decode, prefill, transfer_failures) -> list[int]
             await asyncio.sleep(0.005)  # until streams run there (its own word, not a poll's)
         streams_at_kill = sorted(load.streaming.values())
         decode_proc.send_signal(signal.SIGKILL)
-    await until(lambda: load.done >= 72 and transfer_failures() >= 2, "transfer faults")
+    await until(load, lambda: load.done >= 72 and transfer_failures() >= 2, "transfer faults")
     prefill_proc, prefill_handle = prefill
-    await until(lambda: prefill_handle.inflight_requests > 0, "a prefill in flight", period=0.001)
+    in_flight = "a prefill in flight"
+    await until(load, lambda: prefill_handle.inflight_requests > 0, in_flight, period=0.001)
     prefill_proc.send_signal(signal.SIGKILL)
     done = load.done
-    await until(lambda: load.done >= done + AFTER_KILLS, "the load to go on")
+    await until(load, lambda: load.done >= done + AFTER_KILLS, "the load to go on")
     load.stop.set()
     return streams_at_kill
 
