@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import sys
@@ -35,7 +36,15 @@ from engine.step_trace import ENV_VAR as STEP_TRACE_ENV
 from pdserve.bench.loadgen.metrics import SLO, BenchResult
 from pdserve.bench.loadgen.serve import ServeConfig, run_benchmark
 from pdserve.cluster.local import ClusterSpec, LocalCluster
-from pdserve.planner.fidelity_replay import METRICS, err, mape, replay, resimulate, summary
+from pdserve.planner.fidelity_replay import (
+    METRICS,
+    err,
+    mape,
+    replay,
+    resimulate,
+    shared_prefix_tokens,
+    summary,
+)
 from pdserve.planner.profile import load_profile
 from pdserve.planner.sim import SimConfig, Split
 from pdserve.planner.step_residuals import co_run_factors, format_residuals, step_residuals
@@ -89,11 +98,25 @@ def _run_real(split: Split, workload: str, rate: float, n: int, slo: SLO, seed: 
         return asyncio.run(run_benchmark(cfg))
 
 
+@functools.cache
+def shared_prefix(workload: str) -> int:
+    """The leading tokens a run's prompts share (its chat preamble), which the live workers'
+    prefix caches serve after the first request."""
+    from engine.tokenizer import Tokenizer
+    from pdserve.planner.measure import engine_dir
+
+    return shared_prefix_tokens(workload, Tokenizer(engine_dir("embedded")))
+
+
+def sim_config(split: Split, workload: str, cores: int) -> SimConfig:
+    return SimConfig(split, cpu_cores=cores, shared_prefix_tokens=shared_prefix(workload))
+
+
 def sim_capacity(profile, split: Split, workload: str, slo: SLO, cores: int) -> float:
     from pdserve.planner.search import Evaluator, synthetic_workload
 
     wl = synthetic_workload(workload, 0, duration_s=200, min_requests=60, max_requests=600)
-    return Evaluator(profile, wl, slo, SimConfig(split, cpu_cores=cores)).capacity(split, 0.5)
+    return Evaluator(profile, wl, slo, sim_config(split, workload, cores)).capacity(split, 0.5)
 
 
 def sends_of(res: BenchResult, rate: float, seed: int, n: int):
@@ -119,7 +142,7 @@ def fidelity(profile, seed: int, scale: float, cores: int, traces=None) -> list[
                 print(f"  {label} @ {rate}: {real.failed} failed: {real.errors[:2]}", flush=True)
             sends = sends_of(real, rate, seed, n)
             trace = [TraceRequest(t, p, o) for t, p, o in sends]
-            sim = replay(profile, split, trace, slo, cores)
+            sim = replay(profile, split, trace, slo, cores, shared_prefix(workload))
             row = {
                 "load_average": os.getloadavg()[0],
                 "split": label,
@@ -167,7 +190,7 @@ def recommendation(
         if only and workload not in only:
             continue
         wl = synthetic_workload(workload, seed, duration_s=200, min_requests=60, max_requests=600)
-        base = SimConfig(Split(1, 1), cpu_cores=cores)
+        base = sim_config(Split(1, 1), workload, cores)
         # Plan at a low rate first to find the best split, then check it at 90% of its capacity.
         # Only splits of exactly max_workers are run for real, so only they compete here.
         first = plan(profile, wl, 0.1, slo, max_workers, base, curve_points=2)

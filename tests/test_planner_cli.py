@@ -119,6 +119,7 @@ def test_plan_replays_a_trace_at_its_own_rate(tiny_profile, tmp_path, capsys):
         (["--rate", "1", "--profile", "/no/such.json"], "--profile"),
         (["--rate", "1", "--slo-ttft", "-2"], "--slo-ttft"),
         (["--rate", "1", "--temperature", "-1"], "--temperature"),
+        (["--rate", "1", "--shared-prefix-tokens", "-1"], "--shared-prefix-tokens"),
     ],
 )
 def test_plan_names_a_bad_argument(tiny_profile, extra, named, capsys):

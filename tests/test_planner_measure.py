@@ -85,3 +85,18 @@ def test_each_pair_of_kinds_is_timed_beside_its_own_neighbour_and_sets_its_profi
         "co_run_slowdown_prefill_pair": 1.5,
     }
     assert set(got) <= {f.name for f in dataclasses.fields(Profile)}
+
+
+def test_a_live_prefill_worker_reports_its_prefill_of_each_length(tmp_path):
+    """A real 1P1D pair (worker processes, the gRPC KV transport) on a tiny model: the prefill
+    worker's own prefill seconds for each prompt length, what prefill_worker_slowdown is the
+    ratio of."""
+    from pdserve.config import ClusterConfig
+    from pdserve.planner.measure_live import live_prefill_seconds
+    from tests.conftest import tiny_llama_dir
+
+    model, _ = tiny_llama_dir(tmp_path)
+    cfg = ClusterConfig(model=str(model), max_model_len=256, num_blocks=128)
+    live = live_prefill_seconds(cfg, threads=1, sizes=(8, 64), runs=2)
+    assert set(live) == {8, 64}
+    assert all(0 < s < 30 for s in live.values())

@@ -248,3 +248,43 @@ def test_profile_keeps_the_prefill_co_run_slowdown(tmp_path):
     prof = Profile(**{**toy_profile().__dict__, "co_run_slowdown_prefill": 1.3})
     prof.save(tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json").co_run_slowdown_prefill == 1.3
+
+
+@pytest.mark.parametrize("split", [Split(0, 1), Split(1, 1)], ids=["colocated", "prefill-pool"])
+def test_a_shared_prefix_is_served_from_the_prefix_cache_after_the_first_prompt(split):
+    """Prompts sharing a chat template's 35 leading tokens: the first computes them, every
+    later one finds their 2 full blocks in the worker's prefix cache (the engine's own), as
+    the live engine does, and computes the rest at offset 32."""
+    prof = toy_profile(router_s=0.004)
+    n = 300
+    trace = [TraceRequest(float(i), n, 1) for i in range(3)]  # one at a time
+    cfg = SimConfig(split, shared_prefix_tokens=35)
+    ttfts = simulate(prof, trace, cfg).result.ttfts
+    router = prof.router_overhead_s
+    assert ttfts[0] == pytest.approx(router + prof.prefill_seconds(n, 0))
+    cached = router + prof.prefill_seconds(n - 32, 32)
+    assert ttfts[1:] == pytest.approx([cached, cached])
+    assert cached < ttfts[0]
+    plain = simulate(prof, trace, SimConfig(split)).result.ttfts  # no shared prefix: no hits
+    assert plain == pytest.approx([ttfts[0]] * 3)
+
+
+def test_prompts_share_only_the_prefix():
+    from pdserve.planner.sim_workers import prompt_content
+
+    a, b = prompt_content(40, 35), prompt_content(40, 35)
+    assert a[:35] == b[:35] and len(a) == len(b) == 40
+    assert not set(a[35:]) & set(b[35:])
+    assert prompt_content(20, 35) == prompt_content(20, 35)  # all of it is the shared part
+
+
+def test_a_prefill_workers_steps_take_its_measured_live_slowdown_and_colocated_ones_do_not():
+    import dataclasses
+
+    prof = dataclasses.replace(toy_profile(router_s=0.004), prefill_worker_slowdown=1.25)
+    n = 300
+    router, prefill = prof.router_overhead_s, prof.prefill_seconds(n, 0)
+    [disagg] = simulate(prof, [TraceRequest(0.0, n, 1)], Split(1, 1)).result.ttfts
+    assert disagg == pytest.approx(router + 1.25 * prefill)
+    [colocated] = simulate(prof, [TraceRequest(0.0, n, 1)], Split(0, 1)).result.ttfts
+    assert colocated == pytest.approx(router + prefill)

@@ -28,14 +28,22 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def positive_int(text: str) -> int:
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0)
 
 
 def workload_spec(text: str) -> str:
@@ -170,6 +178,13 @@ def add_plan(sub) -> None:
         default=1.0,
         help="the clients' sampling temperature (OpenAI's default 1; 0: greedy)",
     )
+    p.add_argument(
+        "--shared-prefix-tokens",
+        type=non_negative_int,
+        default=0,
+        help="leading tokens every prompt shares (system prompt, chat template): served from "
+        "the workers' prefix caches",
+    )
     p.set_defaults(func=cmd_plan)
 
 
@@ -231,6 +246,7 @@ def cmd_plan(args) -> int:
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         cpu_cores=args.cpu_cores,
         temperature=args.temperature,
+        shared_prefix_tokens=args.shared_prefix_tokens,
     )
     started = time.time()
     result = plan(

@@ -53,9 +53,25 @@ def rebuild_requests(workload: str, n: int, rate: float, seed: int, tokenizer) -
     ]
 
 
-def replay(profile: Profile, split: Split, trace: list, slo: SLO, cores: int) -> BenchResult:
-    """A run's requests through the simulator, the workers sharing ``cores`` cores."""
-    return simulate(profile, trace, SimConfig(split, cpu_cores=cores), slo).result
+def shared_prefix_tokens(workload: str, tokenizer) -> int:
+    """How many leading tokens the prompts of one run of ``workload`` share: the chat
+    template's preamble (SmolLM2's default system prompt) and the run's nonce line, up to the
+    request's own index."""
+    from pdserve.bench.loadgen.workloads import make_workload
+    from router.tokenize import tokenize
+
+    first, second = make_workload(workload, 2, 0, NONCE).requests
+    a, b = (tokenize(tokenizer, None, r.as_messages()) for r in (first, second))
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def replay(
+    profile: Profile, split: Split, trace: list, slo: SLO, cores: int, shared_prefix: int = 0
+) -> BenchResult:
+    """A run's requests through the simulator, the workers sharing ``cores`` cores, every
+    prompt beginning with the same ``shared_prefix`` tokens."""
+    cfg = SimConfig(split, cpu_cores=cores, shared_prefix_tokens=shared_prefix)
+    return simulate(profile, trace, cfg, slo).result
 
 
 def resimulate(report: dict, profile: Profile, slos: dict, tokenizer, seed: int = 0) -> dict:
@@ -65,7 +81,9 @@ def resimulate(report: dict, profile: Profile, slos: dict, tokenizer, seed: int 
     rows = []
     for row in report["fidelity"]:
         trace = rebuild_requests(row["workload"], row["requests"], row["rate"], seed, tokenizer)
-        sim = replay(profile, Split.parse(row["split"]), trace, slos[row["workload"]], cores)
+        split, slo = Split.parse(row["split"]), slos[row["workload"]]
+        shared = shared_prefix_tokens(row["workload"], tokenizer)
+        sim = replay(profile, split, trace, slo, cores, shared)
         new = {**row, "sim": summary(sim)}
         new["error"] = {m: err(new["sim"][m], row["real"][m]) for m in METRICS}
         rows.append(new)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import platform
+import statistics
 import subprocess
 import time
 from dataclasses import dataclass, replace
@@ -252,6 +253,15 @@ def measure_cpu_costs(engine, router_model_dir: str | None) -> dict:
     return costs
 
 
+def measure_live_prefill(cfg, timer: WorkerTimer) -> dict:
+    """{prompt tokens: (live, bare) prefill seconds} of a live prefill worker (measure_live.py)
+    and of this engine; the profile's prefill_worker_slowdown is their median ratio."""
+    from pdserve.planner.measure_live import live_prefill_seconds
+
+    live = live_prefill_seconds(cfg, torch.get_num_threads())
+    return {n: (s, timer.prefill(n, 0)) for n, s in live.items()}
+
+
 def measure_router_overhead(prompt_tokens: int = 256) -> float:
     from pdserve.bench.micro.router_overhead import _measure
 
@@ -326,7 +336,7 @@ def run_profile(
     settings = replace(settings, max_model_len=engine.config.max_model_len)
     timer = WorkerTimer(engine, grid)
     total = len(grid.prefill_tokens) * len(grid.offsets) + len(grid.batches) * len(grid.contexts)
-    bar = tqdm(total=total + 4, desc="profile", unit="pt", disable=not progress)
+    bar = tqdm(total=total + 5, desc="profile", unit="pt", disable=not progress)
     prefill = []
     for n in grid.prefill_tokens:
         prefill.append(tuple(timer.prefill(n, c) for c in grid.offsets))
@@ -349,12 +359,17 @@ def run_profile(
     router_model = None if quick or skip_router else str(engine_dir(cfg.model))
     cpu_costs = measure_cpu_costs(engine, router_model)
     bar.update(1)
+    bar.set_postfix_str("a live prefill worker")
+    live = {} if quick or skip_router or device != "cpu" else measure_live_prefill(cfg, timer)
+    slowdown = statistics.median(a / b for a, b in live.values()) if live else 1.0
+    bar.update(1)
     bar.close()
     # One token's K and V rows as the cache holds them (an int8 cache's rows carry scales).
     kv_per_token = sum(k[0, 0].nbytes + v[0, 0].nbytes for k, v in engine.runner.kv_caches)
     meta = machine_meta(engine, device, torch.get_num_threads())
     meta.update(
         raw={"prefill": prefill, "decode": decode},  # before the running maximum
+        live_prefill={str(n): {"live_s": a, "bare_s": b} for n, (a, b) in live.items()},
         model=str(cfg.model),
         model_shape={
             k: getattr(model_cfg, k)
@@ -379,6 +394,7 @@ def run_profile(
         router_overhead_s=router_s,
         **co_run,
         **cpu_costs,
+        prefill_worker_slowdown=slowdown,
         kv_bytes_per_token=kv_per_token,
         num_layers=model_cfg.num_layers,
         engine=settings,

@@ -112,6 +112,10 @@ class Profile:
     # beside another's prefill (None in older profiles: the kind's figure above).
     co_run_slowdown_decode_pair: float | None = None
     co_run_slowdown_prefill_pair: float | None = None
+    # A prefill step in a disaggregated prefill worker over the same step in a bare engine:
+    # the worker ships each layer's KV while the next computes (frames built and sent by its
+    # threads, on its cores), measured through a live 1P1D pair; 1 in older profiles.
+    prefill_worker_slowdown: float = 1.0
     # What a row sampled at a temperature costs over a greedy one (the tables are greedy).
     sample_seconds_per_row: float = 0.0
     # CPU the router and its client spend, beside the workers on a small machine: per request
@@ -205,6 +209,7 @@ class Profile:
                 co_run_slowdown_prefill=_optional_float(d.get("co_run_slowdown_prefill")),
                 co_run_slowdown_decode_pair=_optional_float(d.get("co_run_slowdown_decode_pair")),
                 co_run_slowdown_prefill_pair=_optional_float(d.get("co_run_slowdown_prefill_pair")),
+                prefill_worker_slowdown=float(d.get("prefill_worker_slowdown", 1.0)),
                 **{k: float(d.get(k, 0.0)) for k in CPU_COST_FIELDS},
                 meta=dict(d.get("meta", {})),
             )

@@ -84,6 +84,9 @@ class SimConfig:
     # Every request's sampling temperature: OpenAI's default (1.0) unless clients ask for
     # greedy (0); a sampled row costs the profile's sample_seconds_per_row more.
     temperature: float = 1.0
+    # The tokens every prompt begins with (a chat template's preamble): the workers' prefix
+    # caches serve its full blocks, so a prompt computes the rest only. 0: prompts share none.
+    shared_prefix_tokens: int = 0
 
 
 @dataclass
@@ -138,7 +141,7 @@ class SimCluster:
         # threads' (another process, but the same cores: one background queue for both).
         self.cpu_per_token_s = profile.router_cpu_per_token_s + profile.stream_cpu_per_token_s
         args = (self.clock, profile, self.engine)
-        kw = {"temperature": cfg.temperature}
+        kw = {"temperature": cfg.temperature, "shared_prefix": cfg.shared_prefix_tokens}
         self.prefill = [
             SimPrefillWorker(
                 *args, self.engine.num_blocks, f"p{i}", cpu, on_first_token=self._first, **kw

@@ -7,8 +7,11 @@ simulated clock, and every sampled token is a fixed non-EOS id (outputs end at `
 as ``ignore_eos`` runs do). So batching, chunked prefill, admission, KV capacity and preemption
 are the scheduler's own decisions.
 
-Prefix caching is off: simulated prompts carry no content (benchmarks make every prompt unique
-with a nonce for the same reason).
+Prefix caching is the engine's own, on prompts with made-up content: every prompt begins with
+the ``shared_prefix`` tokens all prompts share (a chat template's system preamble: 26 tokens of
+SmolLM2's, one full block that the live engine serves from its cache) and goes on with tokens
+no other prompt has (benchmarks make every prompt unique with a nonce; a trace carries lengths,
+not content).
 """
 
 from __future__ import annotations
@@ -26,6 +29,15 @@ from pdserve.planner.cpu_share import CpuShare
 from pdserve.planner.profile import EngineSettings, Profile
 
 TOKEN = 3  # what every simulated sample returns; never an EOS id (none are set)
+PREFIX_TOKEN = 4  # the shared prefix's content
+_unique_tokens = itertools.count(1 << 20)  # content no two prompts share
+
+
+def prompt_content(prompt_tokens: int, shared_prefix: int) -> list[int]:
+    """A prompt of ``prompt_tokens`` tokens that shares its first ``shared_prefix`` with every
+    other and nothing after them."""
+    shared = min(shared_prefix, prompt_tokens)
+    return [PREFIX_TOKEN] * shared + [next(_unique_tokens) for _ in range(prompt_tokens - shared)]
 
 
 class _SimRequest(Request):
@@ -62,6 +74,7 @@ class SimWorker(StepHooks):
     fields of router.pool.WorkerHandle they use), so the real policies run unchanged."""
 
     requeue_preempted = True
+    step_slowdown = 1.0  # this role's live steps over the profile's bare ones
 
     def __init__(
         self,
@@ -72,13 +85,18 @@ class SimWorker(StepHooks):
         name: str,
         cpu: CpuShare | None = None,
         temperature: float = 0.0,
+        shared_prefix: int = 0,
     ):
         self.clock = clock
+        self.shared_prefix = shared_prefix
         self.temperature = temperature  # every request's: the profile charges sampled rows
         self.cpu = cpu or CpuShare(clock=clock)
         self.profile = profile
         self.address = name
-        self.blocks = BlockManager(num_blocks, engine.block_size, enable_prefix_caching=False)
+        # Off without a shared prefix: nothing could hit, and hashing blocks would cost the
+        # simulation time for nothing.
+        caching = shared_prefix >= engine.block_size
+        self.blocks = BlockManager(num_blocks, engine.block_size, enable_prefix_caching=caching)
         sched = SchedulerConfig(
             engine.max_num_batched_tokens, engine.max_num_seqs, engine.prefill_chunk_size
         )
@@ -110,7 +128,7 @@ class SimWorker(StepHooks):
         """The executor: the forward takes the profile's latency; the tokens come at its end."""
         self.busy = True
         kind = "prefill" if self.profile.has_prefill(plan.scheduled) else "decode"
-        alone = self.profile.step_seconds(plan.scheduled)
+        alone = self.profile.step_seconds(plan.scheduled) * self.step_slowdown
         self.steps += 1
         tokens = [TOKEN] * sum(1 for s in plan.scheduled if s.samples)
         self.cpu.begin(kind, alone, lambda elapsed: self._end_step(done, tokens, elapsed))
@@ -125,9 +143,11 @@ class SimWorker(StepHooks):
         sampling = SamplingParams(
             max_tokens=max_tokens, ignore_eos=True, temperature=self.temperature
         )
-        return _SimRequest(
-            rid, [TOKEN] * prompt_tokens, sampling, output_token_ids=[TOKEN] * outputs
-        )
+        if self.blocks.enable_prefix_caching:
+            prompt = prompt_content(prompt_tokens, self.shared_prefix)
+        else:
+            prompt = [TOKEN] * prompt_tokens
+        return _SimRequest(rid, prompt, sampling, output_token_ids=[TOKEN] * outputs)
 
     def on_updated(self, updated: list[Request]) -> None:
         raise NotImplementedError
@@ -141,6 +161,7 @@ class SimPrefillWorker(SimWorker):
 
     def __init__(self, *args, on_first_token: Callable, **kw):
         super().__init__(*args, **kw)
+        self.step_slowdown = self.profile.prefill_worker_slowdown
         self.on_first_token = on_first_token
         self._started: dict[str, float] = {}
 
