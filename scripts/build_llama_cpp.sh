@@ -5,8 +5,10 @@
 #
 #   bash scripts/build_llama_cpp.sh [DIR] [avx512|avx2|all]
 #
-# DIR/cbuild/bin       GGML_NATIVE=ON, AMX off: a -march=native build died with SIGILL in its
-#                      AMX path on a VM whose CPU reported AMX it could not run.
+# DIR/cbuild/bin       this CPU's AVX-512 and VNNI options, set one by one from /proc/cpuinfo,
+#                      AMX off. Not GGML_NATIVE: -march=native compiles ggml's AMX path in
+#                      whatever the GGML_AMX_* options say, and on Xeon VMs that report AMX it
+#                      died (SIGILL on one, SIGSEGV in ggml_backend_amx_mul_mat on another).
 # DIR/cbuild-avx2/bin  GGML_NATIVE=OFF, AVX/AVX2/FMA/F16C only, every AVX-512/VNNI/AMX option off.
 # About 20 minutes per build on 2 cores.
 set -euo pipefail
@@ -25,8 +27,13 @@ COMMON=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS
         -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=ON -DBUILD_SHARED_LIBS=OFF)
 TARGETS=(--target llama-bench llama-batched-bench)
 if [ "$WHICH" = all ] || [ "$WHICH" = avx512 ]; then
-    cmake -S "$SRC" -B cbuild "${COMMON[@]}" -DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF \
-        -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+    flags=" $(grep -m1 '^flags' /proc/cpuinfo) "
+    has() { [[ $flags == *" $1 "* ]] && echo ON || echo OFF; }
+    cmake -S "$SRC" -B cbuild "${COMMON[@]}" -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
+        -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2="$(has bmi2)" -DGGML_AVX512="$(has avx512bw)" \
+        -DGGML_AVX512_VBMI="$(has avx512vbmi)" -DGGML_AVX512_VNNI="$(has avx512_vnni)" \
+        -DGGML_AVX512_BF16="$(has avx512_bf16)" -DGGML_AVX_VNNI="$(has avx_vnni)" \
+        -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
     cmake --build cbuild -j "$(nproc)" "${TARGETS[@]}"
 fi
 if [ "$WHICH" = all ] || [ "$WHICH" = avx2 ]; then
