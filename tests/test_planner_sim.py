@@ -118,10 +118,12 @@ def test_chunked_prefill_takes_several_steps():
     assert sim.prefill[0].steps == 8
 
 
-def test_an_hour_of_1p1d_traffic_simulates_in_under_a_minute():
+@pytest.mark.parametrize("shared_prefix", [0, 35], ids=["unique-prompts", "shared-prefix"])
+def test_an_hour_of_1p1d_traffic_simulates_in_under_a_minute(shared_prefix):
     prof = toy_profile()
     trace = synthetic("mixed", 3600, 1.0, seed=0)  # one hour at 1 req/s
-    run = simulate(prof, trace, Split(1, 1), SLO(5.0, 0.2))
+    cfg = SimConfig(Split(1, 1), shared_prefix_tokens=shared_prefix)  # hashing every block
+    run = simulate(prof, trace, cfg, SLO(5.0, 0.2))
     assert run.result.completed == len(trace)
     assert run.wall_s < 60
 
