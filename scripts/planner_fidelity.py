@@ -99,13 +99,19 @@ def _run_real(split: Split, workload: str, rate: float, n: int, slo: SLO, seed: 
 
 
 @functools.cache
-def shared_prefix(workload: str) -> int:
-    """The leading tokens a run's prompts share (its chat preamble), which the live workers'
-    prefix caches serve after the first request."""
+def embedded_tokenizer():
+    """The router's tokenizer for the embedded model: the runs' prompt lengths come from it."""
     from engine.tokenizer import Tokenizer
     from pdserve.planner.measure import engine_dir
 
-    return shared_prefix_tokens(workload, Tokenizer(engine_dir("embedded")))
+    return Tokenizer(engine_dir("embedded"))
+
+
+@functools.cache
+def shared_prefix(workload: str) -> int:
+    """The leading tokens a run's prompts share (its chat preamble), which the live workers'
+    prefix caches serve after the first request."""
+    return shared_prefix_tokens(workload, embedded_tokenizer())
 
 
 def sim_config(split: Split, workload: str, cores: int) -> SimConfig:
@@ -261,12 +267,9 @@ def calibrate(args, profile) -> int:
 
 def rescore(args, profile) -> int:
     """A stored run's simulated side redone on ``profile`` (the measured side kept)."""
-    from engine.tokenizer import Tokenizer
-    from pdserve.planner.measure import engine_dir
-
     stored = json.loads(Path(args.resimulate).read_text())
     slos = {workload: slo for _, workload, slo in SETUPS}
-    report = resimulate(stored, profile, slos, Tokenizer(engine_dir("embedded")), args.seed)
+    report = resimulate(stored, profile, slos, embedded_tokenizer(), args.seed)
     report.update(
         profile=args.profile,
         resimulated=time.strftime("%Y-%m-%d %H:%M:%S"),

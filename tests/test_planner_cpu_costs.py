@@ -156,6 +156,22 @@ def test_a_stored_run_is_rebuilt_with_its_seeded_sends_and_lengths():
     assert max(words) > 500 > min(words)  # long documents among the chats
 
 
+class _TemplateTokenizer(_Tokenizer):
+    """A chat template with a 4-word system preamble, as SmolLM2's adds one."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return "<system> be helpful </system> " + super().apply_chat_template(messages)
+
+
+def test_a_runs_prompts_share_the_template_preamble_and_the_nonce_word():
+    """Every prompt of a run begins with the template's preamble and "Session": the nonce
+    word itself carries the request's index ("0000-3."), so the shared part ends before it."""
+    from pdserve.planner.fidelity_replay import shared_prefix_tokens
+
+    assert shared_prefix_tokens("chat", _Tokenizer()) == 1
+    assert shared_prefix_tokens("mixed", _TemplateTokenizer()) == 4 + 1
+
+
 def test_resimulate_keeps_the_measured_side_and_scores_the_new_one():
     from pdserve.bench.loadgen.metrics import SLO
     from pdserve.planner.fidelity_replay import METRICS, resimulate

@@ -78,12 +78,13 @@ def resimulate(report: dict, profile: Profile, slos: dict, tokenizer, seed: int 
     """``report`` (a fidelity JSON) with every run's simulated side, errors and MAPE redone on
     ``profile``; the measured side is kept. ``slos``: workload -> SLO the runs were scored on."""
     cores = int(report.get("cpu_cores") or 2)
+    workloads = {row["workload"] for row in report["fidelity"]}
+    shared = {w: shared_prefix_tokens(w, tokenizer) for w in workloads}
     rows = []
     for row in report["fidelity"]:
         trace = rebuild_requests(row["workload"], row["requests"], row["rate"], seed, tokenizer)
         split, slo = Split.parse(row["split"]), slos[row["workload"]]
-        shared = shared_prefix_tokens(row["workload"], tokenizer)
-        sim = replay(profile, split, trace, slo, cores, shared)
+        sim = replay(profile, split, trace, slo, cores, shared[row["workload"]])
         new = {**row, "sim": summary(sim)}
         new["error"] = {m: err(new["sim"][m], row["real"][m]) for m in METRICS}
         rows.append(new)

@@ -1,11 +1,12 @@
 """What a live worker's steps cost over the bare engine's that the profile's tables time.
 
 A disaggregated prefill worker ships each layer's KV while the next layer computes: its KV
-threads build and send frames on the cores the forward runs on. Its prefill steps ran 1.1-1.3x
-the bare engine's in a live 1P1D pair on a 2-vCPU Xeon (the worker's own ``prefill_s`` against
-``WorkerTimer.prefill`` at the same length), while a colocated worker's ran as bare. This
-measures that ratio through a real pair: worker processes, the configured KV transport, the
-router, one request at a time, random prompts (no prefix-cache hits).
+threads build and send frames on the cores the forward runs on, which a colocated worker does
+not. This measures what that costs: the worker's own ``prefill_s`` against
+``WorkerTimer.prefill`` at the same length, through a real pair (worker processes, the
+configured KV transport, the router), one request at a time, random prompts (no prefix-cache
+hits). On a quiet 2-vCPU Xeon VM it read 1.01 (docs/PLANNING.md section 4): alone the shipping
+costs little; what costs is a busy neighbour, which the co-run slowdowns price.
 """
 
 from __future__ import annotations
