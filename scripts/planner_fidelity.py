@@ -47,7 +47,14 @@ from pdserve.planner.fidelity_replay import (
 )
 from pdserve.planner.profile import load_profile
 from pdserve.planner.sim import SimConfig, Split
-from pdserve.planner.step_residuals import co_run_factors, format_residuals, step_residuals
+from pdserve.planner.step_residuals import (
+    calibrated_costs,
+    format_residuals,
+    load_steps,
+    priced_steps,
+    step_residuals,
+    summarise,
+)
 from pdserve.planner.workload import TraceRequest
 
 # (split, workload, SLO). Rates: LOW and NEAR x the simulated capacity (highest rate at 90%).
@@ -237,17 +244,18 @@ CALIBRATION = ("1P1D", "mixed", 0.5, 45, 7)  # split, workload, rate, requests, 
 
 
 def calibrate(args, profile) -> int:
-    """Set the profile's co-run slowdowns from the step traces of one live 1P1D run
-    (step_residuals.co_run_factors) and write it to ``--calibrated-out``."""
+    """Set the profile's live costs from the step traces of one live 1P1D run
+    (step_residuals.calibrated_costs: each role's alone slowdown, then a co-run factor and a
+    once-per-step work for each kind) and write it to ``--calibrated-out``."""
     import dataclasses
 
     label, workload, rate, n, seed = CALIBRATION
     folder = Path(args.step_trace or "step_traces") / f"calibration_{label}_{workload}_{rate}"
     slo = {w: s for _, w, s in SETUPS}[workload]
     run_real(Split.parse(label), workload, rate, n, slo, seed, folder)
-    cells = step_residuals(profile, folder)
-    print(format_residuals(cells), flush=True)
-    decode, prefill = co_run_factors(cells)
+    rows = priced_steps(profile, load_steps(folder))
+    print(format_residuals(summarise(rows)), flush=True)
+    costs = calibrated_costs(rows)
     meta = {
         **profile.meta,
         "co_run": {
@@ -255,13 +263,13 @@ def calibrate(args, profile) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "load_average": os.getloadavg()[0],
             "bare_forwards": [profile.co_run_slowdown, profile.co_run_slowdown_prefill],
+            "quiet_prefill_worker_slowdown": profile.prefill_worker_slowdown,
+            "fit": "real = factor x (price + fixed_s), steps with a neighbour busy throughout",
         },
     }
-    out = dataclasses.replace(
-        profile, co_run_slowdown=decode, co_run_slowdown_prefill=prefill, meta=meta
-    )
+    out = dataclasses.replace(profile, **costs, meta=meta)
     out.save(args.calibrated_out)
-    print(f"wrote {args.calibrated_out}: co-run decode {decode:.3f}, prefill {prefill:.3f}")
+    print(f"wrote {args.calibrated_out}: {json.dumps(costs)}")
     return 0
 
 

@@ -194,6 +194,20 @@ def test_background_work_shares_the_cores_while_it_lasts():
     assert cpu.background_s == 0.25
 
 
+def test_a_step_pays_its_fixed_co_run_work_once_when_a_neighbour_starts():
+    """Fixed 0.1 s (seconds alone) and factor 2: two 1 s steps side by side each end at
+    2 x 1.1; a step alone pays nothing; B joining A at 0.5 makes A pay once (0.5 done, 0.6
+    left at half speed: 1.7) and B pay once too (1.1 of work, 0.6 done at half speed by 1.7,
+    the last 0.5 alone: 2.2)."""
+    kw = {"cores": 2, "threads": 1, "co_run_slowdown": 2.0, "fixed": {"decode": 0.1}}
+    assert _steps_on_shared_cores(kw, [(0.0, "decode", 1.0)]) == [1.0]
+    assert _steps_on_shared_cores(kw, [(0.0, "decode", 1.0)] * 2) == pytest.approx([2.2] * 2)
+    later = _steps_on_shared_cores(kw, [(0.0, "decode", 1.0), (0.5, "decode", 1.0)])
+    assert later == pytest.approx([1.7, 2.2])
+    prefill = _steps_on_shared_cores(kw, [(0.0, "prefill", 1.0), (0.0, "prefill", 1.0)])
+    assert prefill == pytest.approx([2.0, 2.0])  # no fixed work given for prefill steps
+
+
 def test_a_neighbour_costs_what_its_kind_costs(tmp_path):
     """A decode step beside a prefill takes ``co_run_slowdown``, beside another decode step the
     decode pair's figure; a pair the profile did not measure takes its kind's figure."""
@@ -290,3 +304,16 @@ def test_a_prefill_workers_steps_take_its_measured_live_slowdown_and_colocated_o
     assert disagg == pytest.approx(router + 1.25 * prefill)
     [colocated] = simulate(prof, [TraceRequest(0.0, n, 1)], Split(0, 1)).result.ttfts
     assert colocated == pytest.approx(router + prefill)
+
+
+def test_a_decode_workers_decode_steps_take_its_live_slowdown_and_its_local_prefills_do_not():
+    import dataclasses
+
+    prof = dataclasses.replace(toy_profile(router_s=0.004), decode_worker_slowdown=1.2)
+    n = 300
+    run = simulate(prof, [TraceRequest(0.0, n, 3)], Split(1, 1))
+    exposed = prof.exposed_transfer_s(n, prof.prefill_seconds(n, 0))
+    assert run.result.itls[0] == pytest.approx(exposed + 1.2 * prof.decode_seconds(1, n + 1))
+    assert run.result.itls[1] == pytest.approx(1.2 * prof.decode_seconds(1, n + 2))
+    [colocated] = simulate(prof, [TraceRequest(0.0, n, 1)], Split(0, 1)).result.ttfts
+    assert colocated == pytest.approx(prof.router_overhead_s + prof.prefill_seconds(n, 0))

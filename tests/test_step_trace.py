@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from engine.step_trace import ENV_VAR, PlanShape, read_trace
@@ -92,16 +93,56 @@ def test_each_step_is_priced_as_the_simulator_prices_it_and_summarised_by_kind(t
     assert cells["prefill/part"]["steps"] == 1  # a runs beside it for 0.02 s of its 0.2
 
 
-def test_the_co_run_factors_are_the_co_running_steps_measured_over_priced_seconds():
-    from pdserve.planner.step_residuals import co_run_factors
+def test_the_co_run_fit_recovers_a_factor_and_a_per_step_cost():
+    """Steps that cost 1.2 x (price + 5 ms) beside a busy neighbour give back (1.2, 5 ms); the
+    steps run alone or only partly beside one are not fitted."""
+    from pdserve.planner.step_residuals import co_run_affine
 
-    cells = {
-        "decode/co-run": {"steps": 2, "time_ratio": 1.25, "real_s": 5.0, "priced_s": 4.0},
-        "decode/alone": {"steps": 9, "time_ratio": 1.0, "real_s": 9.0, "priced_s": 9.0},
-        "prefill/co-run": {"steps": 1, "time_ratio": 1.5, "real_s": 3.0, "priced_s": 2.0},
-        "mixed/co-run": {"steps": 1, "time_ratio": 1.0, "real_s": 1.0, "priced_s": 1.0},
-    }
-    decode, prefill = co_run_factors(cells)
-    assert decode == pytest.approx(1.25)
-    assert prefill == pytest.approx(4.0 / 3.0)  # 4 s measured over 2 + 1 s priced
-    assert co_run_factors({}) == (1.0, 1.0)  # no co-running step: no slowdown
+    rows = [
+        {"kind": k, "co_run": 1.0, "priced_s": p, "real_s": 1.2 * (p + 0.005)}
+        for k, p in (("prefill", 0.05), ("mixed", 0.2), ("prefill", 0.8))
+    ]
+    rows += [{"kind": "decode", "co_run": 0.95, "priced_s": p, "real_s": 1.3 * p}
+             for p in (0.01, 0.02, 0.04)]  # fmt: skip
+    rows += [{"kind": "prefill", "co_run": c, "priced_s": 0.1, "real_s": 9.0} for c in (0, 0.5)]
+    fit = co_run_affine(rows)
+    assert fit["prefill"] == pytest.approx((1.2, 0.005))
+    assert fit["decode"] == pytest.approx((1.3, 0.0), abs=1e-9)
+
+
+def test_the_co_run_fit_keeps_the_factor_at_least_1_and_the_per_step_cost_at_least_0():
+    from pdserve.planner.step_residuals import affine_fit
+
+    priced = np.array([0.1, 0.2, 0.4])
+    # Faster than priced on long steps: slope < 1 -> slope 1, the mean excess per step.
+    a, c = affine_fit(priced * 0.5 + 0.2, priced)
+    assert a == 1.0 and c == pytest.approx(float(np.mean(priced * 0.5 + 0.2 - priced)))
+    # Intercept < 0 -> none, the least-squares factor through the origin.
+    a, c = affine_fit(1.5 * priced - 0.01, priced)
+    assert c == 0.0 and a == pytest.approx(
+        float((1.5 * priced - 0.01) @ priced / (priced @ priced))
+    )
+    assert affine_fit(np.array([0.3]), np.array([0.2])) == (pytest.approx(1.5), 0.0)
+
+
+def test_the_calibration_takes_each_roles_alone_slowdown_then_the_co_run_cost_on_top():
+    """Decode steps alone run 1.1 x price, and beside a busy prefill 1.1 x 1.3 x price: the
+    decode worker's slowdown 1.1, the co-run factor 1.3 over it; the prefill worker's steps
+    alone 1.05 x, beside decodes 1.05 x 1.2 x (price + 10 ms)."""
+    from pdserve.planner.step_residuals import calibrated_costs
+
+    def row(worker, kind, co_run, priced, real):
+        return {"worker": worker, "kind": kind, "co_run": co_run, "priced_s": priced,
+                "real_s": real}  # fmt: skip
+
+    rows = [row("decode-a", "decode", 0.0, p, 1.1 * p) for p in (0.01, 0.03)]
+    rows += [row("decode-a", "decode", 1.0, p, 1.1 * 1.3 * p) for p in (0.01, 0.02, 0.04)]
+    rows += [row("prefill-b", "prefill", 0.0, p, 1.05 * p) for p in (0.1, 0.5)]
+    rows += [row("prefill-b", "prefill", 1.0, p, 1.05 * 1.2 * (p + 0.01)) for p in (0.1, 0.3, 0.6)]
+    costs = calibrated_costs(rows)
+    assert costs["decode_worker_slowdown"] == pytest.approx(1.1)
+    assert costs["prefill_worker_slowdown"] == pytest.approx(1.05)
+    assert costs["co_run_slowdown"] == pytest.approx(1.3)
+    assert costs["co_run_fixed_s"] == pytest.approx(0.0, abs=1e-9)
+    assert costs["co_run_slowdown_prefill"] == pytest.approx(1.2)
+    assert costs["co_run_fixed_s_prefill"] == pytest.approx(0.01 * 1.05)  # seconds alone

@@ -10,7 +10,10 @@ start would take all or none of a neighbour's cost).
 A step's slowdown while ``k`` workers compute, each with ``threads`` threads, and the background
 thread is busy (``b`` = 1) or not (0), is max(1, (k x threads + b) / cores), times the slowdown
 the profile measured for the step's kind beside a neighbour of each kind (k > 1; the largest
-over the neighbours running): what a neighbour costs depends on both. A decode step (bound by
+over the neighbours running): what a neighbour costs depends on both. A step also pays, once,
+a fixed amount of work for its kind (``fixed``) when a neighbour first computes beside it: the
+live steps' cost beside a neighbour is affine in their price (a short step loses relatively
+more), not proportional. A decode step (bound by
 memory bandwidth) loses more to a neighbour than a prefill step (bound by its own core's FLOPs),
 and on vCPUs that are one core's two hyperthreads a prefill beside it costs far more than
 another decode step. The background is the router's and its client's CPU work (``charge``),
@@ -35,6 +38,7 @@ class _Running:
     started: float
     rate: float = 1.0  # work done per simulated second
     gen: int = 0  # the version of its end event that still counts
+    fixed_paid: bool = False  # its once-per-step co-run work was added
 
 
 class CpuShare:
@@ -46,17 +50,20 @@ class CpuShare:
         co_run_slowdown_prefill: float | None = None,
         clock=None,
         pairs: dict[tuple[str, str], float] | None = None,
+        fixed: dict[str, float] | None = None,
     ):
         """``co_run_slowdown``: a decode step's beside a prefilling neighbour;
         ``co_run_slowdown_prefill``: a prefill step's beside a decoding one (None: the decode
         figure); ``pairs``: (kind, neighbour kind) -> slowdown for the other pairs (a pair not
-        given takes its kind's figure)."""
+        given takes its kind's figure); ``fixed``: kind -> the work a step adds once beside
+        a computing neighbour."""
         self.cores = cores
         self.threads = max(threads, 1)
         prefill = co_run_slowdown if co_run_slowdown_prefill is None else co_run_slowdown_prefill
         self.slowdown = {"decode": co_run_slowdown, "prefill": prefill}
         self.pairs = {(k, n): self.slowdown[k] for k in KINDS for n in KINDS}
         self.pairs.update({k: v for k, v in (pairs or {}).items() if v is not None})
+        self.fixed = {k: (fixed or {}).get(k, 0.0) for k in KINDS}
         self.clock = clock
         self.running: dict[int, _Running] = {}
         self._next_id = 0
@@ -119,6 +126,9 @@ class CpuShare:
             counts[step.kind] += 1
         for sid, step in self.running.items():
             others = [k for k in KINDS if counts[k] - (k == step.kind) > 0]
+            if others and not step.fixed_paid:
+                step.remaining += self.fixed[step.kind]
+                step.fixed_paid = True
             step.rate = 1.0 / self.factor(step.kind, busy, bg, others)
             step.gen += 1
             self.clock.at(now + max(step.remaining, 0.0) / step.rate, self._finish, sid, step.gen)

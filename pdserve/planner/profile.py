@@ -112,10 +112,22 @@ class Profile:
     # beside another's prefill (None in older profiles: the kind's figure above).
     co_run_slowdown_decode_pair: float | None = None
     co_run_slowdown_prefill_pair: float | None = None
+    # Work (seconds of the step alone) a step pays once when a neighbour first computes beside
+    # it, before the slowdown above applies: each worker's own per-step Python (plan, sample,
+    # KV frames) loses its core to the neighbour's forward, which costs a short step as much
+    # as a long one. Fitted from live step traces (step_residuals.co_run_affine); 0 in older
+    # profiles and in the bare-forward measurement.
+    co_run_fixed_s: float = 0.0  # a decode step's
+    co_run_fixed_s_prefill: float = 0.0  # a prompt-computing step's
     # A prefill step in a disaggregated prefill worker over the same step in a bare engine:
     # the worker ships each layer's KV while the next computes (frames built and sent by its
     # threads, on its cores), measured through a live 1P1D pair; 1 in older profiles.
     prefill_worker_slowdown: float = 1.0
+    # A decode-only step in a live decode worker over the bare engine's, with no other worker
+    # computing: the worker streams every token out through its gRPC threads, and the router
+    # and client work beside it, on the same cores. Fitted from a live run's step traces
+    # (planner_fidelity.py --calibrated-out); 1 in older profiles.
+    decode_worker_slowdown: float = 1.0
     # What a row sampled at a temperature costs over a greedy one (the tables are greedy).
     sample_seconds_per_row: float = 0.0
     # CPU the router and its client spend, beside the workers on a small machine: per request
@@ -210,6 +222,9 @@ class Profile:
                 co_run_slowdown_decode_pair=_optional_float(d.get("co_run_slowdown_decode_pair")),
                 co_run_slowdown_prefill_pair=_optional_float(d.get("co_run_slowdown_prefill_pair")),
                 prefill_worker_slowdown=float(d.get("prefill_worker_slowdown", 1.0)),
+                decode_worker_slowdown=float(d.get("decode_worker_slowdown", 1.0)),
+                co_run_fixed_s=float(d.get("co_run_fixed_s", 0.0)),
+                co_run_fixed_s_prefill=float(d.get("co_run_fixed_s_prefill", 0.0)),
                 **{k: float(d.get(k, 0.0)) for k in CPU_COST_FIELDS},
                 meta=dict(d.get("meta", {})),
             )

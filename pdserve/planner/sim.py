@@ -135,6 +135,7 @@ class SimCluster:
             profile.co_run_slowdown_prefill,
             self.clock,
             profile.co_run_pairs,
+            {"decode": profile.co_run_fixed_s, "prefill": profile.co_run_fixed_s_prefill},
         )
         self.cpu = cpu
         # The router's and client's CPU per streamed token, with the decode worker's gRPC

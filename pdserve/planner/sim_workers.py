@@ -74,7 +74,8 @@ class SimWorker(StepHooks):
     fields of router.pool.WorkerHandle they use), so the real policies run unchanged."""
 
     requeue_preempted = True
-    step_slowdown = 1.0  # this role's live steps over the profile's bare ones
+    step_slowdown = 1.0  # this role's live steps of ``slowed_kind`` over the bare ones
+    slowed_kind = "prefill"
 
     def __init__(
         self,
@@ -128,7 +129,9 @@ class SimWorker(StepHooks):
         """The executor: the forward takes the profile's latency; the tokens come at its end."""
         self.busy = True
         kind = "prefill" if self.profile.has_prefill(plan.scheduled) else "decode"
-        alone = self.profile.step_seconds(plan.scheduled) * self.step_slowdown
+        alone = self.profile.step_seconds(plan.scheduled)
+        if kind == self.slowed_kind:
+            alone *= self.step_slowdown
         self.steps += 1
         tokens = [TOKEN] * sum(1 for s in plan.scheduled if s.samples)
         self.cpu.begin(kind, alone, lambda elapsed: self._end_step(done, tokens, elapsed))
@@ -194,9 +197,11 @@ class SimDecodeWorker(SimWorker):
     leaves with its tokens and goes back to the router (DecodeWorker: requeue_preempted=False)."""
 
     requeue_preempted = False
+    slowed_kind = "decode"  # a colocated prompt's step is the bare engine's (no streams yet)
 
     def __init__(self, *args, on_token: Callable, on_preempted: Callable, **kw):
         super().__init__(*args, **kw)
+        self.step_slowdown = self.profile.decode_worker_slowdown
         self.on_token = on_token
         self.on_preempted = on_preempted
         self.num_preemptions = 0

@@ -112,18 +112,63 @@ def format_residuals(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def co_run_factors(summary: dict) -> tuple[float, float]:
-    """The co-run slowdowns a live run's steps show: decode-only and prompt-computing steps that
-    ran with another worker busy (bucket "co-run"), their measured over priced seconds. This is
-    what ``co_run_slowdown`` / ``co_run_slowdown_prefill`` stand for in the simulator, measured
-    on the live cluster itself, where a neighbour also means KV frames streaming in or out
-    through the workers' Python threads (GIL) beside the forward: two bare forwards side by
-    side slow each other only 2-5% on this VM."""
+def affine_fit(real: np.ndarray, priced: np.ndarray) -> tuple[float, float]:
+    """(a, c) with real ~ a x (priced + c), a >= 1 and c >= 0, by least squares: the co-run
+    factor and the once-per-step work of CpuShare (``fixed``), in seconds of the step alone."""
+    if len(real) < 3 or np.ptp(priced) <= 0:
+        a = max(1.0, float(real.sum() / priced.sum())) if priced.sum() > 0 else 1.0
+        return a, 0.0
+    a, b = np.polyfit(priced, real, 1)
+    if a < 1.0:  # the slope held at 1: the whole excess is per step
+        a, b = 1.0, max(0.0, float(np.mean(real - priced)))
+    elif b < 0.0:  # the intercept held at 0: the excess is proportional
+        a, b = max(1.0, float(real @ priced / (priced @ priced))), 0.0
+    return float(a), float(b) / float(a)
 
-    def ratio(*keys: str) -> float:
-        cells = [summary[k] for k in keys if k in summary]
-        real = sum(c["real_s"] for c in cells)
-        priced = sum(c["priced_s"] for c in cells)
-        return max(1.0, real / priced) if priced > 0 else 1.0
 
-    return ratio("decode/co-run"), ratio("prefill/co-run", "mixed/co-run")
+def co_run_affine(rows: list[dict]) -> dict[str, tuple[float, float]]:
+    """Per kind ("decode", "prefill": any step computing prompt tokens), the affine co-run
+    cost of the steps that ran with another worker busy throughout (priced_steps' rows). This
+    is what the simulator's co-run factor and fixed work stand for, measured on the live
+    cluster itself, where a neighbour also means KV frames streaming in or out through the
+    workers' Python threads beside the forward: two bare forwards side by side slow each other
+    only a few percent."""
+    out = {}
+    for kind, kinds in (("decode", ("decode",)), ("prefill", ("prefill", "mixed"))):
+        group = [r for r in rows if r["kind"] in kinds and r["co_run"] > CO_RUN]
+        real = np.array([r["real_s"] for r in group], dtype=float)
+        priced = np.array([r["priced_s"] for r in group], dtype=float)
+        out[kind] = affine_fit(real, priced) if len(group) else (1.0, 0.0)
+    return out
+
+
+def role_slowdown(rows: list[dict], role: str, kinds: tuple[str, ...]) -> float:
+    """A role's live steps of ``kinds`` with no other worker computing, measured over priced
+    seconds (the worker's own threads, the router and the client still run beside them)."""
+    group = [r for r in rows if r["worker"].startswith(role) and r["kind"] in kinds]
+    group = [r for r in group if r["co_run"] < ALONE]
+    priced = sum(r["priced_s"] for r in group)
+    return sum(r["real_s"] for r in group) / priced if priced > 0 else 1.0
+
+
+def calibrated_costs(rows: list[dict]) -> dict[str, float]:
+    """The profile fields a live run's steps calibrate: each role's alone slowdown, then the
+    co-run factor and fixed work on top of it (prices scaled by the role's slowdown, as the
+    simulator scales them)."""
+    decode = role_slowdown(rows, "decode", ("decode",))
+    prefill = role_slowdown(rows, "prefill", ("prefill", "mixed"))
+
+    def scaled(r: dict) -> dict:
+        role = decode if r["worker"].startswith("decode") and r["kind"] == "decode" else 1.0
+        role = prefill if r["worker"].startswith("prefill") else role
+        return {**r, "priced_s": r["priced_s"] * role}
+
+    fit = co_run_affine([scaled(r) for r in rows])
+    return {
+        "decode_worker_slowdown": decode,
+        "prefill_worker_slowdown": prefill,
+        "co_run_slowdown": fit["decode"][0],
+        "co_run_fixed_s": fit["decode"][1],
+        "co_run_slowdown_prefill": fit["prefill"][0],
+        "co_run_fixed_s_prefill": fit["prefill"][1],
+    }
