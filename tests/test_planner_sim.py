@@ -208,6 +208,35 @@ def test_a_step_pays_its_fixed_co_run_work_once_when_a_neighbour_starts():
     assert prefill == pytest.approx([2.0, 2.0])  # no fixed work given for prefill steps
 
 
+def test_oversubscribed_cores_are_split_by_weight_and_fairly_without_weights():
+    """Two decode steps and a prefill step on 2 cores: fair, each runs 1.5x slower; with the
+    prefill weighing 0.5 it gets 2 x 0.5 / 2.5 = 0.4 of a core (2.5x) and each decode step
+    0.8 (1.25x). A claim past what a step can use goes to the others (water-filling)."""
+    from pdserve.planner.cpu_share import CpuShare
+
+    fair = CpuShare(cores=2, threads=1)
+    assert fair.shares(["decode", "decode", "prefill"], False) == (pytest.approx([1.5] * 3), 1.0)
+    assert fair.shares(["decode", "prefill"], True)[0] == pytest.approx([1.5, 1.5])
+    weighted = CpuShare(cores=2, threads=1, weights={"prefill": 0.5})
+    shares, _ = weighted.shares(["decode", "decode", "prefill"], False)
+    assert shares == pytest.approx([1.25, 1.25, 2.5])
+    assert weighted.shares(["decode", "prefill"], False) == ([1.0, 1.0], 1.0)  # they fit
+    # One decode step and a prefill beside the background on 2 cores, prefill weight 0.1:
+    # by weight the decode step would get 2 / 2.1 of a core; the background the same.
+    light = CpuShare(cores=2, threads=1, weights={"prefill": 0.1})
+    shares, bg = light.shares(["decode", "prefill"], True)
+    assert shares[0] == pytest.approx(2.1 / 2) and bg == pytest.approx(2.1 / 2)
+    assert shares[1] == pytest.approx(2.1 / 0.2)
+    capped = CpuShare(cores=3, threads=1, weights={"prefill": 0.2})
+    shares, _ = capped.shares(["decode", "decode", "decode", "prefill"], False)
+    # By weight each decode step would get 3 / 3.2 and the prefill 0.19; nobody is capped.
+    assert shares == pytest.approx([3.2 / 3] * 3 + [3.2 / 0.6])
+    few = CpuShare(cores=3, threads=1, weights={"prefill": 0.2})
+    shares, _ = few.shares(["decode", "prefill", "prefill", "prefill"], False)
+    # The decode step's claim (3 x 1 / 1.6) is more than its core: it gets 1, the rest split.
+    assert shares == pytest.approx([1.0, 1.5, 1.5, 1.5])
+
+
 def test_a_neighbour_costs_what_its_kind_costs(tmp_path):
     """A decode step beside a prefill takes ``co_run_slowdown``, beside another decode step the
     decode pair's figure; a pair the profile did not measure takes its kind's figure."""

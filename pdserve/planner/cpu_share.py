@@ -8,7 +8,8 @@ slows down when a neighbour starts, and speeds up again when it ends (a step jud
 start would take all or none of a neighbour's cost).
 
 A step's slowdown while ``k`` workers compute, each with ``threads`` threads, and the background
-thread is busy (``b`` = 1) or not (0), is max(1, (k x threads + b) / cores), times the slowdown
+thread is busy (``b`` = 1) or not (0), is max(1, (k x threads + b) / cores) under fair sharing
+(``weights`` all 1; else the cores are split by weight, ``shares``), times the slowdown
 the profile measured for the step's kind beside a neighbour of each kind (k > 1; the largest
 over the neighbours running): what a neighbour costs depends on both. A step also pays, once,
 a fixed amount of work for its kind (``fixed``) when a neighbour first computes beside it: the
@@ -51,12 +52,13 @@ class CpuShare:
         clock=None,
         pairs: dict[tuple[str, str], float] | None = None,
         fixed: dict[str, float] | None = None,
+        weights: dict[str, float] | None = None,
     ):
         """``co_run_slowdown``: a decode step's beside a prefilling neighbour;
         ``co_run_slowdown_prefill``: a prefill step's beside a decoding one (None: the decode
         figure); ``pairs``: (kind, neighbour kind) -> slowdown for the other pairs (a pair not
         given takes its kind's figure); ``fixed``: kind -> the work a step adds once beside
-        a computing neighbour."""
+        a computing neighbour; ``weights``: kind -> its claim on oversubscribed cores (1: fair)."""
         self.cores = cores
         self.threads = max(threads, 1)
         prefill = co_run_slowdown if co_run_slowdown_prefill is None else co_run_slowdown_prefill
@@ -64,6 +66,7 @@ class CpuShare:
         self.pairs = {(k, n): self.slowdown[k] for k in KINDS for n in KINDS}
         self.pairs.update({k: v for k, v in (pairs or {}).items() if v is not None})
         self.fixed = {k: (fixed or {}).get(k, 0.0) for k in KINDS}
+        self.weights = {k: (weights or {}).get(k, 1.0) for k in KINDS}
         self.clock = clock
         self.running: dict[int, _Running] = {}
         self._next_id = 0
@@ -74,16 +77,35 @@ class CpuShare:
         self._bg_rate = 1.0
         self._bg_gen = 0
 
-    def factor(self, kind: str, busy: int, background: bool, neighbours=()) -> float:
-        """How many times slower than alone a step of ``kind`` runs while ``busy`` steps (its
-        own included) compute, the others of ``neighbours`` kinds (default: all of its own
-        kind), and the background thread is busy or not."""
-        if not self.cores:
-            return 1.0
-        share = max(1.0, (busy * self.threads + int(background)) / self.cores)
-        if busy <= 1:
-            return share
-        return share * max(self.pairs[kind, n] for n in (neighbours or (kind,)))
+    def pair_slowdown(self, kind: str, neighbours) -> float:
+        """What the neighbours' kinds cost a step of ``kind`` beside them (the largest)."""
+        return max(self.pairs[kind, n] for n in neighbours) if neighbours else 1.0
+
+    def shares(self, kinds: list[str], background: bool) -> tuple[list[float], float]:
+        """How many times slower than on free cores each running step (``kinds``) and the
+        background run from processor sharing alone: 1 while the threads fit the cores, else
+        the cores split in proportion to ``weights`` x threads (the background weighs 1) and
+        no one given more than it can use (water-filling). Equal weights: the fair share,
+        (threads computing) / cores, for all."""
+        demand = [float(self.threads)] * len(kinds) + [1.0] * int(background)
+        weight = [self.weights[k] * self.threads for k in kinds] + [1.0] * int(background)
+        if not self.cores or sum(demand) <= self.cores:
+            return [1.0] * len(kinds), 1.0
+        alloc = [0.0] * len(demand)
+        left, open_ = float(self.cores), set(range(len(demand)))
+        while open_:
+            total = sum(weight[i] for i in open_)
+            full = {i for i in open_ if left * weight[i] / total >= demand[i]}
+            if not full:
+                for i in open_:
+                    alloc[i] = left * weight[i] / total
+                break
+            for i in full:
+                alloc[i] = demand[i]
+                left -= demand[i]
+            open_ -= full
+        share = [d / a for d, a in zip(demand, alloc, strict=True)]
+        return share[: len(kinds)], share[-1] if background else 1.0
 
     def begin(self, kind: str, alone_s: float, done: Callable[[float], None]) -> None:
         """A step of ``kind`` ("prefill": it computes prompt tokens; else "decode") that takes
@@ -120,20 +142,22 @@ class CpuShare:
         self._last = now
 
     def _rerate(self, now: float) -> None:
-        busy, bg = len(self.running), self._bg_active
+        bg = self._bg_active
         counts = {k: 0 for k in KINDS}
         for step in self.running.values():
             counts[step.kind] += 1
-        for sid, step in self.running.items():
+        steps = list(self.running.items())
+        shares, bg_share = self.shares([step.kind for _, step in steps], bg)
+        for (sid, step), share in zip(steps, shares, strict=True):
             others = [k for k in KINDS if counts[k] - (k == step.kind) > 0]
             if others and not step.fixed_paid:
                 step.remaining += self.fixed[step.kind]
                 step.fixed_paid = True
-            step.rate = 1.0 / self.factor(step.kind, busy, bg, others)
+            step.rate = 1.0 / (share * self.pair_slowdown(step.kind, others))
             step.gen += 1
             self.clock.at(now + max(step.remaining, 0.0) / step.rate, self._finish, sid, step.gen)
         if bg:
-            self._bg_rate = 1.0 / max(1.0, (busy * self.threads + 1) / self.cores)
+            self._bg_rate = 1.0 / bg_share
             self._schedule_background(now)
 
     def _schedule_background(self, now: float) -> None:

@@ -119,6 +119,11 @@ class Profile:
     # profiles and in the bare-forward measurement.
     co_run_fixed_s: float = 0.0  # a decode step's
     co_run_fixed_s_prefill: float = 0.0  # a prompt-computing step's
+    # A prompt-computing step's claim on the cores against a decode step's 1 when more threads
+    # compute than there are cores (CpuShare.shares): the kernel's scheduler favours the decode
+    # workers, which sleep between steps, over a long CPU-bound prefill. Set by hand (see
+    # docs/PLANNING.md section 4 for what 1P2D step traces read); 1 (fair) by default.
+    oversubscribed_prefill_weight: float = 1.0
     # A prefill step in a disaggregated prefill worker over the same step in a bare engine:
     # the worker ships each layer's KV while the next computes (frames built and sent by its
     # threads, on its cores), measured through a live 1P1D pair; 1 in older profiles.
@@ -225,6 +230,7 @@ class Profile:
                 decode_worker_slowdown=float(d.get("decode_worker_slowdown", 1.0)),
                 co_run_fixed_s=float(d.get("co_run_fixed_s", 0.0)),
                 co_run_fixed_s_prefill=float(d.get("co_run_fixed_s_prefill", 0.0)),
+                oversubscribed_prefill_weight=float(d.get("oversubscribed_prefill_weight", 1.0)),
                 **{k: float(d.get(k, 0.0)) for k in CPU_COST_FIELDS},
                 meta=dict(d.get("meta", {})),
             )
