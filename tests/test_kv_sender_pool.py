@@ -78,8 +78,10 @@ def test_a_dead_destinations_sender_is_closed_and_a_new_destination_works(pool, 
     assert lease.is_committed and _kv_send_threads(gone.endpoint)
     gone.server.stop()  # the decode worker dies; nobody asks for its endpoint again
 
-    _wait_until(lambda: sender.closed)
-    assert not _kv_send_threads(gone.endpoint)  # its thread has ended
+    # close() flags the sender first, then joins its thread and closes its link: wait for
+    # the whole close, not only the flag.
+    _wait_until(lambda: sender.closed and closed_links)
+    assert not _kv_send_threads(gone.endpoint)  # its thread has ended (joined before the link)
     assert closed_links == [sender._link]  # its gRPC channel is closed
     assert ("grpc", gone.endpoint) not in pool.endpoints() and pool.closed_senders == 1
 
