@@ -91,6 +91,9 @@ class CpuShare:
         weight = [self.weights[k] * self.threads for k in kinds] + [1.0] * int(background)
         if not self.cores or sum(demand) <= self.cores:
             return [1.0] * len(kinds), 1.0
+        if all(w == 1.0 for w in self.weights.values()):  # fair: the closed form, no search
+            fair = sum(demand) / self.cores
+            return [fair] * len(kinds), fair if background else 1.0
         alloc = [0.0] * len(demand)
         left, open_ = float(self.cores), set(range(len(demand)))
         while open_:

@@ -158,9 +158,11 @@ def calibrated_costs(rows: list[dict]) -> dict[str, float]:
     decode = role_slowdown(rows, "decode", ("decode",))
     prefill = role_slowdown(rows, "prefill", ("prefill", "mixed"))
 
-    def scaled(r: dict) -> dict:
-        role = decode if r["worker"].startswith("decode") and r["kind"] == "decode" else 1.0
-        role = prefill if r["worker"].startswith("prefill") else role
+    def scaled(r: dict) -> dict:  # as SimWorker.run: each role's slowdown on its own kind
+        if r["worker"].startswith("prefill"):
+            role = prefill
+        else:
+            role = decode if r["kind"] == "decode" else 1.0
         return {**r, "priced_s": r["priced_s"] * role}
 
     fit = co_run_affine([scaled(r) for r in rows])
