@@ -58,12 +58,12 @@ class Variant:
     cflags: tuple[str, ...]
 
 
+_AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c")
+_AVX512_CPU = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"})
 VARIANTS = (  # fastest first
-    Variant(
-        "avx512",
-        frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
-        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
-    ),
+    # AVX-512 with the int8 dot product (vpdpbusd): the quantized kernels' integer path.
+    Variant("avx512vnni", _AVX512_CPU | {"avx512_vnni"}, (*_AVX512_FLAGS, "-mavx512vnni")),
+    Variant("avx512", _AVX512_CPU, _AVX512_FLAGS),
     Variant("avx2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
 )
 TORCH = "torch"  # no extension: the torch paths

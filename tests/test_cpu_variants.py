@@ -17,7 +17,8 @@ from tests import cpu_variants
 
 ext = cpu_variants.ext  # fixture: each build in turn (AVX-512, AVX2)
 
-AVX2_ONLY = cpu_extension.VARIANTS[1].cpu_flags | {"sse4_2"}  # e.g. an AMD EPYC Zen 2/3
+AVX2_ONLY = cpu_extension.VARIANTS[-1].cpu_flags | {"sse4_2"}  # e.g. an AMD EPYC Zen 2/3
+AVX512_NO_VNNI = cpu_extension.VARIANTS[1].cpu_flags | AVX2_ONLY  # e.g. a Skylake-SP Xeon
 
 
 @pytest.fixture
@@ -38,6 +39,13 @@ def test_the_best_runnable_build_is_chosen(fresh_choice, monkeypatch):
     assert cpu_extension.runnable_variants() == ["avx2"]
     assert cpu_extension.selected_variant() == "avx2"
     assert cpu_extension.load().instruction_set == "avx2"
+
+
+def test_avx512_without_the_int8_dot_product_gets_the_plain_avx512_build(fresh_choice, monkeypatch):
+    monkeypatch.setattr(cpu_extension, "cpu_flags", lambda: frozenset(AVX512_NO_VNNI))
+    assert cpu_extension.runnable_variants() == ["avx512", "avx2"]
+    monkeypatch.setattr(cpu_extension, "cpu_flags", lambda: AVX512_NO_VNNI | {"avx512_vnni"})
+    assert cpu_extension.runnable_variants() == ["avx512vnni", "avx512", "avx2"]
 
 
 def test_a_cpu_without_avx2_gets_the_torch_path(fresh_choice, monkeypatch):
@@ -74,7 +82,7 @@ def test_no_cpu_ext_means_torch_and_unknown_names_are_refused(fresh_choice, monk
 def test_describe_names_the_cpu_and_its_instruction_sets():
     info = cpu_extension.describe()
     assert info["cpu_model"] and info["cpu_isa"]
-    assert set(info["cpu_isa"].split("+")) <= {"avx512", "avx2", "none"}
+    assert set(info["cpu_isa"].split("+")) <= {"avx512vnni", "avx512", "avx2", "none"}
 
 
 def test_builds_agree_with_each_other_on_a_decode_step():
@@ -97,14 +105,24 @@ def test_builds_agree_with_each_other_on_a_decode_step():
 AVX512_OPERAND = re.compile(r"%zmm\d|%[xy]mm(1[6-9]|2\d|3[01])\b|%k[0-7]\b")
 
 
-@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump")
-def test_the_avx2_build_holds_no_avx512_instruction():
-    module = cpu_extension.load("avx2")
+def _disassembly(variant: str) -> list[str]:
+    module = cpu_extension.load(variant)
     if module is None:
-        pytest.skip("no AVX2 build on this CPU")
-    disassembly = subprocess.run(
+        pytest.skip(f"no {variant} build on this CPU")
+    return subprocess.run(
         ["objdump", "-d", "--no-show-raw-insn", str(Path(module.__file__))],
         capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    hits = [line for line in disassembly.splitlines() if AVX512_OPERAND.search(line)]
+    ).stdout.splitlines()  # fmt: skip
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump")
+def test_the_avx2_build_holds_no_avx512_instruction():
+    hits = [line for line in _disassembly("avx2") if AVX512_OPERAND.search(line)]
     assert not hits, hits[:5]
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump")
+def test_only_the_vnni_build_holds_the_int8_dot_product():
+    """The plain AVX-512 build must run on Skylake-SP, which has no vpdpbusd."""
+    assert not [line for line in _disassembly("avx512") if "vpdpbus" in line]
+    assert [line for line in _disassembly("avx512vnni") if "vpdpbusd" in line]

@@ -11,7 +11,7 @@ import torch
 from engine.config import CacheConfig, EngineConfig
 from engine.linear import Linear
 from engine.loader import load_config, load_model
-from kernels import quant
+from kernels import cpu_extension, quant
 from kernels.metadata import AttentionMetadata
 from tests.conftest import tiny_llama_dir
 from tests.cpu_variants import ext  # noqa: F401  (fixture)
@@ -58,6 +58,22 @@ def test_int8_activation_kernel_equals_its_reference(ext, fmt, group, n, k):  # 
         got = ext.skinny_linear(x, packed, n, bias, residual)
         ref = quant.int8_activation_reference(x, qw, bias) + residual
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * k**0.5)
+
+
+@pytest.mark.parametrize("fmt,group", DOT_FORMATS)
+def test_the_vnni_dot_product_gives_the_same_sums_as_the_sign_trick(fmt, group):
+    """vpdpbusd on the stored bytes and maddubs on their magnitudes add the same integers, and
+    the two AVX-512 builds scale them in the same order: equal to the last bit."""
+    vnni, plain = cpu_extension.load("avx512vnni"), cpu_extension.load("avx512")
+    if vnni is None or plain is None:
+        pytest.skip("needs the avx512vnni and avx512 builds (an AVX-512 VNNI CPU)")
+    torch.manual_seed(11)
+    qw = quant.quantize(torch.randn(72, 576), fmt, group)
+    packed = quant.pack(qw, "int8")
+    for rows in (1, 4, 9):
+        x = torch.randn(rows, 576) * 5
+        assert torch.equal(vnni.skinny_linear(x, packed, 72, None, None),
+                           plain.skinny_linear(x, packed, 72, None, None))  # fmt: skip
 
 
 @pytest.mark.parametrize("fmt,group", DOT_FORMATS)

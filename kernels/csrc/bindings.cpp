@@ -58,7 +58,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "copy K/V blocks into a transfer payload; returns its CRC-32C", release());
   m.def("scatter_kv_blocks", &scatter_kv_blocks,
         "copy a transfer payload's K/V blocks into the cache", release());
-  m.attr("instruction_set") = simd::kName;  // "avx512" | "avx2": the flags this build targets
+  m.attr("instruction_set") = simd::kName;  // the flags this build targets (simd.h)
   // module_local: each instruction set's build is its own module with its own DecoderStack
   // type, and pybind11 refuses a C++ type registered globally twice.
   py::class_<DecoderStack>(m, "DecoderStack", py::module_local())

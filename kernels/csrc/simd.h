@@ -28,7 +28,11 @@ extern "C" __m256 _ZGVdN8v_expf(__m256);
 namespace simd {
 
 #if defined(__AVX512F__)
+#if defined(__AVX512VNNI__)
+constexpr const char* kName = "avx512vnni";  // + the int8 dot product (quant_dot_cpu.cpp)
+#else
 constexpr const char* kName = "avx512";
+#endif
 constexpr int kWidth = 16;      // floats per register
 constexpr int kRegisters = 32;  // architectural vector registers (register-blocking budgets)
 using vec = __m512;
