@@ -40,6 +40,7 @@ from pdserve.planner.fidelity_replay import (
     METRICS,
     err,
     mape,
+    mape_of,
     replay,
     resimulate,
     shared_prefix_tokens,
@@ -47,6 +48,7 @@ from pdserve.planner.fidelity_replay import (
 )
 from pdserve.planner.profile import load_profile
 from pdserve.planner.sim import SimConfig, Split
+from pdserve.planner.speed_probe import Speed
 from pdserve.planner.step_residuals import (
     calibrated_costs,
     format_residuals,
@@ -140,7 +142,22 @@ def sends_of(res: BenchResult, rate: float, seed: int, n: int):
     return list(zip(offsets.tolist(), res.input_lens, res.output_lens, strict=False))
 
 
-def fidelity(profile, seed: int, scale: float, cores: int, traces=None) -> list[dict]:
+def probed_run(
+    probe, split: Split, workload: str, rate: float, n: int, slo: SLO, seed: int, trace=None
+):
+    """A real run between two speed probes (None: not probed): the result and the speeds."""
+    before = probe.measure() if probe else None
+    real = run_real(split, workload, rate, n, slo, seed, trace)
+    after = probe.measure() if probe else None
+    if probe is None:
+        return real, None
+    speed = {"before": before.to_dict(), "after": after.to_dict()}
+    speed["used"] = Speed.mean([before, after]).to_dict()
+    print(f"  speed against the profile: {speed}", flush=True)
+    return real, speed
+
+
+def fidelity(profile, seed: int, scale: float, cores: int, traces=None, probe=None) -> list[dict]:
     rows = []
     for label, workload, slo in SETUPS:
         split = Split.parse(label)
@@ -150,28 +167,33 @@ def fidelity(profile, seed: int, scale: float, cores: int, traces=None) -> list[
             n = max(30, int(rate * 60 * scale))
             started = time.time()
             trace_dir = Path(traces) / f"{label}_{workload}_{rate}" if traces else None
-            real = run_real(split, workload, rate, n, slo, seed, trace_dir)
+            real, speed = probed_run(probe, split, workload, rate, n, slo, seed, trace_dir)
             if real.completed < n:
                 print(f"  {label} @ {rate}: {real.failed} failed: {real.errors[:2]}", flush=True)
             sends = sends_of(real, rate, seed, n)
             trace = [TraceRequest(t, p, o) for t, p, o in sends]
-            sim = replay(profile, split, trace, slo, cores, shared_prefix(workload))
+            now = profile.at_speed(**speed["used"]) if speed else profile
+            sim = replay(now, split, trace, slo, cores, shared_prefix(workload))
             row = {
                 "load_average": os.getloadavg()[0],
                 "split": label,
                 "workload": workload,
                 "rate": rate,
                 "requests": n,
+                "speed": speed,
                 "real": summary(real),
                 "sim": summary(sim),
                 "wall_s": time.time() - started,
             }
             row["error"] = {m: err(row["sim"][m], row["real"][m]) for m in METRICS}
+            if speed:  # the same requests on the profile as measured, for the record
+                row["sim_as_profiled"] = summary(replay(profile, split, trace, slo, cores,
+                                                        shared_prefix(workload)))  # fmt: skip
             row["per_request"] = {"real": per_request(real), "sim": per_request(sim)}
             rows.append(row)
             print(format_row(row), flush=True)
             if trace_dir is not None:  # each real step against the profile's price for it
-                row["steps"] = step_residuals(profile, trace_dir)
+                row["steps"] = step_residuals(now, trace_dir)
                 print(format_residuals(row["steps"]), flush=True)
     return rows
 
@@ -252,14 +274,21 @@ def calibrate(args, profile) -> int:
     label, workload, rate, n, seed = CALIBRATION
     folder = Path(args.step_trace or "step_traces") / f"calibration_{label}_{workload}_{rate}"
     slo = {w: s for _, w, s in SETUPS}[workload]
-    run_real(Split.parse(label), workload, rate, n, slo, seed, folder)
-    rows = priced_steps(profile, load_steps(folder))
+    probe = speed_probe(args, profile)
+    _, speed = probed_run(probe, Split.parse(label), workload, rate, n, slo, seed, folder)
+    used = Speed(**speed["used"]) if speed else Speed()
+    # Fitted against the prices at the run's speed, so the fields hold at any speed; the fixed
+    # work is stored at the profile's speed, as at_speed scales it.
+    rows = priced_steps(profile.at_speed(used.decode, used.prefill), load_steps(folder))
     print(format_residuals(summarise(rows)), flush=True)
     costs = calibrated_costs(rows)
+    costs["co_run_fixed_s"] /= used.decode
+    costs["co_run_fixed_s_prefill"] /= used.prefill
     meta = {
         **profile.meta,
         "co_run": {
             "source": f"step traces of a live {label} {workload} run at {rate} req/s, seed {seed}",
+            "speed": speed,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "load_average": os.getloadavg()[0],
             "bare_forwards": [profile.co_run_slowdown, profile.co_run_slowdown_prefill],
@@ -271,6 +300,13 @@ def calibrate(args, profile) -> int:
     out.save(args.calibrated_out)
     print(f"wrote {args.calibrated_out}: {json.dumps(costs)}")
     return 0
+
+
+def speed_probe(args, profile):
+    """The probe the real runs are bracketed by, or None with ``--no-speed-probe``."""
+    from pdserve.planner.speed_probe import SpeedProbe
+
+    return None if args.no_speed_probe else SpeedProbe(profile)
 
 
 def rescore(args, profile) -> int:
@@ -312,6 +348,12 @@ def main() -> int:
     ap.add_argument(
         "--step-trace", default=None, help="folder for the real workers' step traces (part 1)"
     )
+    ap.add_argument(
+        "--no-speed-probe",
+        action="store_true",
+        help="simulate on the profile as measured, not rescaled by a bare-engine probe of the "
+        "machine's speed just before and after each real run",
+    )
     args = ap.parse_args()
     profile = load_profile(args.profile)
     if args.resimulate:
@@ -325,11 +367,19 @@ def main() -> int:
         "load_average_at_start": os.getloadavg(),
     }
     if args.part in ("fidelity", "all"):
-        report["fidelity"] = fidelity(
-            profile, args.seed, args.scale, args.cpu_cores, args.step_trace
-        )
-        report["mape"] = mape(report["fidelity"])
+        rows = fidelity(
+            profile, args.seed, args.scale, args.cpu_cores, args.step_trace,
+            speed_probe(args, profile),
+        )  # fmt: skip
+        report["fidelity"], report["mape"] = rows, mape(rows)
         print("MAPE " + "  ".join(f"{m} {v:.1%}" for m, v in report["mape"].items()), flush=True)
+        if all(r.get("sim_as_profiled") for r in rows):
+            report["mape_as_profiled"] = mape_of(rows, "sim_as_profiled")
+            print(
+                "MAPE on the profile as measured "
+                + "  ".join(f"{m} {v:.1%}" for m, v in report["mape_as_profiled"].items()),
+                flush=True,
+            )
     if args.part in ("recommend", "all"):
         report["recommendation"] = recommendation(
             profile, args.seed, args.max_workers, args.scale, args.cpu_cores, args.workloads

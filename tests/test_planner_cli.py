@@ -171,3 +171,41 @@ def test_plan_past_unit_max_replicates_units(tiny_profile, tmp_path):
         "colo1": 4,
         "colo2": 2,
     }
+
+
+def test_at_speed_scales_each_kinds_prices_and_its_once_per_step_work(tiny_profile):
+    import dataclasses
+
+    prof = dataclasses.replace(
+        load_profile(tiny_profile), co_run_fixed_s=0.01, co_run_fixed_s_prefill=0.02
+    )
+    slow = prof.at_speed(decode=2.0, prefill=3.0)
+    assert slow.decode_seconds(4, 64) == pytest.approx(2 * prof.decode_seconds(4, 64))
+    assert slow.prefill_seconds(32, 32) == pytest.approx(3 * prof.prefill_seconds(32, 32))
+    assert (slow.co_run_fixed_s, slow.co_run_fixed_s_prefill) == pytest.approx((0.02, 0.06))
+    assert slow.co_run_slowdown == prof.co_run_slowdown  # ratios are not speeds
+    assert slow.transfer_seconds == prof.transfer_seconds
+
+
+def test_the_speed_probe_reads_its_steps_against_the_profiles_prices(tiny_profile):
+    """The ratios are the geometric mean over the probe's grid points of seconds now over the
+    profile's seconds; on the real engine they are finite and positive."""
+    from pdserve.planner.speed_probe import SpeedProbe
+
+    prof = load_profile(tiny_profile)
+    probe = SpeedProbe(prof, reps=1)
+    speed = probe.measure()
+    assert 0 < speed.decode < float("inf") and 0 < speed.prefill < float("inf")
+    assert probe.decode_points == [(1, 16), (4, 64)]  # the quick grid's corner and middle
+    factors = iter([2.0, 8.0])  # per decode point: mean 4
+
+    class Timer:
+        def decode(self, b, c):
+            return next(factors) * prof.decode_seconds(b, c)
+
+        def prefill(self, n, c):
+            return 1.5 * prof.prefill_seconds(n, c)
+
+    probe.timer = Timer()
+    speed = probe.measure()
+    assert (speed.decode, speed.prefill) == pytest.approx((4.0, 1.5))

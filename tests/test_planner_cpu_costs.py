@@ -189,6 +189,27 @@ def test_resimulate_keeps_the_measured_side_and_scores_the_new_one():
     )
 
 
+def test_resimulate_replays_each_run_at_its_probed_speed():
+    """A run that a speed probe found 2x slower than the profile is simulated on the profile
+    at that speed: the same as resimulating the unprobed run on ``at_speed(2, 2)``."""
+    from pdserve.bench.loadgen.metrics import SLO
+    from pdserve.planner.fidelity_replay import resimulate
+
+    real = {"p50_ttft_ms": 100.0, "p90_ttft_ms": 200.0, "p50_tpot_ms": 50.0, "goodput": 1.0}
+    row = {"split": "1P1D", "workload": "chat", "rate": 1.0, "requests": 20, "real": real}
+    slos, prof = {"chat": SLO(2.0, 0.2)}, toy_profile()
+    probed = {
+        "cpu_cores": 2,
+        "fidelity": [{**row, "speed": {"used": {"decode": 2.0, "prefill": 2.0}}}],
+    }
+    got = resimulate(probed, prof, slos, _Tokenizer())["fidelity"][0]["sim"]
+    plain = {"cpu_cores": 2, "fidelity": [row]}
+    assert (
+        got == resimulate(plain, prof.at_speed(2.0, 2.0), slos, _Tokenizer())["fidelity"][0]["sim"]
+    )
+    assert got != resimulate(plain, prof, slos, _Tokenizer())["fidelity"][0]["sim"]
+
+
 def test_sampling_cost_measures_more_for_a_temperature_than_greedy(make_engine, tmp_path):
     from pdserve.planner.measure import measure_sample_cost
     from tests.conftest import tiny_llama_dir

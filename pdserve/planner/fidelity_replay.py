@@ -38,6 +38,11 @@ def mape(rows: list[dict]) -> dict:
     return {m: sum(r["error"][m] for r in rows) / len(rows) for m in METRICS}
 
 
+def mape_of(rows: list[dict], side: str) -> dict:
+    """The MAPE of another simulated side a row keeps (``sim_as_profiled``)."""
+    return {m: sum(err(r[side][m], r["real"][m]) for r in rows) / len(rows) for m in METRICS}
+
+
 def rebuild_requests(workload: str, n: int, rate: float, seed: int, tokenizer) -> list:
     """The ``n`` requests a seeded fidelity run sent: TraceRequests of (send offset, prompt
     tokens, output tokens)."""
@@ -84,7 +89,9 @@ def resimulate(report: dict, profile: Profile, slos: dict, tokenizer, seed: int 
     for row in report["fidelity"]:
         trace = rebuild_requests(row["workload"], row["requests"], row["rate"], seed, tokenizer)
         split, slo = Split.parse(row["split"]), slos[row["workload"]]
-        sim = replay(profile, split, trace, slo, cores, shared[row["workload"]])
+        speed = (row.get("speed") or {}).get("used")  # the run's probed speed, if it had one
+        now = profile.at_speed(**speed) if speed else profile
+        sim = replay(now, split, trace, slo, cores, shared[row["workload"]])
         new = {**row, "sim": summary(sim)}
         new["error"] = {m: err(new["sim"][m], row["real"][m]) for m in METRICS}
         rows.append(new)

@@ -21,7 +21,7 @@ import itertools
 import json
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from engine.settings import EngineSettings  # the worker settings a profile was measured with
@@ -87,6 +87,11 @@ class Table2D:
     def at(self, row: float, col: float) -> float:
         by_row = [interp(self.cols, line, col) for line in self.seconds]
         return interp(self.rows, by_row, row)
+
+    def scaled(self, factor: float) -> Table2D:
+        return Table2D(
+            self.rows, self.cols, tuple(tuple(t * factor for t in r) for r in self.seconds)
+        )
 
     @classmethod
     def from_dict(cls, d: dict) -> Table2D:
@@ -197,6 +202,18 @@ class Profile:
             ctx = shape.decode_context / dec_n
             t += self.decode_seconds(dec_n, ctx) - self.decode_seconds(dec_n, self.decode.cols[0])
         return t
+
+    def at_speed(self, decode: float = 1.0, prefill: float = 1.0) -> Profile:
+        """This profile on the same machine running ``decode`` / ``prefill`` times slower (a
+        speed probe's ratios, pdserve/planner/speed_probe.py): each kind's table and its
+        once-per-step co-run work scaled; the shares and slowdowns are ratios, kept."""
+        return replace(
+            self,
+            prefill=self.prefill.scaled(prefill),
+            decode=self.decode.scaled(decode),
+            co_run_fixed_s=self.co_run_fixed_s * decode,
+            co_run_fixed_s_prefill=self.co_run_fixed_s_prefill * prefill,
+        )
 
     # ---- files ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
