@@ -7,11 +7,13 @@ causal prefill-attention kernel, the few-row matmul of a decode step's projectio
 between the small ops of a decode step) and the KV transfer's block copies.
 
 The same sources are compiled once per instruction set, each build a module of its own
-(``pdserve_cpu_kernels_avx512``, ``pdserve_cpu_kernels_avx2``), with explicit flags and never
+(``pdserve_cpu_kernels_avx512vnni``, ``_avx512``, ``_avx2``), with explicit flags and never
 ``-march=native``: a build runs on any CPU that has its flags, so the AVX2 build is tested and
-timed on AVX-512 machines too. At run time the best build this CPU can run is chosen (AVX-512,
-then AVX2 + FMA); without either, callers keep the torch paths, which are faster than any
-generic loop. ``PDSERVE_CPU_ISA`` (avx512 | avx2 | torch) forces a choice and
+timed on AVX-512 machines too. At run time the best build this CPU can run is chosen (AVX-512
+with VNNI, AVX-512, then AVX2 + FMA); without either, callers keep the torch paths, which are
+faster than any generic loop. The VNNI build differs only in the int8-activation kernels'
+dot products (quant_dot_cpu.cpp); the plain AVX-512 build stays for CPUs without VNNI
+(Skylake-SP). ``PDSERVE_CPU_ISA`` (avx512vnni | avx512 | avx2 | torch) forces a choice and
 ``PDSERVE_NO_CPU_EXT=1`` means torch. An ARM build is one more ``Variant`` (NEON flags) and a
 branch in csrc/simd.h. If the compiler fails, a warning is logged and the next choice is tried.
 

@@ -37,7 +37,7 @@ class Row:
     hf_seconds: float
     ratio: float  # MFU (prefill) or MBU (decode)
     hf_ratio: float
-    cpu_kernels: str = ""  # the extension's variant: avx512 | avx2 | torch
+    cpu_kernels: str = ""  # the extension's variant: avx512vnni | avx512 | avx2 | torch
     weights: str = "fp32"  # fp32 | bf16 | int8 | q4
     bytes_read: float = 0.0  # decode: weights + KV read per step, as stored
     kv_dtype: str = "fp32"  # the KV cache: fp32 | int8
