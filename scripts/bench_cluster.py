@@ -43,6 +43,7 @@ def main() -> int:
     p.add_argument(
         "--prefill-gemm", default="auto", help="prefill matmuls: fp32 | bf16 | auto (engine.config)"
     )
+    p.add_argument("--kv-dtype", default="fp32", help="the KV cache: fp32 | int8 | fp8 (engine.config)")
     p.add_argument("--in-process", action="store_true", help="workers as threads of this process")
     args = p.parse_args()
     spec = ClusterSpec(
@@ -60,6 +61,7 @@ def main() -> int:
         prefill_chunk_size=args.prefill_chunk_size,
         weights=args.weights,
         prefill_gemm=args.prefill_gemm,
+        kv_dtype=args.kv_dtype,
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

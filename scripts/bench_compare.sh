@@ -16,6 +16,8 @@
 #   VLLM=1 ...                                       # start vLLM-cpu here (VLLM_PORT, 8011)
 #   COLOCATED_WEIGHTS=q4 ...                         # + colocated_q4: one colocated worker (2
 #                                                    # threads) on quantized weights
+#   QUANT_KV_DTYPE=int8 ...                          # the KV cache of those quantized clusters
+#                                                    # (default fp32)
 # Issue 22's goodput check, one command (prints goodput and each one's ratio to fp32 pdserve
 # and to vLLM at the end):
 #   ALSO_WEIGHTS=q4,int8 VLLM=1 COLOCATED=0 RATES=1,2,3,4 N=40 bash scripts/bench_compare.sh
@@ -26,6 +28,7 @@ RATES=${RATES:-0.1,0.2,0.3}
 ALSO_TRANSPORTS=${ALSO_TRANSPORTS:-}
 ALSO_ISAS=${ALSO_ISAS:-}
 ALSO_WEIGHTS=${ALSO_WEIGHTS:-}
+QUANT_KV_DTYPE=${QUANT_KV_DTYPE:-fp32}
 PREFILL_GEMM=${PREFILL_GEMM:-auto}
 VLLM=${VLLM:-0}
 VLLM_PORT=${VLLM_PORT:-8011}
@@ -65,7 +68,7 @@ for transport in ${ALSO_TRANSPORTS//,/ }; do  # the same pair over other KV tran
 done
 for weights in ${ALSO_WEIGHTS//,/ }; do  # the same pair on quantized weights
   start_cluster "disaggregated_$weights" --threads 1 --weights "$weights" \
-    --prefill-gemm "$PREFILL_GEMM"
+    --prefill-gemm "$PREFILL_GEMM" --kv-dtype "$QUANT_KV_DTYPE"
   ALSO+=("disaggregated_$weights")
 done
 for isa in ${ALSO_ISAS//,/ }; do  # the same pair, its workers forced onto these kernels
@@ -77,7 +80,7 @@ if [ "$COLOCATED" = 1 ]; then
 fi
 for weights in ${COLOCATED_WEIGHTS//,/ }; do  # one colocated worker on quantized weights
   start_cluster "colocated_$weights" --num-prefill 0 --threads 2 --weights "$weights" \
-    --prefill-gemm "$PREFILL_GEMM"
+    --prefill-gemm "$PREFILL_GEMM" --kv-dtype "$QUANT_KV_DTYPE"
   ALSO+=("colocated_$weights")
 done
 if [ "$VLLM" = 1 ] && [ -z "${PEER_URL:-}" ]; then
