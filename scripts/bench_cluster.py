@@ -43,7 +43,9 @@ def main() -> int:
     p.add_argument(
         "--prefill-gemm", default="auto", help="prefill matmuls: fp32 | bf16 | auto (engine.config)"
     )
-    p.add_argument("--kv-dtype", default="fp32", help="the KV cache: fp32 | int8 | fp8 (engine.config)")
+    p.add_argument(
+        "--kv-dtype", default="fp32", help="the KV cache: fp32 | int8 | fp8 (engine.config)"
+    )
     p.add_argument("--in-process", action="store_true", help="workers as threads of this process")
     args = p.parse_args()
     spec = ClusterSpec(
