@@ -146,7 +146,7 @@ def _prefill_torch(query, k_cache, v_cache, meta, scale, bf16=False):
         seq_lens = [meta.seq_lens_cpu[i] for i in decode_rows]
         tables = meta.block_tables.index_select(0, rows)
         out[tokens] = _decode_torch(query[tokens], k_cache, v_cache, tables, seq_lens, scale)
-    ext = _cpu_extension(query, k_cache)
+    ext = _cpu_prefill_extension(query, k_cache)
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         if q_len <= 1:
             continue
@@ -194,6 +194,14 @@ def _cpu_extension(query: torch.Tensor, k_cache: torch.Tensor):
     if not k_cache.is_contiguous():
         return None
     return cpu_extension.load()
+
+
+def _cpu_prefill_extension(query: torch.Tensor, k_cache: torch.Tensor):
+    """The C++ prefill kernel where it applies: CPU, fp32 query, a contiguous fp32 or int8 cache
+    (int8 rows are dequantized as the kernel gathers each sequence's keys and values)."""
+    if kv_int8.is_int8(k_cache):
+        return _cpu_extension_int8(query, k_cache)
+    return _cpu_extension(query, k_cache)
 
 
 def _cpu_extension_int8(query: torch.Tensor, k_cache: torch.Tensor):

@@ -20,7 +20,7 @@ from kv_transfer.frame import decode_frame, encode_commit_frame, encode_kv_frame
 from kv_transfer.lease import LeaseTable
 from kv_transfer.receiver import KVReceiver
 from tests.conftest import tiny_llama_dir
-from tests.cpu_variants import cpu_variant  # noqa: F401  (fixture)
+from tests.cpu_variants import cpu_variant, ext  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
@@ -166,3 +166,46 @@ def test_bench_engine_times_each_kv_dtype_on_the_same_engine(tmp_path, monkeypat
     assert decode["int8"]["bytes_read"] == weights + 2 * 32 * cfg.kv_bytes_per_token_as("int8")
     assert [r["kv_dtype"] for r in result["rows"]] == ["fp32", "int8", "fp32", "int8"]
     assert result["kv_dtypes"] == ["fp32", "int8"]
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_prefill_kernel_reads_int8_rows_as_their_dequantized_values(bf16, ext):  # noqa: F811
+    """The C++ prefill kernel over an int8 cache gives exactly what it gives over an fp32 cache
+    holding the same rows dequantized (the gather dequantizes each key once; the GEMMs are the
+    same), fp32 and bf16 GEMMs alike, on each build: a 150-token sequence in shuffled blocks,
+    its last 70 tokens as the query (a chunk after a cached prefix), GQA group 3."""
+    g = torch.Generator().manual_seed(11)
+    n, q_len = 150, 70
+    shape = (BLOCKS, BLOCK_SIZE, KV_HEADS, kv_int8.row_width(HEAD_DIM))
+    k8, v8 = torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
+    table = torch.randperm(BLOCKS, generator=g)[: -(-n // BLOCK_SIZE)].to(torch.int32)
+    slots = (table.long()[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten()[:n]
+    k, v = (torch.randn(n, KV_HEADS, HEAD_DIM, generator=g) for _ in range(2))
+    store_kv(k, v, k8, v8, slots)
+    k32, v32 = kv_int8.dequantize(k8), kv_int8.dequantize(v8)
+    query = torch.randn(q_len, HEADS, HEAD_DIM, generator=g)
+    scale = HEAD_DIM**-0.5
+    got = ext.prefill_causal_attention(query, k8, v8, table, n, scale, bf16)
+    want = ext.prefill_causal_attention(query, k32, v32, table, n, scale, bf16)
+    assert torch.equal(got, want)
+    # And within int8's tolerance of attention over the unquantized K/V (entries ~N(0, 1)).
+    k_exact, v_exact = _unquantized(k, v, table, shape)
+    exact = ext.prefill_causal_attention(query, k_exact, v_exact, table, n, scale, bf16)
+    assert 0 < (got - exact).abs().max().item() < 0.03
+
+
+def _unquantized(k, v, table, shape):
+    caches = torch.zeros(shape[:-1] + (HEAD_DIM,)), torch.zeros(shape[:-1] + (HEAD_DIM,))
+    slots = (table.long()[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten()[: len(k)]
+    store_kv(k, v, *caches, slots)
+    return caches
+
+
+def test_prefill_kernel_refuses_mixed_or_misshapen_caches(ext):  # noqa: F811
+    k8 = torch.zeros(4, BLOCK_SIZE, KV_HEADS, kv_int8.row_width(HEAD_DIM), dtype=torch.int8)
+    query, table = torch.zeros(3, HEADS, HEAD_DIM), torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="fp32 or int8 caches"):
+        ext.prefill_causal_attention(query, k8, k8.float(), table, 3, 1.0, False)
+    with pytest.raises(RuntimeError, match="head shapes"):
+        short = k8[..., :HEAD_DIM].contiguous()  # int8 rows without their scales
+        ext.prefill_causal_attention(query, short, short, table, 3, 1.0)

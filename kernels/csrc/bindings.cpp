@@ -45,8 +45,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention_int8", &paged_decode_attention_int8,
         "decode attention over an int8 paged KV cache (codes + a scale per row, CPU)", release());
   m.def("prefill_causal_attention", &prefill_causal_attention,
-        "causal prefill attention of one sequence over a paged KV cache (fp32 cache, CPU; bf16: "
-        "bf16 GEMMs)",
+        "causal prefill attention of one sequence over a paged KV cache (fp32 or int8 cache, CPU; "
+        "bf16: bf16 GEMMs)",
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
         py::arg("seq_len"), py::arg("scale"), py::arg("bf16") = false, release());
   m.def("pack_skinny_weight", &pack_skinny_weight, "pack [N, K] fp32 for skinny_linear", release());

@@ -1,4 +1,5 @@
-// Causal prefill attention of one sequence over a paged KV cache on CPU (fp32).
+// Causal prefill attention of one sequence over a paged KV cache on CPU (fp32 queries; an fp32
+// or int8 cache).
 //
 // torch's CPU flash attention runs each query head on its own and at head size 64 reaches
 // about half of the machine's GEMM rate here (its inner products are short). This kernel
@@ -20,6 +21,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 namespace {
@@ -27,19 +29,37 @@ namespace {
 constexpr int64_t kTileRows = 64;  // query tokens per tile (times the group's heads as rows)
 
 // K or V of one sequence as [KVH, S, D], contiguous per head: the GEMMs read plain matrices.
+// An int8 cache ([N, BS, KVH, D + 4]: codes, then the row's fp32 scale; kernels/kv_int8.py) is
+// dequantized here, once per key, as kv_int8.dequantize does (code * scale in fp32).
 at::Tensor gather_heads(const at::Tensor& cache, const int32_t* table, int64_t seq_len,
-                        bool bf16) {
-  const int64_t BS = cache.size(1), KVH = cache.size(2), D = cache.size(3);
-  auto out = at::empty({KVH, seq_len, D}, cache.options());
-  const float* src = cache.data_ptr<float>();
+                        int64_t D, bool bf16) {
+  const int64_t BS = cache.size(1), KVH = cache.size(2), W = cache.size(3);
+  auto out = at::empty({KVH, seq_len, D}, cache.options().dtype(at::kFloat));
   float* dst = out.data_ptr<float>();
-  at::parallel_for(0, seq_len, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* row = src + (table[t / BS] * BS + t % BS) * KVH * D;
-      for (int64_t h = 0; h < KVH; ++h)
-        std::copy(row + h * D, row + (h + 1) * D, dst + (h * seq_len + t) * D);
-    }
-  });
+  if (cache.scalar_type() == at::kChar) {
+    const int8_t* src = cache.data_ptr<int8_t>();
+    at::parallel_for(0, seq_len, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int8_t* row = src + (table[t / BS] * BS + t % BS) * KVH * W;
+        for (int64_t h = 0; h < KVH; ++h) {
+          const int8_t* codes = row + h * W;
+          float scale;
+          std::memcpy(&scale, codes + D, sizeof(float));
+          float* o = dst + (h * seq_len + t) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = float(codes[d]) * scale;
+        }
+      }
+    });
+  } else {
+    const float* src = cache.data_ptr<float>();
+    at::parallel_for(0, seq_len, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* row = src + (table[t / BS] * BS + t % BS) * KVH * D;
+        for (int64_t h = 0; h < KVH; ++h)
+          std::copy(row + h * D, row + (h + 1) * D, dst + (h * seq_len + t) * D);
+      }
+    });
+  }
   return bf16 ? out.to(at::kBFloat16) : out;
 }
 
@@ -141,20 +161,25 @@ void attend_tile(const Problem& p, const at::Tensor& k, const at::Tensor& v, int
 torch::Tensor prefill_causal_attention(torch::Tensor query, torch::Tensor k_cache,
                                        torch::Tensor v_cache, torch::Tensor block_table,
                                        int64_t seq_len, double scale, bool bf16) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat, "fp32 only");
+  const bool int8_cache = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "fp32 queries");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (int8_cache || k_cache.scalar_type() == at::kFloat),
+              "fp32 or int8 caches");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   TORCH_CHECK(block_table.scalar_type() == at::kInt, "int32 block table");
   const auto q = query.contiguous();
   const auto table = block_table.contiguous();
   const int64_t Q = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
-  TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == D, "head shapes");
+  const int64_t row = int8_cache ? D + static_cast<int64_t>(sizeof(float)) : D;
+  TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == row && v_cache.sizes() == k_cache.sizes(),
+              "head shapes");
   TORCH_CHECK(Q >= 1 && Q <= seq_len, "query rows must be the last of the sequence");
   TORCH_CHECK(table.numel() * k_cache.size(1) >= seq_len, "block table shorter than the sequence");
   c10::InferenceMode guard;
   const int32_t* tp = table.data_ptr<int32_t>();
-  const auto k = gather_heads(k_cache, tp, seq_len, bf16);
-  const auto v = gather_heads(v_cache, tp, seq_len, bf16);
+  const auto k = gather_heads(k_cache, tp, seq_len, D, bf16);
+  const auto v = gather_heads(v_cache, tp, seq_len, D, bf16);
   auto out = at::empty_like(q);
   const Problem p{q.data_ptr<float>(), out.data_ptr<float>(), Q, H, KVH, H / KVH, D, seq_len,
                   static_cast<float>(scale)};
