@@ -40,7 +40,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--prefill-gemm",
         default=d.prefill_gemm,
         choices=PREFILL_GEMMS,
-        help="prefill's many-row matmuls; auto: bf16 for quantized weights where it is faster",
+        help="prefill's many-row matmuls; int8: int8 / q4 weights' int8-activation kernel; "
+        "auto: the fastest of bf16 and int8 for quantized weights, where it beats fp32",
     )
     g.add_argument(
         "--activations",

@@ -130,9 +130,10 @@ KV_DTYPES = ("fp32", "int8", "fp8")
 # blocks of 32 and multiplies bytes (kernels/csrc/quant_dot_cpu.cpp, llama.cpp's way); fp32
 # widens the weights in registers (exact to dequantize-then-matmul). Other weights: fp32.
 ACTIVATIONS = ("int8", "fp32")
-# The precision of prefill's many-row matmuls (engine/prefill_gemm.py): auto is bf16 only for
-# quantized weights, on a CPU where a bf16 GEMM measures faster.
-PREFILL_GEMMS = ("fp32", "bf16", "auto")
+# The precision of prefill's many-row matmuls (engine/prefill_gemm.py): int8 runs int8 / q4
+# weights' rows through decode's int8-activation kernel; auto is the fastest of bf16 and int8
+# for quantized weights, on a CPU where it measures faster than fp32.
+PREFILL_GEMMS = ("fp32", "bf16", "int8", "auto")
 
 
 def check_weights(weights: str, group: int = 32) -> str:
@@ -155,6 +156,15 @@ def check_prefill_gemm(prefill_gemm: str) -> str:
     return prefill_gemm
 
 
+def check_int8_prefill(prefill_gemm: str, weights: str, activations: str) -> None:
+    """``prefill_gemm: int8`` multiplies with the int8-activation kernel of int8 / q4 weights."""
+    if prefill_gemm == "int8" and (weights not in ("int8", "q4") or activations != "int8"):
+        raise ValueError(
+            "prefill_gemm 'int8' needs weights int8 or q4 with activations int8, "
+            f"not weights {weights!r} with activations {activations!r}"
+        )
+
+
 def check_kv_dtype(kv_dtype: str) -> str:
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype {kv_dtype!r}: expected one of {KV_DTYPES}")
@@ -170,7 +180,7 @@ class EngineConfig:
     weights: str = "fp32"  # how the weights are stored: fp32 | bf16 | int8 | q4
     weight_group: int = 32  # q4: weights per scale along K
     kv_dtype: str = "fp32"  # the KV cache: fp32 | int8 | fp8 (a scale per token and head)
-    prefill_gemm: str = "auto"  # prefill's many-row matmuls: fp32 | bf16 | auto
+    prefill_gemm: str = "auto"  # prefill's many-row matmuls: fp32 | bf16 | int8 | auto
     activations: str = "int8"  # int8 / q4 weights' decode rows on CPU: int8 | fp32
 
     def __post_init__(self):
@@ -178,5 +188,6 @@ class EngineConfig:
         check_activations(self.activations)
         check_kv_dtype(self.kv_dtype)
         check_prefill_gemm(self.prefill_gemm)
+        check_int8_prefill(self.prefill_gemm, self.weights, self.activations)
         if self.kv_dtype == "fp8" and self.model.head_dim % 4:  # each row's fp32 scale aligned
             raise ValueError(f"kv_dtype fp8 needs head_dim % 4 == 0, not {self.model.head_dim}")

@@ -34,6 +34,8 @@ def build(model) -> object | None:
     if ext is None:
         return None
     cfg = model.cfg
+    # prefill_gemm int8: every batch's rows go to the int8-activation skinny kernels.
+    max_skinny_rows = ANY_ROWS if model.prefill_gemm == "int8" else SKINNY_MAX_ROWS
     return ext.DecoderStack(
         [_layer_tuple(layer) for layer in model.layers],
         cfg.num_heads,
@@ -41,8 +43,11 @@ def build(model) -> object | None:
         cfg.head_dim,
         cfg.rms_norm_eps,
         ONEDNN_MIN_ROWS,
-        SKINNY_MAX_ROWS,
+        max_skinny_rows,
     )
+
+
+ANY_ROWS = 2**62
 
 
 def _linear_tuple(linear) -> tuple:

@@ -7,11 +7,17 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig, check_activations, check_device_name, check_prefill_gemm
+from engine import prefill_gemm as prefill_precision
+from engine.config import (
+    ModelConfig,
+    check_activations,
+    check_device_name,
+    check_int8_prefill,
+    check_prefill_gemm,
+)
 from engine.errors import ModelNotFoundError
 from engine.model import LlamaModel
 from engine.model_files import EMBEDDED_GGUF, EMBEDDED_MODEL, embedded_gguf_path, resolve_model_dir
-from engine.prefill_gemm import choose as prefill_gemm_choice
 
 __all__ = [
     "EMBEDDED_GGUF",
@@ -55,13 +61,14 @@ def load_model(
 ) -> LlamaModel:
     """Weights on ``device``, stored as ``weights`` (fp32 | bf16 | int8 | q4, quantized at load
     from fp32; kernels/quant.py); on the CPU also pre-packed for oneDNN and the C++ layers.
-    ``prefill_gemm`` (fp32 | bf16 | auto): the precision of prefill's many-row matmuls
+    ``prefill_gemm`` (fp32 | bf16 | int8 | auto): the precision of prefill's many-row matmuls
     (engine/prefill_gemm.py; auto keeps fp32 weights fp32). ``activations`` (int8 | fp32): how
     int8 / q4 weights multiply a decode step's rows on CPU (engine.config.ACTIVATIONS)."""
     from safetensors.torch import load_file
 
     check_prefill_gemm(prefill_gemm)
     check_activations(activations)
+    check_int8_prefill(prefill_gemm, weights, activations)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no .safetensors weights in {model_dir}")
@@ -81,7 +88,8 @@ def load_model(
     device = resolve_device(device)
     model = model.float().eval().to(device)
     model.quantize_weights(weights, weight_group, activations)
-    model.use_prefill_gemm(prefill_gemm_choice(prefill_gemm, weights, device))
+    gemm = prefill_precision.choose(prefill_gemm, weights, device)
+    model.use_prefill_gemm(gemm, prefill_precision.attention_bf16(gemm, weights))
     if model.embed_tokens.weight.device.type == "cpu":
         model.pack_weights_for_cpu()
     return model

@@ -110,7 +110,8 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     cpu_stack = None  # the C++ decoder layers (engine/cpu_stack.py), set by pack_weights_for_cpu
-    prefill_gemm = "fp32"  # many-row matmuls: fp32 | bf16 (use_prefill_gemm)
+    prefill_gemm = "fp32"  # many-row matmuls: fp32 | bf16 | int8 (use_prefill_gemm)
+    prefill_attention_bf16 = False  # a many-row batch's attention GEMMs in bf16
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
         super().__init__()
@@ -141,17 +142,21 @@ class LlamaModel(nn.Module):
         """
         h = self.embed_tokens(input_ids)
         rope_tables = self.rope.tables(positions)
-        # The C++ layers multiply in fp32 only: bf16 batches run the Python layers.
-        fp32_rows = self.gemm_dtype_for(len(input_ids)) == "fp32"
-        if self.cpu_stack is not None and fp32_rows and cpu_stack.usable(kv_caches):
+        # The C++ layers take fp32 rows (int8 ones quantize inside the matmul): bf16 batches
+        # run the Python layers.
+        gemm = self.gemm_dtype_for(len(input_ids))
+        bf16_attention = gemm != "fp32" and self.prefill_attention_bf16
+        if self.cpu_stack is not None and gemm != "bf16" and cpu_stack.usable(kv_caches):
             h = cpu_stack.run_layers(
                 self.cpu_stack, h, rope_tables, meta, kv_caches, self.layers[0].self_attn.scale,
-                lambda i, q: paged_attention(q, *kv_caches[i], meta, self.layers[i].self_attn.scale),
+                lambda i, q: paged_attention(
+                    q, *kv_caches[i], meta, self.layers[i].self_attn.scale, bf16=bf16_attention
+                ),
                 layer_callback,
             )  # fmt: skip
             return self.norm(h)
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope_tables, meta, kv_caches[i], not fp32_rows)
+            h = layer(h, rope_tables, meta, kv_caches[i], bf16_attention)
             if layer_callback is not None:
                 layer_callback(i)
         return self.norm(h)
@@ -171,18 +176,22 @@ class LlamaModel(nn.Module):
         self.cpu_stack = cpu_stack.build(self) if fused_layers else None
         return packed
 
-    def use_prefill_gemm(self, kind: str) -> None:
-        """Run matmuls of more than SKINNY_MAX_ROWS rows in ``kind`` (fp32 | bf16; an
-        engine/prefill_gemm.py choice) from now on; bf16 keeps a bf16 copy of each weight in
-        place of oneDNN's fp32 one."""
+    def use_prefill_gemm(self, kind: str, attention_bf16: bool | None = None) -> None:
+        """Run matmuls of more than SKINNY_MAX_ROWS rows in ``kind`` (fp32 | bf16 | int8; an
+        engine/prefill_gemm.py choice) from now on, their attention with bf16 GEMMs if
+        ``attention_bf16`` (default: with bf16 projections only); bf16 keeps a bf16 copy of
+        each weight in place of oneDNN's fp32 one, int8 runs the int8-activation kernels."""
         for m in self.modules():
             if isinstance(m, Linear):
                 m.set_prefill_gemm(kind)
         self.prefill_gemm = kind
+        self.prefill_attention_bf16 = kind == "bf16" if attention_bf16 is None else attention_bf16
+        if self.cpu_stack is not None:  # its row limit follows the kind
+            self.cpu_stack = cpu_stack.build(self)
 
     def gemm_dtype_for(self, rows: int) -> str:
         """The precision a batch of ``rows`` tokens multiplies its weights in."""
-        return "bf16" if self.prefill_gemm == "bf16" and rows > SKINNY_MAX_ROWS else "fp32"
+        return self.prefill_gemm if rows > SKINNY_MAX_ROWS else "fp32"
 
     def quantize_weights(self, fmt: str, group: int = 32, activations: str = "int8") -> None:
         """Every projection and the LM head in ``fmt`` (kernels/quant.py); call before

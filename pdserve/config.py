@@ -21,6 +21,7 @@ from engine.config import (
     WEIGHT_FORMATS,
     WEIGHT_GROUPS,
     check_device_name,
+    check_int8_prefill,
 )
 from engine.errors import PdserveError
 from engine.settings import EngineSettings
@@ -170,7 +171,8 @@ class ClusterConfig(_Strict):
     weights: Literal[WEIGHT_FORMATS] = _ENGINE.weights  # quantized at load (kernels/quant.py)
     weight_group: Literal[WEIGHT_GROUPS] = _ENGINE.weight_group  # q4: weights per scale
     kv_dtype: Literal[KV_DTYPES] = _ENGINE.kv_dtype
-    # prefill's many-row matmuls; auto: bf16 for quantized weights where it measures faster
+    # prefill's many-row matmuls; int8: int8 / q4 weights' int8-activation kernel; auto: the
+    # fastest of bf16 and int8 for quantized weights, where it measures faster than fp32
     prefill_gemm: Literal[PREFILL_GEMMS] = _ENGINE.prefill_gemm
     # int8 / q4 weights' decode rows on CPU: int8 (byte dot products) or fp32 (exact)
     activations: Literal[ACTIVATIONS] = _ENGINE.activations
@@ -212,6 +214,11 @@ class ClusterConfig(_Strict):
 
     def with_overrides(self, **fields) -> ClusterConfig:
         return validate_config({**self.model_dump(), **fields})
+
+    @model_validator(mode="after")
+    def _int8_prefill_weights(self) -> ClusterConfig:
+        check_int8_prefill(self.prefill_gemm, self.weights, self.activations)
+        return self
 
     @model_validator(mode="after")
     def _lease_bounds(self) -> ClusterConfig:

@@ -41,7 +41,9 @@ def main() -> int:
     )
     p.add_argument("--weights", default="fp32", help="fp32 | bf16 | int8 | q4 (engine.config)")
     p.add_argument(
-        "--prefill-gemm", default="auto", help="prefill matmuls: fp32 | bf16 | auto (engine.config)"
+        "--prefill-gemm",
+        default="auto",
+        help="prefill matmuls: fp32 | bf16 | int8 | auto (engine.config)",
     )
     p.add_argument(
         "--kv-dtype", default="fp32", help="the KV cache: fp32 | int8 | fp8 (engine.config)"

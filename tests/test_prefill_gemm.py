@@ -1,6 +1,7 @@
-"""``prefill_gemm: fp32 | bf16 | auto``: many-row matmuls (prefill chunks, mixed steps) on bf16
-copies of the weights, few-row ones (decode) on the fp32 kernels as before; auto picks bf16 for
-quantized weights only, and only where its measurement says bf16 is faster."""
+"""``prefill_gemm: fp32 | bf16 | int8 | auto``: many-row matmuls (prefill chunks, mixed steps) on
+bf16 copies of the weights, or on int8 / q4 weights' int8-activation kernel; few-row ones
+(decode) on the skinny kernels as before; auto picks the fastest of bf16 and int8 for quantized
+weights only, and only where its measurement says it beats fp32."""
 
 from __future__ import annotations
 
@@ -25,14 +26,21 @@ FEW = 20  # a decode batch (or a short prompt): the skinny kernel's rows
 
 @pytest.fixture
 def injected_timings(monkeypatch):
-    """``set_timings(fp32_s, bf16_s)``: what auto's startup measurement will find."""
+    """``set_timings(fp32_s, bf16_s, int8_s=None)``: what auto's startup measurement will find
+    (int8 for int8 / q4 weights only, as the probe times it)."""
 
-    def set_timings(fp32_s: float, bf16_s: float) -> None:
-        monkeypatch.setattr(prefill_gemm, "probe_seconds", lambda: (fp32_s, bf16_s))
-        prefill_gemm._speedup_at.cache_clear()
+    def set_timings(fp32_s: float, bf16_s: float, int8_s: float | None = None) -> None:
+        def probe(weights):
+            seconds = {"fp32": fp32_s, "bf16": bf16_s}
+            if int8_s is not None and weights in ("int8", "q4"):
+                seconds["int8"] = int8_s
+            return seconds
+
+        monkeypatch.setattr(prefill_gemm, "probe_seconds", probe)
+        prefill_gemm._timings_at.cache_clear()
 
     yield set_timings
-    prefill_gemm._speedup_at.cache_clear()
+    prefill_gemm._timings_at.cache_clear()
 
 
 def prefill_logits(model, n: int) -> torch.Tensor:
@@ -53,7 +61,16 @@ def test_prefill_gemm_is_checked_by_name(tmp_path):
     with pytest.raises(ValueError, match="prefill_gemm 'amx'"):
         load_model(d, cfg, 128, prefill_gemm="amx")
     with pytest.raises(ConfigError, match="prefill_gemm"):
-        validate_config({"prefill_gemm": "int8"})
+        validate_config({"prefill_gemm": "fp16"})
+    # int8 is the int8-activation kernel of int8 / q4 weights: nothing else takes it.
+    for bad in ({}, {"weights": "bf16"}, {"weights": "q4", "activations": "fp32"}):
+        with pytest.raises(ConfigError, match="prefill_gemm 'int8' needs weights int8 or q4"):
+            validate_config({"prefill_gemm": "int8", **bad})
+        with pytest.raises(ValueError, match="prefill_gemm 'int8' needs"):
+            EngineConfig(cfg, prefill_gemm="int8", **bad)
+    assert validate_config({"prefill_gemm": "int8", "weights": "q4"}).prefill_gemm == "int8"
+    with pytest.raises(ValueError, match="prefill_gemm 'int8' needs"):
+        load_model(d, cfg, 128, prefill_gemm="int8")
 
 
 def test_the_cluster_config_reaches_every_workers_engine():
@@ -78,11 +95,36 @@ def test_auto_takes_bf16_only_for_quantized_weights_where_it_measures_faster(inj
     assert prefill_gemm.choose("fp32", "q4", "cpu") == "fp32"
 
 
+def test_auto_takes_the_fastest_of_bf16_and_int8_past_the_bar(injected_timings):
+    injected_timings(0.70, 0.20, 0.15)  # a CPU without AMX: bytes beat bf16
+    assert prefill_gemm.choose("auto", "q4", "cpu") == "int8"
+    assert prefill_gemm.choose("auto", "int8", "cpu") == "int8"
+    assert prefill_gemm.choose("auto", "bf16", "cpu") == "bf16"  # bf16 weights: no int8 kernel
+    assert prefill_gemm.attention_bf16("int8", "q4")  # bf16 is native here: attention takes it
+    injected_timings(0.70, 0.10, 0.30)  # AMX: bf16 wins
+    assert prefill_gemm.choose("auto", "q4", "cpu") == "bf16"
+    injected_timings(0.30, 0.60, 0.18)  # AVX2 only: bf16 emulated, bytes 1.67x fp32
+    assert prefill_gemm.choose("auto", "q4", "cpu") == "int8"
+    assert not prefill_gemm.attention_bf16("int8", "q4")  # attention stays fp32 there
+    injected_timings(0.30, 0.60, 0.25)  # bytes only 1.2x: under the bar
+    assert prefill_gemm.choose("auto", "q4", "cpu") == "fp32"
+    assert prefill_gemm.attention_bf16("bf16", "q4") and not prefill_gemm.attention_bf16(
+        "fp32", "q4"
+    )
+
+
+def test_the_probe_times_the_int8_kernel_only_for_weights_it_takes():
+    if cpu_extension.load() is None:
+        pytest.skip("no CPU extension: no int8-activation kernel")
+    assert set(prefill_gemm.probe_seconds("q4", reps=1)) == {"fp32", "bf16", "int8"}
+    assert set(prefill_gemm.probe_seconds("bf16", reps=1)) == {"fp32", "bf16"}
+
+
 def test_auto_does_not_measure_for_fp32_weights(monkeypatch):
-    def never():
+    def never(weights):
         raise AssertionError("measured for fp32 weights")
 
-    monkeypatch.setattr(prefill_gemm, "measured_bf16_speedup", never)
+    monkeypatch.setattr(prefill_gemm, "measured_seconds", never)
     assert prefill_gemm.choose("auto", "fp32", "cpu") == "fp32"
 
 
@@ -216,3 +258,70 @@ def test_a_worker_process_gets_prefill_gemm_through_its_flags():
     s = EngineSettings(weights="q4", prefill_gemm="bf16")
     assert engine_settings_from_args(parser.parse_args(engine_args(s))) == s
     assert parser.parse_args([]).prefill_gemm == "auto"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q4"])
+def test_int8_prefill_runs_many_rows_through_the_int8_activation_kernel(fmt):
+    """Every row, many or few, is quantized per block of 32 and multiplied as bytes: the same
+    kernel and reference as a decode step's rows, and no other copy of the weight is kept."""
+    if cpu_extension.load() is None:
+        pytest.skip("no CPU extension: no int8-activation kernel")
+    torch.manual_seed(5)
+    lin = Linear(128, 200, bias=True)
+    lin.quantize(fmt, 32)
+    lin.set_prefill_gemm("int8")
+    lin.pack_for_cpu()
+    assert lin.prefill_int8 and lin.packed is None and lin.prefill_bf16 is None
+    x = torch.randn(MANY, 128)
+    expected = quant.int8_activation_reference(x, lin.quantized, lin.bias.detach())
+    torch.testing.assert_close(lin(x), expected, rtol=1e-4, atol=1e-4)
+    # A row's result does not depend on the rows beside it.
+    torch.testing.assert_close(lin(x)[:FEW], lin(x[:FEW]), rtol=0, atol=0)
+    plain = Linear(128, 200, bias=False)  # fp32 weights have no int8 kernel: they stay fp32
+    plain.set_prefill_gemm("int8")
+    assert not plain.prefill_int8
+
+
+def chunked_prefill_logits(model, n: int, chunk: int) -> torch.Tensor:
+    """``prefill_logits`` of the same prompt, prefilled ``chunk`` tokens a forward."""
+    ids = [(7 * i + 3) % model.cfg.vocab_size for i in range(n)]
+    blocks = n // 16 + 1
+    kv, table, out = model.allocate_kv_cache(blocks, 16), [list(range(blocks))], []
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        meta = AttentionMetadata.build([end - start], [end], table, 16)
+        h = model(torch.tensor(ids[start:end]), torch.arange(start, end), meta, kv)
+        out.append(model.compute_logits(h))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("fused_layers", [True, False])
+def test_int8_prefill_of_a_whole_prompt_equals_its_decode_sized_chunks(tmp_path, fused_layers):
+    """A q4 model with prefill_gemm int8 (attention in fp32): one forward over MANY tokens
+    gives the logits of the same prompt prefilled in chunks the skinny kernels take anyway, on
+    the C++ layers and on the Python ones (what int8 rows cost on the real model:
+    tests/test_quant_smollm2.py)."""
+    if cpu_extension.load() is None:
+        pytest.skip("no CPU extension: no int8-activation kernel")
+    d, _ = tiny_llama_dir(tmp_path, num_heads=4, num_kv_heads=2)
+    cfg = load_config(d)
+    model = load_model(d, cfg, 256, weights="q4", prefill_gemm="fp32")
+    fp32 = prefill_logits(model, MANY)
+    model.use_prefill_gemm("int8", attention_bf16=False)
+    assert model.gemm_dtype_for(MANY) == "int8" and model.gemm_dtype_for(FEW) == "fp32"
+    assert model.cpu_stack is not None
+    if not fused_layers:
+        model.cpu_stack = None
+    whole = prefill_logits(model, MANY)
+    torch.testing.assert_close(whole, chunked_prefill_logits(model, MANY, FEW), rtol=0, atol=2e-5)
+    assert (whole - fp32).abs().max() > 1e-3  # the rows really were quantized
+
+
+def test_int8_prefill_attends_in_bf16_where_bf16_is_native(tmp_path, injected_timings):
+    injected_timings(0.70, 0.20, 0.15)
+    d, _ = tiny_llama_dir(tmp_path)
+    model = load_model(d, load_config(d), 128, weights="q4", prefill_gemm="auto")
+    assert model.prefill_gemm == "int8" and model.prefill_attention_bf16
+    injected_timings(0.30, 0.60, 0.18)
+    model = load_model(d, load_config(d), 128, weights="q4", prefill_gemm="auto")
+    assert model.prefill_gemm == "int8" and not model.prefill_attention_bf16

@@ -1,8 +1,9 @@
 """Quantized weights on the embedded SmolLM2-135M (a Q4_1 GGUF): perplexity on a fixed
 public-domain text within 3% (int8) and 8% (q4) of fp32, and int8's greedy choices equal
 fp32's on at least 90% of the first 32 positions of the chat prompts. With bf16 prefill
-matmuls (``prefill_gemm: bf16``, engine/prefill_gemm.py) the same bounds hold against fp32
-weights with fp32 prefill.
+matmuls (``prefill_gemm: bf16``, engine/prefill_gemm.py), and with a prefill's rows quantized
+to int8 as decode's are (``prefill_gemm: int8``), the same bounds hold against fp32 weights
+with fp32 prefill.
 
 Decode steps of int8 and q4 weights multiply int8 activations (``activations: int8``, the
 default; kernels/csrc/quant_dot_cpu.cpp): the same bounds hold on logits taken one decode step
@@ -40,7 +41,10 @@ def model_dir():
 
 
 # (weights, prefill_gemm) of each model the tests read.
-MODELS = [("fp32", "fp32"), ("int8", "fp32"), ("q4", "fp32"), ("int8", "bf16"), ("q4", "bf16")]
+MODELS = [
+    *[("fp32", "fp32"), ("int8", "fp32"), ("q4", "fp32")],
+    *[("int8", "bf16"), ("q4", "bf16"), ("int8", "int8"), ("q4", "int8")],
+]
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +110,14 @@ def test_perplexity_with_bf16_prefill_matmuls_stays_near_fp32(models, model_dir)
     }
     assert ppl["int8/bf16"] <= ppl["fp32/fp32"] * 1.03, ppl
     assert ppl["q4/bf16"] <= ppl["fp32/fp32"] * 1.08, ppl
+
+
+def test_perplexity_with_int8_prefill_matmuls_stays_near_fp32(models, model_dir):
+    ids = Tokenizer(model_dir).encode(TEXT.read_text())
+    assert all(models[w, "int8"].gemm_dtype_for(len(ids)) == "int8" for w in ("int8", "q4"))
+    ppl = {f"{w}/{g}": perplexity(models[w, g], ids) for w, g in MODELS if g in ("fp32", "int8")}
+    assert ppl["int8/int8"] <= ppl["fp32/fp32"] * 1.03, ppl
+    assert ppl["q4/int8"] <= ppl["fp32/fp32"] * 1.08, ppl
 
 
 def test_int8_greedy_tokens_agree_with_fp32(models, model_dir):

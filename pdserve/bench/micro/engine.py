@@ -182,7 +182,7 @@ def run(
     """``cpu_kernels``: the variants to time side by side (default: the one chosen here);
     ``weights``: the weight formats, one engine each, timed on the same workloads;
     ``kv_dtypes``: the KV cache formats, each its own cache on the same engine (default:
-    ``kv_dtype`` alone); ``prefill_gemm``: prefill matmul precisions (fp32 | bf16 | auto), one
+    ``kv_dtype`` alone); ``prefill_gemm``: prefill matmul precisions (fp32 | bf16 | int8 | auto), one
     engine per format and precision."""
     kv_dtypes = kv_dtypes or (kv_dtype,)
     if threads:
@@ -215,6 +215,7 @@ def run(
         "huge_pages": hugepages.active(),
         "gemm_peak_gflops": peaks.fp32 / 1e9,
         "gemm_peak_bf16_gflops": None if peaks.bf16 is None else peaks.bf16 / 1e9,
+        "gemm_peak_int8_gops": None if peaks.int8 is None else peaks.int8 / 1e9,
         "read_bandwidth_gbs": bandwidth / 1e9,
         "kv_dtype": kv_dtypes[0],
         "kv_dtypes": list(kv_dtypes),
@@ -223,15 +224,20 @@ def run(
 
 
 class GemmPeaks:
-    """The fp32 GEMM peak, and the bf16 one measured the first time a row needs it (a CPU
-    without bf16 instructions emulates it: seconds a run with no bf16 rows need not spend)."""
+    """The fp32 GEMM peak, and the bf16 and int8 ones measured the first time a row needs them
+    (a CPU without bf16 instructions emulates it: seconds a run with no bf16 rows need not
+    spend). An int8 prefill's MFU is against the int8 peak (oneDNN's int8 GEMM)."""
 
     def __init__(self, fp32: float):
-        self.fp32, self.bf16 = fp32, None
+        self.fp32, self.bf16, self.int8 = fp32, None, None
 
     def of(self, dtype: str) -> float:
         if dtype == "fp32":
             return self.fp32
+        if dtype == "int8":
+            if self.int8 is None:
+                self.int8 = gemm_peak(dtype=torch.int8)
+            return self.int8
         if self.bf16 is None:
             self.bf16 = gemm_peak(dtype=torch.bfloat16)
         return self.bf16
@@ -281,7 +287,13 @@ def _rows_of(engine, fmt, kv_dtypes, variants, reps, hf_seconds, peaks, bandwidt
 
 
 def _engine(
-    model: str, prompt_lens, batches, contexts, weights="fp32", kv_dtype="fp32", gemm="auto",
+    model: str,
+    prompt_lens,
+    batches,
+    contexts,
+    weights="fp32",
+    kv_dtype="fp32",
+    gemm="auto",
     activations="int8",
 ):
     """The model's directory and an engine with blocks for the largest workload."""
@@ -344,8 +356,9 @@ def _gemm_text(row: dict) -> str:
 
 
 def _bf16_peak_text(result: dict) -> str:
-    peak = result.get("gemm_peak_bf16_gflops")
-    return "" if peak is None else f" (bf16 {peak:.1f})"
+    peaks = [(k, result.get(f"gemm_peak_{k}")) for k in ("bf16_gflops", "int8_gops")]
+    text = ", ".join(f"{k.split('_')[0]} {p:.1f}" for k, p in peaks if p is not None)
+    return f" ({text})" if text else ""
 
 
 def add_parser(sub) -> None:
@@ -380,8 +393,9 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--prefill-gemm",
         default="auto",
-        help="prefill matmul precisions to time side by side: fp32,bf16,auto (auto: bf16 for "
-        "quantized weights where it measures faster); prefill MFU is against that dtype's peak",
+        help="prefill matmul precisions to time side by side: fp32,bf16,int8,auto (auto: the "
+        "fastest of bf16 and int8 for quantized weights where it beats fp32); prefill MFU is "
+        "against that dtype's peak (int8: oneDNN's int8 GEMM)",
     )
     p.add_argument("--json", default=None, help="write the results here")
     p.set_defaults(func=_main)
