@@ -34,8 +34,10 @@ def build(model) -> object | None:
     if ext is None:
         return None
     cfg = model.cfg
-    # prefill_gemm int8: every batch's rows go to the int8-activation skinny kernels.
-    max_skinny_rows = ANY_ROWS if model.prefill_gemm == "int8" else SKINNY_MAX_ROWS
+    # prefill_gemm int8: every batch's rows go to the int8-activation skinny kernels (where
+    # every projection has one; the row limit is the stack's, not per projection).
+    all_int8 = all(p.prefill_int8 for layer in model.layers for p in _projections(layer))
+    max_skinny_rows = ANY_ROWS if model.prefill_gemm == "int8" and all_int8 else SKINNY_MAX_ROWS
     return ext.DecoderStack(
         [_layer_tuple(layer) for layer in model.layers],
         cfg.num_heads,
@@ -55,12 +57,16 @@ def _linear_tuple(linear) -> tuple:
     return (linear.weight.detach(), bias, linear.packed, linear.skinny)
 
 
-def _layer_tuple(layer) -> tuple:
+def _projections(layer) -> tuple:
     attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def _layer_tuple(layer) -> tuple:
     return (
         layer.input_layernorm.weight.detach(),
         layer.post_attention_layernorm.weight.detach(),
-        *(_linear_tuple(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+        *(_linear_tuple(p) for p in _projections(layer)),
     )
 
 
