@@ -18,6 +18,10 @@
 #                                                    # threads) on quantized weights
 #   QUANT_KV_DTYPE=int8 ...                          # the KV cache of those quantized clusters
 #                                                    # (default fp32)
+#   LOCAL_PREFILL=128 ...                            # + disaggregated_<w>_local for each
+#                                                    # ALSO_WEIGHTS format: the same pair, with
+#                                                    # prompts up to 128 tokens prefilled on the
+#                                                    # decode worker (router local_prefill_max_tokens)
 # Issue 22's goodput check, one command (prints goodput and each one's ratio to fp32 pdserve
 # and to vLLM at the end):
 #   ALSO_WEIGHTS=q4,int8 VLLM=1 COLOCATED=0 RATES=1,2,3,4 N=40 bash scripts/bench_compare.sh
@@ -29,6 +33,7 @@ ALSO_TRANSPORTS=${ALSO_TRANSPORTS:-}
 ALSO_ISAS=${ALSO_ISAS:-}
 ALSO_WEIGHTS=${ALSO_WEIGHTS:-}
 QUANT_KV_DTYPE=${QUANT_KV_DTYPE:-fp32}
+LOCAL_PREFILL=${LOCAL_PREFILL:-0}
 PREFILL_GEMM=${PREFILL_GEMM:-auto}
 VLLM=${VLLM:-0}
 VLLM_PORT=${VLLM_PORT:-8011}
@@ -70,6 +75,12 @@ for weights in ${ALSO_WEIGHTS//,/ }; do  # the same pair on quantized weights
   start_cluster "disaggregated_$weights" --threads 1 --weights "$weights" \
     --prefill-gemm "$PREFILL_GEMM" --kv-dtype "$QUANT_KV_DTYPE"
   ALSO+=("disaggregated_$weights")
+  if [ "$LOCAL_PREFILL" -gt 0 ]; then
+    start_cluster "disaggregated_${weights}_local" --threads 1 --weights "$weights" \
+      --prefill-gemm "$PREFILL_GEMM" --kv-dtype "$QUANT_KV_DTYPE" \
+      --local-prefill-max-tokens "$LOCAL_PREFILL"
+    ALSO+=("disaggregated_${weights}_local")
+  fi
 done
 for isa in ${ALSO_ISAS//,/ }; do  # the same pair, its workers forced onto these kernels
   PDSERVE_CPU_ISA=$isa start_cluster "disaggregated_$isa" --threads 1
