@@ -43,6 +43,7 @@ from pdserve.planner.fidelity_replay import (
     mape_of,
     replay,
     resimulate,
+    run_name,
     shared_prefix_tokens,
     summary,
 )
@@ -52,6 +53,7 @@ from pdserve.planner.speed_probe import Speed
 from pdserve.planner.step_residuals import (
     calibrated_costs,
     format_residuals,
+    leave_one_out_costs,
     load_steps,
     priced_steps,
     step_residuals,
@@ -166,7 +168,8 @@ def fidelity(profile, seed: int, scale: float, cores: int, traces=None, probe=No
         for rate in (round(LOW * cap, 2), round(NEAR * cap, 2)):
             n = max(30, int(rate * 60 * scale))
             started = time.time()
-            trace_dir = Path(traces) / f"{label}_{workload}_{rate}" if traces else None
+            name = run_name({"split": label, "workload": workload, "rate": rate})
+            trace_dir = Path(traces) / name if traces else None
             real, speed = probed_run(probe, split, workload, rate, n, slo, seed, trace_dir)
             if real.completed < n:
                 print(f"  {label} @ {rate}: {real.failed} failed: {real.errors[:2]}", flush=True)
@@ -313,8 +316,10 @@ def rescore(args, profile) -> int:
     """A stored run's simulated side redone on ``profile`` (the measured side kept)."""
     stored = json.loads(Path(args.resimulate).read_text())
     slos = {workload: slo for _, workload, slo in SETUPS}
-    report = resimulate(stored, profile, slos, embedded_tokenizer(), args.seed)
+    costs = leave_one_out(stored, profile, args.leave_one_out) if args.leave_one_out else None
+    report = resimulate(stored, profile, slos, embedded_tokenizer(), args.seed, costs)
     report.update(
+        leave_one_out=args.leave_one_out,
         profile=args.profile,
         resimulated=time.strftime("%Y-%m-%d %H:%M:%S"),
         mape_as_stored=stored.get("mape"),  # the simulated side this replaced
@@ -325,6 +330,22 @@ def rescore(args, profile) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0
+
+
+def leave_one_out(stored: dict, profile, traces: str) -> dict[str, dict]:
+    """Each stored run's costs calibrated on the step traces of the other runs (under
+    ``traces``, one folder per run, as ``--step-trace`` wrote them)."""
+    runs = {}
+    for row in stored["fidelity"]:
+        speed = (row.get("speed") or {}).get("used") or {}
+        folder = Path(traces) / run_name(row)
+        if not any(folder.glob("*.jsonl")):
+            raise SystemExit(f"--leave-one-out: no step traces in {folder}")
+        runs[run_name(row)] = (folder, speed.get("decode", 1.0), speed.get("prefill", 1.0))
+    costs = leave_one_out_costs(profile, runs)
+    for name, c in costs.items():
+        print(f"{name}: calibrated on the others: {json.dumps(c)}", flush=True)
+    return costs
 
 
 def main() -> int:
@@ -354,7 +375,16 @@ def main() -> int:
         help="simulate on the profile as measured, not rescaled by a bare-engine probe of the "
         "machine's speed just before and after each real run",
     )
+    ap.add_argument(
+        "--leave-one-out",
+        default=None,
+        metavar="TRACES",
+        help="with --resimulate: simulate each run on live costs calibrated from the step "
+        "traces (this folder, as --step-trace wrote it) of the other runs",
+    )
     args = ap.parse_args()
+    if args.leave_one_out and not args.resimulate:
+        ap.error("--leave-one-out needs --resimulate (a stored run and its step traces)")
     profile = load_profile(args.profile)
     if args.resimulate:
         return rescore(args, profile)

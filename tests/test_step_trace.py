@@ -146,3 +146,48 @@ def test_the_calibration_takes_each_roles_alone_slowdown_then_the_co_run_cost_on
     assert costs["co_run_fixed_s"] == pytest.approx(0.0, abs=1e-9)
     assert costs["co_run_slowdown_prefill"] == pytest.approx(1.2)
     assert costs["co_run_fixed_s_prefill"] == pytest.approx(0.01 * 1.05)  # seconds alone
+
+
+def _decode_trace(folder, ratio: float, price_s: float = 0.010):
+    """A decode worker's trace of three decode steps alone, each ``ratio`` x its flat price."""
+    folder.mkdir(parents=True)
+    line = {"decode_rows": 2, "decode_context": 40, "prompt_tokens": 0, "prompt_work": 0}
+    steps = [{**line, "t": float(i), "s": ratio * price_s, "sampled": 0} for i in range(3)]
+    (folder / "decode-0.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    return folder
+
+
+def test_leave_one_out_calibrates_each_run_on_the_other_runs_steps_at_their_speeds(tmp_path):
+    """Run x's decode steps ran 2x their price, y's and z's 1.5x, but z's probe found the
+    machine 1.5x slow then: each run's costs come from the others alone, each of those read
+    against its own speed."""
+    from pdserve.planner.step_residuals import leave_one_out_costs
+
+    prof = flat_profile(decode_s=0.010, prefill_s=0.100)
+    runs = {
+        "x": (_decode_trace(tmp_path / "x", 2.0), 1.0, 1.0),
+        "y": (_decode_trace(tmp_path / "y", 1.5), 1.0, 1.0),
+        "z": (_decode_trace(tmp_path / "z", 1.5), 1.5, 1.0),  # 1x at its probed speed
+    }
+    costs = leave_one_out_costs(prof, runs)
+    # x: y's 1.5x over 0.03 priced s and z's 1x over 0.045 -> (0.045 + 0.045) / 0.075.
+    assert costs["x"]["decode_worker_slowdown"] == pytest.approx(0.09 / 0.075)
+    assert costs["y"]["decode_worker_slowdown"] == pytest.approx((0.06 + 0.045) / 0.075)
+    assert costs["z"]["decode_worker_slowdown"] == pytest.approx((0.06 + 0.045) / 0.06)
+    assert all(c["prefill_worker_slowdown"] == 1.0 for c in costs.values())  # no prefill steps
+
+
+def test_a_run_is_resimulated_on_its_own_leave_one_out_costs():
+    from pdserve.bench.loadgen.metrics import SLO
+    from pdserve.planner.fidelity_replay import resimulate
+    from tests.test_planner_cpu_costs import _Tokenizer, toy_profile
+
+    real = {"p50_ttft_ms": 100.0, "p90_ttft_ms": 200.0, "p50_tpot_ms": 50.0, "goodput": 1.0}
+    row = {"split": "1P1D", "workload": "chat", "rate": 1.0, "requests": 20, "real": real}
+    report = {"cpu_cores": 2, "fidelity": [row]}
+    slos, prof = {"chat": SLO(2.0, 0.2)}, toy_profile()
+    slow = {"1P1D_chat_1.0": {"decode_worker_slowdown": 2.0}}
+    got = resimulate(report, prof, slos, _Tokenizer(), costs=slow)["fidelity"][0]
+    plain = resimulate(report, prof, slos, _Tokenizer())["fidelity"][0]
+    assert got["costs"] == {"decode_worker_slowdown": 2.0}
+    assert got["sim"]["p50_tpot_ms"] > 1.5 * plain["sim"]["p50_tpot_ms"]

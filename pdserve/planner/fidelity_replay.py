@@ -79,9 +79,20 @@ def replay(
     return simulate(profile, trace, cfg, slo).result
 
 
-def resimulate(report: dict, profile: Profile, slos: dict, tokenizer, seed: int = 0) -> dict:
+def run_name(row: dict) -> str:
+    """A fidelity run's name, as its step-trace folder is named."""
+    return f"{row['split']}_{row['workload']}_{row['rate']}"
+
+
+def resimulate(
+    report: dict, profile: Profile, slos: dict, tokenizer, seed: int = 0, costs=None
+) -> dict:
     """``report`` (a fidelity JSON) with every run's simulated side, errors and MAPE redone on
-    ``profile``; the measured side is kept. ``slos``: workload -> SLO the runs were scored on."""
+    ``profile``; the measured side is kept. ``slos``: workload -> SLO the runs were scored on.
+    ``costs``: run name -> profile fields to replace for that run alone (its leave-one-out
+    calibration), or None."""
+    import dataclasses
+
     cores = int(report.get("cpu_cores") or 2)
     workloads = {row["workload"] for row in report["fidelity"]}
     shared = {w: shared_prefix_tokens(w, tokenizer) for w in workloads}
@@ -90,9 +101,12 @@ def resimulate(report: dict, profile: Profile, slos: dict, tokenizer, seed: int 
         trace = rebuild_requests(row["workload"], row["requests"], row["rate"], seed, tokenizer)
         split, slo = Split.parse(row["split"]), slos[row["workload"]]
         speed = (row.get("speed") or {}).get("used")  # the run's probed speed, if it had one
-        now = profile.at_speed(**speed) if speed else profile
+        own = dataclasses.replace(profile, **costs[run_name(row)]) if costs else profile
+        now = own.at_speed(**speed) if speed else own
         sim = replay(now, split, trace, slo, cores, shared[row["workload"]])
         new = {**row, "sim": summary(sim)}
+        if costs:
+            new["costs"] = costs[run_name(row)]
         new["error"] = {m: err(new["sim"][m], row["real"][m]) for m in METRICS}
         rows.append(new)
     return {**report, "fidelity": rows, "mape": mape(rows)}

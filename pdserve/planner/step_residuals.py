@@ -174,3 +174,33 @@ def calibrated_costs(rows: list[dict]) -> dict[str, float]:
         "co_run_slowdown_prefill": fit["prefill"][0],
         "co_run_fixed_s_prefill": fit["prefill"][1],
     }
+
+
+def pooled_costs(profile: Profile, runs: list[tuple[str | Path, float, float]]) -> dict:
+    """``calibrated_costs`` fitted on the steps of several live runs together. Each run is
+    (its trace folder, its probed decode speed, prefill speed): its steps are priced at its own
+    speed, and the fixed work comes back at the profile's speed (weighted by each run's priced
+    seconds), as ``Profile.at_speed`` scales it."""
+    rows, weights = [], {"decode": [], "prefill": []}
+    for folder, decode, prefill in runs:
+        priced = priced_steps(profile.at_speed(decode, prefill), load_steps(folder))
+        rows += priced
+        seconds = sum(r["priced_s"] for r in priced)
+        weights["decode"].append((seconds, decode))
+        weights["prefill"].append((seconds, prefill))
+    costs = calibrated_costs(rows)
+    for field, kind in (("co_run_fixed_s", "decode"), ("co_run_fixed_s_prefill", "prefill")):
+        total = sum(w for w, _ in weights[kind])
+        mean = sum(w * s for w, s in weights[kind]) / total if total > 0 else 1.0
+        costs[field] /= mean
+    return costs
+
+
+def leave_one_out_costs(profile: Profile, runs: dict) -> dict[str, dict]:
+    """For each live run (name -> (trace folder, decode speed, prefill speed)), the costs
+    calibrated on every *other* run's steps: a run is then simulated on costs it did not
+    contribute to, as a planner calibrated on yesterday's traffic predicts today's."""
+    return {
+        name: pooled_costs(profile, [r for other, r in runs.items() if other != name])
+        for name in runs
+    }
