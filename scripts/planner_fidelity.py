@@ -55,6 +55,7 @@ from pdserve.planner.step_residuals import (
     format_residuals,
     leave_one_out_costs,
     load_steps,
+    pooled_costs,
     priced_steps,
     step_residuals,
     summarise,
@@ -284,7 +285,7 @@ def calibrate(args, profile) -> int:
     # work is stored at the profile's speed, as at_speed scales it.
     rows = priced_steps(profile.at_speed(used.decode, used.prefill), load_steps(folder))
     print(format_residuals(summarise(rows)), flush=True)
-    costs = calibrated_costs(rows)
+    costs = calibrated_costs(rows, args.cpu_cores)
     costs["co_run_fixed_s"] /= used.decode
     costs["co_run_fixed_s_prefill"] /= used.prefill
     meta = {
@@ -316,7 +317,9 @@ def rescore(args, profile) -> int:
     """A stored run's simulated side redone on ``profile`` (the measured side kept)."""
     stored = json.loads(Path(args.resimulate).read_text())
     slos = {workload: slo for _, workload, slo in SETUPS}
-    costs = leave_one_out(stored, profile, args.leave_one_out) if args.leave_one_out else None
+    costs = None
+    if args.leave_one_out:
+        costs = leave_one_out(stored, profile, args.leave_one_out, args.cpu_cores)
     report = resimulate(stored, profile, slos, embedded_tokenizer(), args.seed, costs)
     report.update(
         leave_one_out=args.leave_one_out,
@@ -332,9 +335,30 @@ def rescore(args, profile) -> int:
     return 0
 
 
-def leave_one_out(stored: dict, profile, traces: str) -> dict[str, dict]:
-    """Each stored run's costs calibrated on the step traces of the other runs (under
-    ``traces``, one folder per run, as ``--step-trace`` wrote them)."""
+def calibrate_from_runs(args, profile) -> int:
+    """The profile with the live costs fitted on every run of a stored fidelity JSON (their
+    step traces pooled, each at its probed speed), written to ``--calibrated-out``."""
+    import dataclasses
+
+    stored_path, traces = args.calibrate_from
+    runs = traced_runs(json.loads(Path(stored_path).read_text()), traces)
+    costs = pooled_costs(profile, list(runs.values()), args.cpu_cores)
+    meta = {
+        **profile.meta,
+        "co_run": {
+            "source": f"step traces of the runs of {stored_path}, pooled",
+            "runs": sorted(runs),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        },
+    }
+    dataclasses.replace(profile, **costs, meta=meta).save(args.calibrated_out)
+    print(f"wrote {args.calibrated_out}: {json.dumps(costs)}")
+    return 0
+
+
+def traced_runs(stored: dict, traces: str) -> dict[str, tuple]:
+    """Each stored run's name -> (its step-trace folder under ``traces``, its probed decode
+    and prefill speed)."""
     runs = {}
     for row in stored["fidelity"]:
         speed = (row.get("speed") or {}).get("used") or {}
@@ -342,7 +366,13 @@ def leave_one_out(stored: dict, profile, traces: str) -> dict[str, dict]:
         if not any(folder.glob("*.jsonl")):
             raise SystemExit(f"--leave-one-out: no step traces in {folder}")
         runs[run_name(row)] = (folder, speed.get("decode", 1.0), speed.get("prefill", 1.0))
-    costs = leave_one_out_costs(profile, runs)
+    return runs
+
+
+def leave_one_out(stored: dict, profile, traces: str, cores: int) -> dict[str, dict]:
+    """Each stored run's costs calibrated on the step traces of the other runs (under
+    ``traces``, one folder per run, as ``--step-trace`` wrote them)."""
+    costs = leave_one_out_costs(profile, traced_runs(stored, traces), cores)
     for name, c in costs.items():
         print(f"{name}: calibrated on the others: {json.dumps(c)}", flush=True)
     return costs
@@ -362,6 +392,14 @@ def main() -> int:
         "--calibrated-out",
         default=None,
         help="run the live calibration only and write the profile with its co-run slowdowns",
+    )
+    ap.add_argument(
+        "--calibrate-from",
+        nargs=2,
+        default=None,
+        metavar=("STORED", "TRACES"),
+        help="with --calibrated-out: fit the live costs on every run of a stored fidelity JSON "
+        "(and its step traces) instead of running a calibration run",
     )
     ap.add_argument(
         "--workloads", nargs="+", default=None, help="part 2: only these of longdoc, chat"
@@ -388,6 +426,10 @@ def main() -> int:
     profile = load_profile(args.profile)
     if args.resimulate:
         return rescore(args, profile)
+    if args.calibrate_from and not args.calibrated_out:
+        ap.error("--calibrate-from needs --calibrated-out (where to write the profile)")
+    if args.calibrated_out and args.calibrate_from:
+        return calibrate_from_runs(args, profile)
     if args.calibrated_out:
         return calibrate(args, profile)
     report: dict = {

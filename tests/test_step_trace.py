@@ -191,3 +191,56 @@ def test_a_run_is_resimulated_on_its_own_leave_one_out_costs():
     plain = resimulate(report, prof, slos, _Tokenizer())["fidelity"][0]
     assert got["costs"] == {"decode_worker_slowdown": 2.0}
     assert got["sim"]["p50_tpot_ms"] > 1.5 * plain["sim"]["p50_tpot_ms"]
+
+
+def test_busy_others_counts_each_other_worker_for_the_part_of_the_step_it_computed():
+    from pdserve.planner.step_residuals import busy_others
+
+    others = [([0.0], [4.0]), ([1.0, 3.0], [2.0, 4.0])]  # one busy throughout, one half
+    assert busy_others(0.0, 4.0, others) == pytest.approx(1.5)
+    assert busy_others(1.0, 2.0, others) == pytest.approx(2.0)
+    assert busy_others(5.0, 6.0, others) == 0.0
+
+
+def _row(kind, priced, real, busy=1.0, beside_prefill=None, worker="decode-a"):
+    beside_prefill = 0.0 if beside_prefill is None else beside_prefill
+    return {"worker": worker, "kind": kind, "co_run": 1.0, "priced_s": priced, "real_s": real,
+            "busy_others": busy, "beside_prefill": beside_prefill}  # fmt: skip
+
+
+def test_the_cores_share_is_taken_off_before_the_fit_and_each_pair_of_kinds_fits_its_own():
+    """On 2 cores: decode steps beside a prompt step ran 1.1x their price; beside another
+    decode worker only, 1.25x (the memory bandwidth both are bound by); with two others busy,
+    1.5 (the fair share the simulator applies itself) x 1.25x. The fit reads 1.1 for
+    decode-beside-prefill, 1.25 for decode-beside-decode, and the oversubscribed steps are
+    not counted twice."""
+    from pdserve.planner.step_residuals import calibrated_costs
+
+    prices = (0.01, 0.02, 0.04)
+    rows = [_row("decode", p, 1.1 * p, beside_prefill=1.0) for p in prices]
+    rows += [_row("decode", p, 1.25 * p) for p in prices]
+    rows += [_row("decode", p, 1.5 * 1.25 * p, busy=2.0) for p in prices]
+    costs = calibrated_costs(rows, cores=2)
+    assert costs["co_run_slowdown"] == pytest.approx(1.1)
+    assert costs["co_run_slowdown_decode_pair"] == pytest.approx(1.25)
+    assert "co_run_slowdown_prefill_pair" not in costs  # no prompt step beside a prompt step
+    # Without the cores, the oversubscribed steps read as a larger pair factor.
+    assert calibrated_costs(rows)["co_run_slowdown_decode_pair"] > 1.4
+
+
+@pytest.mark.parametrize("weight", [0.5, 0.8, 1.0])
+def test_the_prefill_weight_fitted_makes_the_simulators_share_what_the_prompt_steps_lost(weight):
+    """Prompt steps beside two decoding workers on 2 cores ran ``CpuShare.shares``' slowdown
+    at ``weight`` x their co-run cost: the fit gives ``weight`` back."""
+    from pdserve.planner.cpu_share import CpuShare
+    from pdserve.planner.step_residuals import prefill_share_weight
+
+    share = CpuShare(cores=2, weights={"prefill": weight})
+    slowdown = share.shares(["prefill", "decode", "decode"], False)[0][0]
+    factor, fixed = 1.05, 0.03
+    rows = [
+        _row("prefill", p, slowdown * factor * (p + fixed), busy=2.0, worker="prefill-b")
+        for p in (0.06, 0.1, 0.5)
+    ]
+    assert prefill_share_weight(rows, 2, factor, fixed) == pytest.approx(weight)
+    assert prefill_share_weight(rows, None, factor, fixed) is None  # no shared cores

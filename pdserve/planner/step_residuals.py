@@ -49,6 +49,20 @@ def overlap_share(start: float, end: float, others: list[tuple[list, list]]) -> 
     return total / (end - start)
 
 
+def busy_others(start: float, end: float, others: list[tuple[list, list]]) -> float:
+    """How many other workers were in a step during [start, end), on average over it (each
+    other worker's steps never overlap each other, so its overlap share is its part)."""
+    if end <= start:
+        return 0.0
+    total = 0.0
+    for starts, ends in others:
+        i = bisect_left(ends, start)
+        while i < len(starts) and starts[i] < end:
+            total += min(ends[i], end) - max(starts[i], start)
+            i += 1
+    return total / (end - start)
+
+
 def load_steps(folder: str | Path) -> dict[str, list[dict]]:
     return {p.stem: read_trace(p) for p in sorted(Path(folder).glob("*.jsonl"))}
 
@@ -59,9 +73,15 @@ def priced_steps(profile: Profile, steps_by_worker: dict[str, list[dict]]) -> li
         w: ([s["t"] for s in steps], [s["t"] + s["s"] for s in steps])
         for w, steps in steps_by_worker.items()
     }
+    prompts = {  # each worker's steps that computed prompt tokens
+        w: ([s["t"] for s in steps if s["prompt_tokens"]],
+            [s["t"] + s["s"] for s in steps if s["prompt_tokens"]])
+        for w, steps in steps_by_worker.items()
+    }  # fmt: skip
     out = []
     for worker, steps in steps_by_worker.items():
         others = [span for w, span in spans.items() if w != worker]
+        prefilling = [span for w, span in prompts.items() if w != worker]
         for s in steps:
             shape = PlanShape(**{f: s[f] for f in SHAPE_FIELDS})
             out.append(
@@ -71,6 +91,8 @@ def priced_steps(profile: Profile, steps_by_worker: dict[str, list[dict]]) -> li
                     "real_s": s["s"],
                     "priced_s": profile.shape_seconds(shape),
                     "co_run": overlap_share(s["t"], s["t"] + s["s"], others),
+                    "busy_others": busy_others(s["t"], s["t"] + s["s"], others),
+                    "beside_prefill": overlap_share(s["t"], s["t"] + s["s"], prefilling),
                 }
             )
     return out
@@ -128,18 +150,53 @@ def affine_fit(real: np.ndarray, priced: np.ndarray) -> tuple[float, float]:
 
 def co_run_affine(rows: list[dict]) -> dict[str, tuple[float, float]]:
     """Per kind ("decode", "prefill": any step computing prompt tokens), the affine co-run
-    cost of the steps that ran with another worker busy throughout (priced_steps' rows). This
-    is what the simulator's co-run factor and fixed work stand for, measured on the live
-    cluster itself, where a neighbour also means KV frames streaming in or out through the
-    workers' Python threads beside the forward: two bare forwards side by side slow each other
-    only a few percent."""
+    cost of its steps that ran beside the *other* kind throughout (priced_steps' rows): a
+    decode step beside a prompt step, a prompt step beside decode steps only. This is what
+    the simulator's co-run factor and fixed work stand for, measured on the live cluster
+    itself, where a neighbour also means KV frames streaming in or out through the workers'
+    Python threads beside the forward: two bare forwards side by side slow each other only a
+    few percent."""
     out = {}
-    for kind, kinds in (("decode", ("decode",)), ("prefill", ("prefill", "mixed"))):
-        group = [r for r in rows if r["kind"] in kinds and r["co_run"] > CO_RUN]
+    for kind in ("decode", "prefill"):
+        group = [r for r in co_running(rows, kind) if beside_other_kind(r)]
         real = np.array([r["real_s"] for r in group], dtype=float)
         priced = np.array([r["priced_s"] for r in group], dtype=float)
         out[kind] = affine_fit(real, priced) if len(group) else (1.0, 0.0)
     return out
+
+
+def co_running(rows: list[dict], kind: str) -> list[dict]:
+    """``kind``'s steps (decode; or prefill and mixed) with another worker busy throughout."""
+    return [
+        r for r in rows if (r["kind"] == "decode") == (kind == "decode") and r["co_run"] > CO_RUN
+    ]
+
+
+def beside_other_kind(r: dict) -> bool:
+    """A decode step beside a prompt step most of it, or a prompt step beside decode steps
+    only (a row without ``beside_prefill`` counts as beside the other kind)."""
+    if r["kind"] == "decode":
+        return r.get("beside_prefill", 1.0) > 0.5
+    return r.get("beside_prefill", 0.0) < ALONE
+
+
+def beside_same_kind(r: dict) -> bool:
+    """A decode step beside decode steps only, or a prompt step beside a prompt step most of
+    it (a row without ``beside_prefill`` counts as beside the other kind)."""
+    if r["kind"] == "decode":
+        return r.get("beside_prefill", 1.0) < ALONE
+    return r.get("beside_prefill", 0.0) > 0.5
+
+
+def same_kind_factor(rows: list[dict], kind: str, fixed_s: float) -> float | None:
+    """The co-run factor of ``kind``'s steps beside the same kind only (two decode workers'
+    steps share the memory bandwidth both are bound by), with the kind's fixed work held:
+    summed real over summed (price + fixed), at least 1. None without such steps."""
+    group = [r for r in co_running(rows, kind) if beside_same_kind(r)]
+    if len(group) < 3:
+        return None
+    priced = sum(r["priced_s"] + fixed_s for r in group)
+    return max(1.0, sum(r["real_s"] for r in group) / priced)
 
 
 def role_slowdown(rows: list[dict], role: str, kinds: tuple[str, ...]) -> float:
@@ -151,10 +208,59 @@ def role_slowdown(rows: list[dict], role: str, kinds: tuple[str, ...]) -> float:
     return sum(r["real_s"] for r in group) / priced if priced > 0 else 1.0
 
 
-def calibrated_costs(rows: list[dict]) -> dict[str, float]:
+def unshared(rows: list[dict], cores: int | None) -> list[dict]:
+    """Each step's real seconds over the processor-sharing slowdown the simulator applies
+    on its own (``CpuShare``: max(1, workers computing / cores), one thread a worker), so the
+    co-run terms fitted on them stand for what they stand for in the simulator: what a
+    neighbour costs beyond its share of the cores. Without it, a run with more workers than
+    cores (1P2D on 2) fits its oversubscription into the co-run factor, and the simulator
+    then charges it twice there and wrongly on every run with a core a worker."""
+    if not cores:
+        return rows
+    return [
+        {**r, "real_s": r["real_s"] / max(1.0, (1.0 + r.get("busy_others", 0.0)) / cores)}
+        for r in rows
+    ]
+
+
+def oversubscribed(r: dict, cores: int) -> bool:
+    """More workers were computing during the step than there are cores."""
+    return r.get("busy_others", 0.0) + 1.0 > cores + 0.5
+
+
+def prefill_share_weight(rows: list[dict], cores: int | None, factor: float, fixed_s: float):
+    """``oversubscribed_prefill_weight``: the claim on oversubscribed cores that makes
+    ``CpuShare.shares`` slow the prompt steps that ran beside ``n`` decoding workers (more
+    workers than cores) as much as they really slowed, past their co-run cost (``factor`` x
+    (price + ``fixed_s``)). With weight w against each decode step's 1, a prompt step gets
+    cores x w / (w + n) cores, so its slowdown s = (w + n) / (cores x w) gives
+    w = n / (cores x s - 1). On the EPYC VMs the kernel favours the decode workers, which sleep
+    briefly between steps (w < 1). None without such steps."""
+    if not cores:
+        return None
+    group = [
+        r for r in co_running(rows, "prefill")
+        if oversubscribed(r, cores) and beside_other_kind(r)
+    ]  # fmt: skip
+    if len(group) < 3:
+        return None
+    slowdown = sum(r["real_s"] for r in group) / sum(
+        factor * (r["priced_s"] + fixed_s) for r in group
+    )
+    n = float(np.mean([r["busy_others"] for r in group]))
+    if cores * slowdown - 1.0 <= 0.0:
+        return None
+    return float(min(10.0, max(0.1, n / (cores * slowdown - 1.0))))
+
+
+def calibrated_costs(rows: list[dict], cores: int | None = None) -> dict[str, float]:
     """The profile fields a live run's steps calibrate: each role's alone slowdown, then the
     co-run factor and fixed work on top of it (prices scaled by the role's slowdown, as the
-    simulator scales them)."""
+    simulator scales them), on real times less the sharing of ``cores`` (``unshared``)."""
+    raw = rows
+    rows = unshared(rows, cores)
+    if cores:  # past the cores the live kernel's share is not fair (PLANNING.md): left out
+        rows = [r for r in rows if not oversubscribed(r, cores)]
     decode = role_slowdown(rows, "decode", ("decode",))
     prefill = role_slowdown(rows, "prefill", ("prefill", "mixed"))
 
@@ -165,8 +271,9 @@ def calibrated_costs(rows: list[dict]) -> dict[str, float]:
             role = decode if r["kind"] == "decode" else 1.0
         return {**r, "priced_s": r["priced_s"] * role}
 
-    fit = co_run_affine([scaled(r) for r in rows])
-    return {
+    rows = [scaled(r) for r in rows]
+    fit = co_run_affine(rows)
+    costs = {
         "decode_worker_slowdown": decode,
         "prefill_worker_slowdown": prefill,
         "co_run_slowdown": fit["decode"][0],
@@ -174,9 +281,19 @@ def calibrated_costs(rows: list[dict]) -> dict[str, float]:
         "co_run_slowdown_prefill": fit["prefill"][0],
         "co_run_fixed_s_prefill": fit["prefill"][1],
     }
+    weight = prefill_share_weight([scaled(r) for r in raw], cores, *fit["prefill"])
+    if weight is not None:
+        costs["oversubscribed_prefill_weight"] = weight
+    for kind in ("decode", "prefill"):  # a pair no run had keeps the profile's figure
+        pair = same_kind_factor(rows, kind, fit[kind][1])
+        if pair is not None:
+            costs[f"co_run_slowdown_{kind}_pair"] = pair
+    return costs
 
 
-def pooled_costs(profile: Profile, runs: list[tuple[str | Path, float, float]]) -> dict:
+def pooled_costs(
+    profile: Profile, runs: list[tuple[str | Path, float, float]], cores: int | None = None
+) -> dict:
     """``calibrated_costs`` fitted on the steps of several live runs together. Each run is
     (its trace folder, its probed decode speed, prefill speed): its steps are priced at its own
     speed, and the fixed work comes back at the profile's speed (weighted by each run's priced
@@ -188,7 +305,7 @@ def pooled_costs(profile: Profile, runs: list[tuple[str | Path, float, float]]) 
         seconds = sum(r["priced_s"] for r in priced)
         weights["decode"].append((seconds, decode))
         weights["prefill"].append((seconds, prefill))
-    costs = calibrated_costs(rows)
+    costs = calibrated_costs(rows, cores)
     for field, kind in (("co_run_fixed_s", "decode"), ("co_run_fixed_s_prefill", "prefill")):
         total = sum(w for w, _ in weights[kind])
         mean = sum(w * s for w, s in weights[kind]) / total if total > 0 else 1.0
@@ -196,11 +313,11 @@ def pooled_costs(profile: Profile, runs: list[tuple[str | Path, float, float]]) 
     return costs
 
 
-def leave_one_out_costs(profile: Profile, runs: dict) -> dict[str, dict]:
+def leave_one_out_costs(profile: Profile, runs: dict, cores: int | None = None) -> dict[str, dict]:
     """For each live run (name -> (trace folder, decode speed, prefill speed)), the costs
     calibrated on every *other* run's steps: a run is then simulated on costs it did not
     contribute to, as a planner calibrated on yesterday's traffic predicts today's."""
     return {
-        name: pooled_costs(profile, [r for other, r in runs.items() if other != name])
+        name: pooled_costs(profile, [r for other, r in runs.items() if other != name], cores)
         for name in runs
     }
