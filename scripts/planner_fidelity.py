@@ -320,7 +320,8 @@ def rescore(args, profile) -> int:
     costs = None
     if args.leave_one_out:
         costs = leave_one_out(stored, profile, args.leave_one_out, args.cpu_cores)
-    report = resimulate(stored, profile, slos, embedded_tokenizer(), args.seed, costs)
+    seed = stored.get("seed", args.seed)  # the runs' own; older files: --seed
+    report = resimulate(stored, profile, slos, embedded_tokenizer(), seed, costs)
     report.update(
         leave_one_out=args.leave_one_out,
         profile=args.profile,
@@ -435,6 +436,7 @@ def main() -> int:
     report: dict = {
         "profile": args.profile,
         "cpu_cores": args.cpu_cores,
+        "seed": args.seed,  # --resimulate rebuilds the runs' requests from it
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "load_average_at_start": os.getloadavg(),
     }
