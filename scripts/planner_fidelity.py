@@ -341,13 +341,15 @@ def calibrate_from_runs(args, profile) -> int:
     step traces pooled, each at its probed speed), written to ``--calibrated-out``."""
     import dataclasses
 
-    stored_path, traces = args.calibrate_from
-    runs = traced_runs(json.loads(Path(stored_path).read_text()), traces)
+    runs = {}
+    for stored_path, traces in args.calibrate_from:  # names kept apart per stored file
+        stored = json.loads(Path(stored_path).read_text())
+        runs.update({f"{stored_path}:{k}": v for k, v in traced_runs(stored, traces).items()})
     costs = pooled_costs(profile, list(runs.values()), args.cpu_cores)
     meta = {
         **profile.meta,
         "co_run": {
-            "source": f"step traces of the runs of {stored_path}, pooled",
+            "source": "step traces of the stored runs, pooled",
             "runs": sorted(runs),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         },
@@ -397,10 +399,11 @@ def main() -> int:
     ap.add_argument(
         "--calibrate-from",
         nargs=2,
+        action="append",
         default=None,
         metavar=("STORED", "TRACES"),
         help="with --calibrated-out: fit the live costs on every run of a stored fidelity JSON "
-        "(and its step traces) instead of running a calibration run",
+        "(and its step traces) instead of running a calibration run; repeat to pool several",
     )
     ap.add_argument(
         "--workloads", nargs="+", default=None, help="part 2: only these of longdoc, chat"
