@@ -202,8 +202,7 @@ def test_busy_others_counts_each_other_worker_for_the_part_of_the_step_it_comput
     assert busy_others(5.0, 6.0, others) == 0.0
 
 
-def _row(kind, priced, real, busy=1.0, beside_prefill=None, worker="decode-a"):
-    beside_prefill = 0.0 if beside_prefill is None else beside_prefill
+def _row(kind, priced, real, busy=1.0, beside_prefill=0.0, worker="decode-a"):
     return {"worker": worker, "kind": kind, "co_run": 1.0, "priced_s": priced, "real_s": real,
             "busy_others": busy, "beside_prefill": beside_prefill}  # fmt: skip
 

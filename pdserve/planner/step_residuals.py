@@ -28,20 +28,22 @@ def kind_of(shape: PlanShape) -> str:
     return "mixed" if shape.decode_rows else "prefill"
 
 
-def overlap_share(start: float, end: float, others: list[tuple[list, list]]) -> float:
-    """The share of [start, end) during which at least one other worker was in a step (each
-    other worker: its step starts and ends, sorted; its steps never overlap each other)."""
-    if end <= start:
-        return 0.0
-    covered = []
+def _overlaps(start: float, end: float, others: list[tuple[list, list]]):
+    """Each other worker's steps clipped to [start, end), as (from, to) (each other worker:
+    its step starts and ends, sorted; its steps never overlap each other)."""
     for starts, ends in others:
         i = bisect_left(ends, start)  # the first step still running at ``start``
         while i < len(starts) and starts[i] < end:
-            covered.append((max(starts[i], start), min(ends[i], end)))
+            yield max(starts[i], start), min(ends[i], end)
             i += 1
-    covered.sort()
+
+
+def overlap_share(start: float, end: float, others: list[tuple[list, list]]) -> float:
+    """The share of [start, end) during which at least one other worker was in a step."""
+    if end <= start:
+        return 0.0
     total, reach = 0.0, start
-    for a, b in covered:  # union of the intervals
+    for a, b in sorted(_overlaps(start, end, others)):  # union of the intervals
         a = max(a, reach)
         if b > a:
             total += b - a
@@ -50,17 +52,14 @@ def overlap_share(start: float, end: float, others: list[tuple[list, list]]) -> 
 
 
 def busy_others(start: float, end: float, others: list[tuple[list, list]]) -> float:
-    """How many other workers were in a step during [start, end), on average over it (each
-    other worker's steps never overlap each other, so its overlap share is its part)."""
+    """How many other workers were in a step during [start, end), on average over it."""
     if end <= start:
         return 0.0
-    total = 0.0
-    for starts, ends in others:
-        i = bisect_left(ends, start)
-        while i < len(starts) and starts[i] < end:
-            total += min(ends[i], end) - max(starts[i], start)
-            i += 1
-    return total / (end - start)
+    return sum(b - a for a, b in _overlaps(start, end, others)) / (end - start)
+
+
+def _spans(steps: list[dict]) -> tuple[list, list]:
+    return [s["t"] for s in steps], [s["t"] + s["s"] for s in steps]
 
 
 def load_steps(folder: str | Path) -> dict[str, list[dict]]:
@@ -69,15 +68,10 @@ def load_steps(folder: str | Path) -> dict[str, list[dict]]:
 
 def priced_steps(profile: Profile, steps_by_worker: dict[str, list[dict]]) -> list[dict]:
     """Every step of every worker with its priced seconds, kind and co-running share."""
-    spans = {
-        w: ([s["t"] for s in steps], [s["t"] + s["s"] for s in steps])
-        for w, steps in steps_by_worker.items()
-    }
+    spans = {w: _spans(steps) for w, steps in steps_by_worker.items()}
     prompts = {  # each worker's steps that computed prompt tokens
-        w: ([s["t"] for s in steps if s["prompt_tokens"]],
-            [s["t"] + s["s"] for s in steps if s["prompt_tokens"]])
-        for w, steps in steps_by_worker.items()
-    }  # fmt: skip
+        w: _spans([s for s in steps if s["prompt_tokens"]]) for w, steps in steps_by_worker.items()
+    }
     out = []
     for worker, steps in steps_by_worker.items():
         others = [span for w, span in spans.items() if w != worker]
