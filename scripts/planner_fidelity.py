@@ -36,6 +36,7 @@ from engine.step_trace import ENV_VAR as STEP_TRACE_ENV
 from pdserve.bench.loadgen.metrics import SLO, BenchResult
 from pdserve.bench.loadgen.serve import ServeConfig, run_benchmark
 from pdserve.cluster.local import ClusterSpec, LocalCluster
+from pdserve.planner import stored_runs
 from pdserve.planner.fidelity_replay import (
     METRICS,
     err,
@@ -53,13 +54,12 @@ from pdserve.planner.speed_probe import Speed
 from pdserve.planner.step_residuals import (
     calibrated_costs,
     format_residuals,
-    leave_one_out_costs,
     load_steps,
-    pooled_costs,
     priced_steps,
     step_residuals,
     summarise,
 )
+from pdserve.planner.stored_runs import format_row
 from pdserve.planner.workload import TraceRequest
 
 # (split, workload, SLO). Rates: LOW and NEAR x the simulated capacity (highest rate at 90%).
@@ -212,13 +212,6 @@ def per_request(res: BenchResult) -> dict:
     }
 
 
-def format_row(r: dict) -> str:
-    cells = [f"{r['split']:<6}{r['workload']:<8}{r['rate']:>5}"]
-    for m in METRICS:
-        cells.append(f"{m} {r['sim'][m]:.3g}/{r['real'][m]:.3g} ({r['error'][m]:.0%})")
-    return "  ".join(cells)
-
-
 def recommendation(
     profile, seed: int, max_workers: int, scale: float, cores: int, only=None
 ) -> list[dict]:
@@ -319,7 +312,9 @@ def rescore(args, profile) -> int:
     slos = {workload: slo for _, workload, slo in SETUPS}
     costs = None
     if args.leave_one_out:
-        costs = leave_one_out(stored, profile, args.leave_one_out, args.cpu_cores)
+        costs = stored_runs.leave_one_out(stored, profile, args.leave_one_out, args.cpu_cores)
+        for name, c in costs.items():
+            print(f"{name}: calibrated on the others: {json.dumps(c)}", flush=True)
     seed = stored.get("seed", args.seed)  # the runs' own; older files: --seed
     report = resimulate(stored, profile, slos, embedded_tokenizer(), seed, costs)
     report.update(
@@ -337,48 +332,12 @@ def rescore(args, profile) -> int:
 
 
 def calibrate_from_runs(args, profile) -> int:
-    """The profile with the live costs fitted on every run of a stored fidelity JSON (their
+    """The profile with the live costs fitted on every run of the stored fidelity JSONs (their
     step traces pooled, each at its probed speed), written to ``--calibrated-out``."""
-    import dataclasses
-
-    runs = {}
-    for stored_path, traces in args.calibrate_from:  # names kept apart per stored file
-        stored = json.loads(Path(stored_path).read_text())
-        runs.update({f"{stored_path}:{k}": v for k, v in traced_runs(stored, traces).items()})
-    costs = pooled_costs(profile, list(runs.values()), args.cpu_cores)
-    meta = {
-        **profile.meta,
-        "co_run": {
-            "source": "step traces of the stored runs, pooled",
-            "runs": sorted(runs),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        },
-    }
-    dataclasses.replace(profile, **costs, meta=meta).save(args.calibrated_out)
+    pooled, costs = stored_runs.pooled_profile(profile, args.calibrate_from, args.cpu_cores)
+    pooled.save(args.calibrated_out)
     print(f"wrote {args.calibrated_out}: {json.dumps(costs)}")
     return 0
-
-
-def traced_runs(stored: dict, traces: str) -> dict[str, tuple]:
-    """Each stored run's name -> (its step-trace folder under ``traces``, its probed decode
-    and prefill speed)."""
-    runs = {}
-    for row in stored["fidelity"]:
-        speed = (row.get("speed") or {}).get("used") or {}
-        folder = Path(traces) / run_name(row)
-        if not any(folder.glob("*.jsonl")):
-            raise SystemExit(f"--leave-one-out: no step traces in {folder}")
-        runs[run_name(row)] = (folder, speed.get("decode", 1.0), speed.get("prefill", 1.0))
-    return runs
-
-
-def leave_one_out(stored: dict, profile, traces: str, cores: int) -> dict[str, dict]:
-    """Each stored run's costs calibrated on the step traces of the other runs (under
-    ``traces``, one folder per run, as ``--step-trace`` wrote them)."""
-    costs = leave_one_out_costs(profile, traced_runs(stored, traces), cores)
-    for name, c in costs.items():
-        print(f"{name}: calibrated on the others: {json.dumps(c)}", flush=True)
-    return costs
 
 
 def main() -> int:
@@ -428,12 +387,15 @@ def main() -> int:
     if args.leave_one_out and not args.resimulate:
         ap.error("--leave-one-out needs --resimulate (a stored run and its step traces)")
     profile = load_profile(args.profile)
-    if args.resimulate:
-        return rescore(args, profile)
     if args.calibrate_from and not args.calibrated_out:
         ap.error("--calibrate-from needs --calibrated-out (where to write the profile)")
-    if args.calibrated_out and args.calibrate_from:
-        return calibrate_from_runs(args, profile)
+    try:
+        if args.resimulate:
+            return rescore(args, profile)
+        if args.calibrated_out and args.calibrate_from:
+            return calibrate_from_runs(args, profile)
+    except FileNotFoundError as e:  # a traces folder without the stored runs' traces
+        ap.error(f"--leave-one-out / --calibrate-from: {e}")
     if args.calibrated_out:
         return calibrate(args, profile)
     report: dict = {

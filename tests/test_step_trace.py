@@ -243,3 +243,29 @@ def test_the_prefill_weight_fitted_makes_the_simulators_share_what_the_prompt_st
     ]
     assert prefill_share_weight(rows, 2, factor, fixed) == pytest.approx(weight)
     assert prefill_share_weight(rows, None, factor, fixed) is None  # no shared cores
+
+
+def test_stored_runs_find_each_runs_traces_and_speed_and_pool_them_into_a_profile(tmp_path):
+    """A stored fidelity JSON's runs map to their trace folders (by run name) and probed
+    speeds; a run whose folder holds no trace is named; the pooled profile carries the costs
+    fitted on all of them (here: decode steps 1.5x their price -> decode_worker_slowdown 1.5)."""
+    from pdserve.planner.stored_runs import pooled_profile, traced_runs
+
+    rows = [
+        {"split": "1P1D", "workload": "chat", "rate": r, "speed": {"used": sp}}
+        for r, sp in ((0.5, {"decode": 1.0, "prefill": 1.0}), (1.0, None))
+    ]
+    stored = tmp_path / "fidelity.json"
+    stored.write_text(json.dumps({"fidelity": rows}))
+    traces = tmp_path / "traces"
+    _decode_trace(traces / "1P1D_chat_0.5", 1.5)
+    with pytest.raises(FileNotFoundError, match="1P1D_chat_1.0"):
+        traced_runs({"fidelity": rows}, traces)
+    _decode_trace(traces / "1P1D_chat_1.0", 1.5)
+    runs = traced_runs({"fidelity": rows}, traces)
+    assert runs["1P1D_chat_1.0"] == (traces / "1P1D_chat_1.0", 1.0, 1.0)  # no probe: 1.0
+    prof = flat_profile(decode_s=0.010, prefill_s=0.100)
+    pooled, costs = pooled_profile(prof, [(str(stored), str(traces))], cores=2)
+    assert costs["decode_worker_slowdown"] == pytest.approx(1.5)
+    assert pooled.decode_worker_slowdown == pytest.approx(1.5)
+    assert len(pooled.meta["co_run"]["runs"]) == 2

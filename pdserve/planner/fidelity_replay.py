@@ -10,6 +10,8 @@ measurements without running a cluster again.
 
 from __future__ import annotations
 
+import dataclasses
+
 from pdserve.bench.loadgen.metrics import SLO, BenchResult
 from pdserve.planner.profile import Profile
 from pdserve.planner.sim import SimConfig, Split, simulate
@@ -91,8 +93,6 @@ def resimulate(
     ``profile``; the measured side is kept. ``slos``: workload -> SLO the runs were scored on.
     ``costs``: run name -> profile fields to replace for that run alone (its leave-one-out
     calibration), or None."""
-    import dataclasses
-
     cores = int(report.get("cpu_cores") or 2)
     workloads = {row["workload"] for row in report["fidelity"]}
     shared = {w: shared_prefix_tokens(w, tokenizer) for w in workloads}
