@@ -134,6 +134,10 @@ ACTIVATIONS = ("int8", "fp32")
 # weights' rows through decode's int8-activation kernel; auto is the fastest of bf16 and int8
 # for quantized weights, on a CPU where it measures faster than fp32.
 PREFILL_GEMMS = ("fp32", "bf16", "int8", "auto")
+# Where weights come from: auto reads the checkpoint's files; dummy fills them at random from
+# config.json alone (vLLM's --load-format dummy): profiles and benchmarks of a model's shape
+# whose weights are not on this machine. Its tokens mean nothing.
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def check_weights(weights: str, group: int = 32) -> str:
@@ -163,6 +167,12 @@ def check_int8_prefill(prefill_gemm: str, weights: str, activations: str) -> Non
             "prefill_gemm 'int8' needs weights int8 or q4 with activations int8, "
             f"not weights {weights!r} with activations {activations!r}"
         )
+
+
+def check_load_format(load_format: str) -> str:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r}: expected one of {LOAD_FORMATS}")
+    return load_format
 
 
 def check_kv_dtype(kv_dtype: str) -> str:

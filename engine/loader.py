@@ -13,6 +13,7 @@ from engine.config import (
     check_activations,
     check_device_name,
     check_int8_prefill,
+    check_load_format,
     check_prefill_gemm,
 )
 from engine.errors import ModelNotFoundError
@@ -58,17 +59,33 @@ def load_model(
     weight_group: int = 32,
     prefill_gemm: str = "auto",
     activations: str = "int8",
+    load_format: str = "auto",
 ) -> LlamaModel:
     """Weights on ``device``, stored as ``weights`` (fp32 | bf16 | int8 | q4, quantized at load
     from fp32; kernels/quant.py); on the CPU also pre-packed for oneDNN and the C++ layers.
     ``prefill_gemm`` (fp32 | bf16 | int8 | auto): the precision of prefill's many-row matmuls
     (engine/prefill_gemm.py; auto keeps fp32 weights fp32). ``activations`` (int8 | fp32): how
-    int8 / q4 weights multiply a decode step's rows on CPU (engine.config.ACTIVATIONS)."""
-    from safetensors.torch import load_file
-
+    int8 / q4 weights multiply a decode step's rows on CPU (engine.config.ACTIVATIONS).
+    ``load_format`` "dummy": random weights of ``cfg``'s shape, made on ``device`` (no files)."""
     check_prefill_gemm(prefill_gemm)
     check_activations(activations)
     check_int8_prefill(prefill_gemm, weights, activations)
+    device = resolve_device(device)
+    if check_load_format(load_format) == "dummy":
+        model = dummy_model(cfg, max_positions, device)
+    else:
+        model = _checkpoint_model(model_dir, cfg, max_positions).float().eval().to(device)
+    model.quantize_weights(weights, weight_group, activations)
+    gemm = prefill_precision.choose(prefill_gemm, weights, device)
+    model.use_prefill_gemm(gemm, prefill_precision.attention_bf16(gemm, weights))
+    if model.embed_tokens.weight.device.type == "cpu":
+        model.pack_weights_for_cpu()
+    return model
+
+
+def _checkpoint_model(model_dir: Path, cfg: ModelConfig, max_positions: int | None) -> LlamaModel:
+    from safetensors.torch import load_file
+
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no .safetensors weights in {model_dir}")
@@ -78,21 +95,43 @@ def load_model(
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions)
     model.load_state_dict(fuse_hf_state_dict(hf, cfg), assign=True, strict=False)
+    _real_buffers(model, cfg, max_positions)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    _check_loaded(model)
+    return model
+
+
+def dummy_model(
+    cfg: ModelConfig, max_positions: int | None, device: str, seed: int = 0
+) -> LlamaModel:
+    """Random fp32 weights of ``cfg``'s shape, allocated on ``device`` at once (an 8B model
+    never passes through host memory): projections and embeddings N(0, 0.02), as Hugging Face
+    initialises Llama, and norms 1, so activations keep a trained model's scale and a step
+    costs what it would."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg, max_positions)
+    model = model.to_empty(device=device).eval()
+    if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor: tie them again
+        model.lm_head.weight = model.embed_tokens.weight
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # a tied head is listed once
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    _real_buffers(model, cfg, max_positions)
+    return model.to(device)
+
+
+def _real_buffers(model: LlamaModel, cfg: ModelConfig, max_positions: int | None) -> None:
     # Buffers (RoPE tables) were created on meta: rebuild them for real.
     model.rope = type(model.rope)(
         cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta
     )
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    _check_loaded(model)
-    device = resolve_device(device)
-    model = model.float().eval().to(device)
-    model.quantize_weights(weights, weight_group, activations)
-    gemm = prefill_precision.choose(prefill_gemm, weights, device)
-    model.use_prefill_gemm(gemm, prefill_precision.attention_bf16(gemm, weights))
-    if model.embed_tokens.weight.device.type == "cpu":
-        model.pack_weights_for_cpu()
-    return model
 
 
 def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

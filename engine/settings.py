@@ -30,6 +30,7 @@ class EngineSettings:
     kv_dtype: str = EngineConfig.kv_dtype  # the KV cache: engine.config.KV_DTYPES
     prefill_gemm: str = EngineConfig.prefill_gemm  # engine.config.PREFILL_GEMMS
     activations: str = EngineConfig.activations  # engine.config.ACTIVATIONS
+    load_format: str = "auto"  # auto | dummy: random weights of config.json's shape
 
     @property
     def cache(self) -> CacheConfig:
@@ -70,6 +71,7 @@ def load_model_once(s: EngineSettings, progress: bool = False) -> LoadedModel:
         s.weight_group,
         prefill_gemm=s.prefill_gemm,
         activations=s.activations,
+        load_format=s.load_format,
     )
     has_tokenizer = (model_dir / "tokenizer.json").is_file()
     return LoadedModel(cfg, weights, Tokenizer(model_dir) if has_tokenizer else None)

@@ -17,6 +17,7 @@ from decode_worker.launch import DecodeSettings
 from engine.config import (
     ACTIVATIONS,
     KV_DTYPES,
+    LOAD_FORMATS,
     PREFILL_GEMMS,
     WEIGHT_FORMATS,
     WEIGHT_GROUPS,
@@ -176,6 +177,8 @@ class ClusterConfig(_Strict):
     prefill_gemm: Literal[PREFILL_GEMMS] = _ENGINE.prefill_gemm
     # int8 / q4 weights' decode rows on CPU: int8 (byte dot products) or fp32 (exact)
     activations: Literal[ACTIVATIONS] = _ENGINE.activations
+    # dummy: random weights from the model folder's config.json alone (profiles, benchmarks)
+    load_format: Literal[LOAD_FORMATS] = _ENGINE.load_format
     lease_ttl_s: float = Field(_DECODE.lease_ttl_s, gt=0, allow_inf_nan=False)
     host: str | None = Field(None, description="bind address; null: each node's own IP")
     grpc_port: int = Field(50051, ge=0, le=65535)

@@ -63,6 +63,12 @@ def add_profile(sub) -> None:
     p.add_argument("--config", default=None, help="cluster YAML (default: the embedded local one)")
     p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda[:N], or auto")
     p.add_argument("--model", default=None, help="override the config's model")
+    p.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        default=None,
+        help="dummy: random weights from the model folder's config.json (a shape's timings)",
+    )
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--quick", action="store_true", help="a tiny grid (tests, tiny models)")
     p.add_argument("--skip-router", action="store_true", help="assume 2 ms for the router")
@@ -111,6 +117,8 @@ def cmd_profile(args) -> int:
     cfg = load_config(args.config)
     if args.model:
         cfg = cfg.with_overrides(model=args.model)
+    if args.load_format:
+        cfg = cfg.with_overrides(load_format=args.load_format)
     if args.cpu_costs_only:
         return cmd_cpu_costs(args, cfg)
     started = time.time()

@@ -53,7 +53,22 @@ FULL = Grid(
     (64, 256, 512, 960),
     (128, 512, 1024, 2048),
 )
+# One model on a GPU of its own: prompts and batches a GPU serves (contexts capped so the grid's
+# cache, batch x context, fits beside an 8B model's weights on one 141 GB H200; the tables
+# extrapolate linearly past their last point).
+GPU = Grid(
+    (256, 1024, 2048, 4096, 8192),
+    (0, 2048, 4096),
+    (1, 8, 32, 64, 128, 256),
+    (256, 1024, 2048),
+    (512, 2048, 8192),
+)
 QUICK = Grid((8, 32), (0, 32), (1, 4), (16, 64), (32, 128), reps=1, decode_steps=2)
+
+
+def grid_for(device: str, quick: bool = False) -> Grid:
+    """The points a profile on ``device`` (resolved: cpu, cuda[:N]) measures."""
+    return QUICK if quick else FULL if device == "cpu" else GPU
 
 
 def _fit(grid: Grid, engine: EngineSettings) -> Grid:
@@ -326,14 +341,16 @@ def run_profile(
     """Measure the worker ``cfg`` (a pdserve.config.ClusterConfig) describes, on ``device``."""
     from tqdm.auto import tqdm
 
+    from engine.loader import resolve_device
     from engine.settings import build_engine
     from pdserve.settings import settings_from_config
 
+    device = resolve_device(device)
     # The decode pool's engine as the cluster would build it (weights, KV dtype, budgets);
     # only its KV pool is sized to the grid here.
     settings = settings_from_config(cfg, "127.0.0.1").decode.engine
     settings = replace(settings, device=device)
-    grid = _fit(QUICK if quick else FULL, settings)
+    grid = _fit(grid_for(device, quick), settings)
     blocks = max(grid.batches) * (max(grid.contexts) // settings.block_size + 2) + 64
     engine = build_engine(replace(settings, num_blocks=blocks))
     settings = replace(settings, max_model_len=engine.config.max_model_len)
@@ -353,7 +370,9 @@ def run_profile(
     transfer = measure_transfer(model_cfg, settings, cfg.kv_transport, grid.transfer_tokens)
     bar.update(1)
     bar.set_postfix_str("beside another worker")
-    co_run = {} if quick else measure_co_run_slowdown(timer, str(engine_dir(cfg.model)))
+    # A GPU worker has its device to itself: no neighbour shares its compute (slowdowns 1).
+    alone = quick or device != "cpu"
+    co_run = {} if alone else measure_co_run_slowdown(timer, str(engine_dir(cfg.model)))
     bar.update(1)
     bar.set_postfix_str("router")
     router_s = QUICK_ROUTER_OVERHEAD_S if quick or skip_router else measure_router_overhead()
