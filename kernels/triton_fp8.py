@@ -5,7 +5,9 @@ kernel and read by both attention kernels."""
 import triton
 import triton.language as tl
 
-FP8_MAX: tl.constexpr = 448.0  # kernels.kv_fp8.FP8_MAX
+# A module constant a kernel reads must be a tl.constexpr instance (compiled Triton refuses
+# plain globals; the interpreter does not check).
+FP8_MAX = tl.constexpr(448.0)  # kernels.kv_fp8.FP8_MAX
 
 
 @triton.jit

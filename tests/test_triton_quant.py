@@ -9,6 +9,7 @@ interpreter's cases, bf16 activations, the embedded model's shapes, and a whole 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -149,8 +150,9 @@ def test_quantized_engine_on_cuda_runs_the_triton_kernels_and_agrees_with_cpu(
     tmp_path, monkeypatch, weights
 ):
     """The same quantized tiny model on both devices: the GPU's decode steps go through the
-    Triton kernels (counted), and greedy tokens equal the CPU's (whose C++ kernels multiply
-    the same dequantized values)."""
+    Triton kernels (counted), and greedy tokens equal the CPU's exact path (fp32 rows times the
+    same dequantized values: activations and prefill GEMMs fp32, not the CPU's int8 / bf16
+    defaults, whose rounding the GPU does not share)."""
     from kernels import triton_quant
 
     path, hf = tiny_llama_dir(tmp_path, num_heads=4, num_kv_heads=2, seed=4)
@@ -161,7 +163,10 @@ def test_quantized_engine_on_cuda_runs_the_triton_kernels_and_agrees_with_cpu(
     monkeypatch.setattr(triton_quant, "quant_linear", lambda *a: calls.append(1) or real(*a))
     out = {}
     for dev in ("cpu", "cuda"):
-        engine = build_engine(EngineSettings(str(path), num_blocks=64, device=dev, weights=weights))
+        settings = EngineSettings(
+            str(path), num_blocks=64, device=dev, weights=weights, activations="fp32"
+        )
+        engine = build_engine(dataclasses.replace(settings, prefill_gemm="fp32"))
         out[dev] = [r.output_token_ids for r in engine.generate(prompts, params)]
         assert engine.blocks.num_free == engine.blocks.num_total
     assert calls, "no Triton quantized matmul ran on CUDA"
