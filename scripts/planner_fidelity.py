@@ -312,7 +312,8 @@ def rescore(args, profile) -> int:
     slos = {workload: slo for _, workload, slo in SETUPS}
     costs = None
     if args.leave_one_out:
-        costs = stored_runs.leave_one_out(stored, profile, args.leave_one_out, args.cpu_cores)
+        more = args.calibrate_from or ()
+        costs = stored_runs.leave_one_out(stored, profile, args.leave_one_out, args.cpu_cores, more)
         for name, c in costs.items():
             print(f"{name}: calibrated on the others: {json.dumps(c)}", flush=True)
     seed = stored.get("seed", args.seed)  # the runs' own; older files: --seed
@@ -362,7 +363,8 @@ def main() -> int:
         default=None,
         metavar=("STORED", "TRACES"),
         help="with --calibrated-out: fit the live costs on every run of a stored fidelity JSON "
-        "(and its step traces) instead of running a calibration run; repeat to pool several",
+        "(and its step traces) instead of running a calibration run; repeat to pool several. "
+        "With --leave-one-out: these runs join the other runs each scored run is fitted on",
     )
     ap.add_argument(
         "--workloads", nargs="+", default=None, help="part 2: only these of longdoc, chat"
@@ -387,7 +389,7 @@ def main() -> int:
     if args.leave_one_out and not args.resimulate:
         ap.error("--leave-one-out needs --resimulate (a stored run and its step traces)")
     profile = load_profile(args.profile)
-    if args.calibrate_from and not args.calibrated_out:
+    if args.calibrate_from and not (args.calibrated_out or args.leave_one_out):
         ap.error("--calibrate-from needs --calibrated-out (where to write the profile)")
     try:
         if args.resimulate:

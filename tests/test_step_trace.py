@@ -269,3 +269,28 @@ def test_stored_runs_find_each_runs_traces_and_speed_and_pool_them_into_a_profil
     assert costs["decode_worker_slowdown"] == pytest.approx(1.5)
     assert pooled.decode_worker_slowdown == pytest.approx(1.5)
     assert len(pooled.meta["co_run"]["runs"]) == 2
+
+
+def test_leave_one_out_pools_earlier_sets_of_runs_and_scores_only_the_stored_ones(tmp_path):
+    """Scoring set B's runs with set A's runs in the pool: each B run is fitted on the other B
+    run and on every A run (never on itself), and A's runs are not scored."""
+    from pdserve.planner.stored_runs import leave_one_out
+
+    def stored_set(name: str, ratios: dict[float, float]):
+        rows = [{"split": "1P1D", "workload": "chat", "rate": r} for r in ratios]
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"fidelity": rows}))
+        for rate, ratio in ratios.items():
+            _decode_trace(tmp_path / name / f"1P1D_chat_{rate}", ratio)
+        return {"fidelity": rows}, path, tmp_path / name
+
+    prof = flat_profile(decode_s=0.010, prefill_s=0.100)
+    _, a_path, a_traces = stored_set("a", {0.5: 3.0})
+    b, _, b_traces = stored_set("b", {0.5: 1.0, 1.0: 2.0})
+    alone = leave_one_out(b, prof, b_traces, cores=2)
+    pooled = leave_one_out(b, prof, b_traces, cores=2, more=[(str(a_path), str(a_traces))])
+    assert sorted(pooled) == ["1P1D_chat_0.5", "1P1D_chat_1.0"]
+    assert alone["1P1D_chat_0.5"]["decode_worker_slowdown"] == pytest.approx(2.0)
+    # B's 0.5 run: B's 1.0 run (2x) and A's run (3x), equal priced seconds -> 2.5x.
+    assert pooled["1P1D_chat_0.5"]["decode_worker_slowdown"] == pytest.approx(2.5)
+    assert pooled["1P1D_chat_1.0"]["decode_worker_slowdown"] == pytest.approx(2.0)

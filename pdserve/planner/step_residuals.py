@@ -307,11 +307,14 @@ def pooled_costs(
     return costs
 
 
-def leave_one_out_costs(profile: Profile, runs: dict, cores: int | None = None) -> dict[str, dict]:
-    """For each live run (name -> (trace folder, decode speed, prefill speed)), the costs
-    calibrated on every *other* run's steps: a run is then simulated on costs it did not
-    contribute to, as a planner calibrated on yesterday's traffic predicts today's."""
+def leave_one_out_costs(
+    profile: Profile, runs: dict, cores: int | None = None, scored=None
+) -> dict[str, dict]:
+    """For each live run (name -> (trace folder, decode speed, prefill speed)) of ``scored``
+    (default: all), the costs calibrated on every *other* run's steps: a run is then simulated
+    on costs it did not contribute to, as a planner calibrated on yesterday's traffic predicts
+    today's."""
     return {
         name: pooled_costs(profile, [r for other, r in runs.items() if other != name], cores)
-        for name in runs
+        for name in (runs if scored is None else scored)
     }

@@ -31,18 +31,28 @@ def traced_runs(stored: dict, traces: str | Path) -> dict[str, tuple]:
     return runs
 
 
-def leave_one_out(stored: dict, profile: Profile, traces, cores: int | None) -> dict[str, dict]:
-    """Each stored run's name -> the costs fitted on the other runs' step traces."""
-    return leave_one_out_costs(profile, traced_runs(stored, traces), cores)
+def leave_one_out(
+    stored: dict, profile: Profile, traces, cores: int | None, more=()
+) -> dict[str, dict]:
+    """Each stored run's name -> the costs fitted on every other run's step traces: the other
+    runs of ``stored``, and every run of each (stored fidelity JSON path, its traces folder)
+    in ``more`` (earlier sets of runs on the same machine)."""
+    scored = traced_runs(stored, traces)
+    return leave_one_out_costs(profile, {**scored, **_runs_of(more)}, cores, scored)
+
+
+def _runs_of(sources) -> dict[str, tuple]:
+    runs = {}
+    for stored_path, traces in sources:  # names kept apart per stored file
+        stored = json.loads(Path(stored_path).read_text())
+        runs.update({f"{stored_path}:{k}": v for k, v in traced_runs(stored, traces).items()})
+    return runs
 
 
 def pooled_profile(profile: Profile, sources, cores: int | None) -> tuple[Profile, dict]:
     """``profile`` with the live costs fitted on every run of each (stored fidelity JSON path,
     its traces folder) in ``sources``, pooled; and those costs."""
-    runs = {}
-    for stored_path, traces in sources:  # names kept apart per stored file
-        stored = json.loads(Path(stored_path).read_text())
-        runs.update({f"{stored_path}:{k}": v for k, v in traced_runs(stored, traces).items()})
+    runs = _runs_of(sources)
     costs = pooled_costs(profile, list(runs.values()), cores)
     meta = {
         **profile.meta,
