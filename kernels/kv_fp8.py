@@ -46,7 +46,11 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 def quantize(x: torch.Tensor) -> torch.Tensor:
     """[..., head_dim] float -> [..., head_dim + 4] fp8 rows (codes, then the scale's bytes)."""
     x = x.float()
-    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) / FP8_MAX
+    amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
+    # Divided by a tensor, not the Python float: on CUDA torch multiplies by the scalar's
+    # reciprocal instead (pytorch#191495), 1 ulp off the correctly rounded quotient the Triton
+    # store computes (div_rn); an H200 read 6-9 bytes of the cache differing.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     codes = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(DTYPE)
     scale_bytes = scale.contiguous().view(torch.uint8)
     return torch.cat([codes.view(torch.uint8), scale_bytes], dim=-1).view(DTYPE)
