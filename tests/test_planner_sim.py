@@ -346,3 +346,23 @@ def test_a_decode_workers_decode_steps_take_its_live_slowdown_and_its_local_pref
     assert run.result.itls[1] == pytest.approx(1.2 * prof.decode_seconds(1, n + 2))
     [colocated] = simulate(prof, [TraceRequest(0.0, n, 1)], Split(0, 1)).result.ttfts
     assert colocated == pytest.approx(prof.router_overhead_s + prof.prefill_seconds(n, 0))
+
+
+def test_a_step_given_its_own_fixed_work_pays_that_instead_of_its_kinds():
+    """A decode (colocated) worker's prompt step carries the profile's local fixed work
+    (SimDecodeWorker.prompt_fixed_s): beside a decode step, factor 1, it pays 0.05 s where a
+    prefill worker's prompt step pays its kind's 0.2 s."""
+    from pdserve.planner.cpu_share import CpuShare
+    from pdserve.planner.sim_workers import Clock
+
+    def prompt_end(fixed_s):
+        clock = Clock()
+        cpu = CpuShare(cores=2, threads=1, clock=clock, fixed={"prefill": 0.2})
+        ends = {}
+        cpu.begin("decode", 5.0, lambda e: None)
+        cpu.begin("prefill", 1.0, lambda e: ends.setdefault("p", clock.now), fixed_s)
+        clock.run()
+        return ends["p"]
+
+    assert prompt_end(None) == pytest.approx(1.2)
+    assert prompt_end(0.05) == pytest.approx(1.05)

@@ -294,3 +294,40 @@ def test_leave_one_out_pools_earlier_sets_of_runs_and_scores_only_the_stored_one
     # B's 0.5 run: B's 1.0 run (2x) and A's run (3x), equal priced seconds -> 2.5x.
     assert pooled["1P1D_chat_0.5"]["decode_worker_slowdown"] == pytest.approx(2.5)
     assert pooled["1P1D_chat_1.0"]["decode_worker_slowdown"] == pytest.approx(2.0)
+
+
+def test_a_prefill_workers_prompt_steps_and_a_colocated_workers_fit_their_own_fixed_work():
+    """Beside decode steps, the prefill worker's prompt steps ran 1.1 x (price + 40 ms) (its
+    KV frames stream out through its threads) and a decode worker's own prompt steps 1.1 x
+    (price + 15 ms): each kind of worker gets its own fixed work back."""
+    from pdserve.planner.step_residuals import calibrated_costs
+
+    rows = [_row(k, p, 1.1 * (p + 0.040), worker="prefill-a") for k, p in
+            (("prefill", 0.05), ("mixed", 0.2), ("prefill", 0.6))]  # fmt: skip
+    rows += [_row(k, p, 1.1 * (p + 0.015), worker="decode-b") for k, p in
+             (("prefill", 0.08), ("mixed", 0.3), ("prefill", 0.5))]  # fmt: skip
+    rows += [_row("decode", 0.03, 0.03, busy=0.0, worker="decode-b") for _ in range(3)]
+    costs = calibrated_costs(rows, cores=2)
+    assert costs["co_run_slowdown_prefill"] == pytest.approx(1.1)
+    assert costs["co_run_fixed_s_prefill"] == pytest.approx(0.040)
+    assert costs["co_run_fixed_s_local_prefill"] == pytest.approx(0.015)
+
+
+def test_the_local_fixed_work_falls_back_round_trips_and_scales_with_speed():
+    """A colocated (decode) worker's prompt step beside a busy neighbour pays
+    co_run_fixed_s_local_prefill once, a prefill worker's the prefill figure; a profile
+    without the local figure gives both the prefill one."""
+    import dataclasses
+
+    prof = dataclasses.replace(
+        flat_profile(decode_s=0.010, prefill_s=0.100),
+        co_run_fixed_s_prefill=0.040,
+        co_run_fixed_s_local_prefill=0.015,
+    )
+    assert prof.local_prefill_fixed_s == 0.015
+    assert (
+        dataclasses.replace(prof, co_run_fixed_s_local_prefill=None).local_prefill_fixed_s == 0.040
+    )
+    again = Profile.from_dict(json.loads(json.dumps(prof.to_dict())))
+    assert again.co_run_fixed_s_local_prefill == 0.015
+    assert prof.at_speed(prefill=2.0).co_run_fixed_s_local_prefill == pytest.approx(0.030)

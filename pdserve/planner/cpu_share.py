@@ -40,6 +40,7 @@ class _Running:
     rate: float = 1.0  # work done per simulated second
     gen: int = 0  # the version of its end event that still counts
     fixed_paid: bool = False  # its once-per-step co-run work was added
+    fixed: float | None = None  # that work, where not its kind's (a decode worker's prompt)
 
 
 class CpuShare:
@@ -110,9 +111,16 @@ class CpuShare:
         share = [d / a for d, a in zip(demand, alloc, strict=True)]
         return share[: len(kinds)], share[-1] if background else 1.0
 
-    def begin(self, kind: str, alone_s: float, done: Callable[[float], None]) -> None:
+    def begin(
+        self,
+        kind: str,
+        alone_s: float,
+        done: Callable[[float], None],
+        fixed_s: float | None = None,
+    ) -> None:
         """A step of ``kind`` ("prefill": it computes prompt tokens; else "decode") that takes
-        ``alone_s`` on its own starts now; ``done(elapsed_s)`` runs at its end."""
+        ``alone_s`` on its own starts now; ``done(elapsed_s)`` runs at its end. ``fixed_s``:
+        its once-per-step co-run work, where not its kind's."""
         now = self.clock.now
         if not self.cores:
             self.clock.at(now + alone_s, done, alone_s)
@@ -120,7 +128,7 @@ class CpuShare:
         self._advance(now)
         self._next_id += 1
         kind = "prefill" if kind == "prefill" else "decode"
-        self.running[self._next_id] = _Running(kind, alone_s, done, now)
+        self.running[self._next_id] = _Running(kind, alone_s, done, now, fixed=fixed_s)
         self._rerate(now)
 
     def charge(self, now: float, cpu_s: float) -> None:
@@ -154,7 +162,7 @@ class CpuShare:
         for (sid, step), share in zip(steps, shares, strict=True):
             others = [k for k in KINDS if counts[k] - (k == step.kind) > 0]
             if others and not step.fixed_paid:
-                step.remaining += self.fixed[step.kind]
+                step.remaining += self.fixed[step.kind] if step.fixed is None else step.fixed
                 step.fixed_paid = True
             step.rate = 1.0 / (share * self.pair_slowdown(step.kind, others))
             step.gen += 1

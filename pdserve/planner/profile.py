@@ -123,7 +123,11 @@ class Profile:
     # as a long one. Fitted from live step traces (step_residuals.co_run_affine); 0 in older
     # profiles and in the bare-forward measurement.
     co_run_fixed_s: float = 0.0  # a decode step's
-    co_run_fixed_s_prefill: float = 0.0  # a prompt-computing step's
+    co_run_fixed_s_prefill: float = 0.0  # a prompt-computing step's (a prefill worker's)
+    # A decode (colocated) worker's own prompt step's: it streams no KV frames, and live traces
+    # read about half a prefill worker's (Zen 4: 14-22 ms against 37-45). None in older
+    # profiles: the prefill worker's figure.
+    co_run_fixed_s_local_prefill: float | None = None
     # A prompt-computing step's claim on the cores against a decode step's 1 when more threads
     # compute than there are cores (CpuShare.shares): the kernel's scheduler favours the decode
     # workers, which sleep between steps, over a long CPU-bound prefill. Set by hand (see
@@ -147,6 +151,13 @@ class Profile:
     router_cpu_per_token_s: float = 0.0
     stream_cpu_per_token_s: float = 0.0
     meta: dict = field(default_factory=dict)  # hardware, model, dtype, versions, date
+
+    @property
+    def local_prefill_fixed_s(self) -> float:
+        """The once-per-step co-run work of a decode worker's own prompt step."""
+        if self.co_run_fixed_s_local_prefill is None:
+            return self.co_run_fixed_s_prefill
+        return self.co_run_fixed_s_local_prefill
 
     @property
     def co_run_pairs(self) -> dict[tuple[str, str], float | None]:
@@ -213,6 +224,7 @@ class Profile:
             decode=self.decode.scaled(decode),
             co_run_fixed_s=self.co_run_fixed_s * decode,
             co_run_fixed_s_prefill=self.co_run_fixed_s_prefill * prefill,
+            co_run_fixed_s_local_prefill=_times(self.co_run_fixed_s_local_prefill, prefill),
         )
 
     # ---- files ---------------------------------------------------------------------------
@@ -247,6 +259,7 @@ class Profile:
                 decode_worker_slowdown=float(d.get("decode_worker_slowdown", 1.0)),
                 co_run_fixed_s=float(d.get("co_run_fixed_s", 0.0)),
                 co_run_fixed_s_prefill=float(d.get("co_run_fixed_s_prefill", 0.0)),
+                co_run_fixed_s_local_prefill=_optional_float(d.get("co_run_fixed_s_local_prefill")),
                 oversubscribed_prefill_weight=float(d.get("oversubscribed_prefill_weight", 1.0)),
                 **{k: float(d.get(k, 0.0)) for k in CPU_COST_FIELDS},
                 meta=dict(d.get("meta", {})),
@@ -257,6 +270,10 @@ class Profile:
 
 def _optional_float(value) -> float | None:
     return None if value is None else float(value)
+
+
+def _times(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
 
 
 def load_profile(path: str | Path) -> Profile:

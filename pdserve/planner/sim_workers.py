@@ -134,7 +134,12 @@ class SimWorker(StepHooks):
             alone *= self.step_slowdown
         self.steps += 1
         tokens = [TOKEN] * sum(1 for s in plan.scheduled if s.samples)
-        self.cpu.begin(kind, alone, lambda elapsed: self._end_step(done, tokens, elapsed))
+        fixed = self.prompt_fixed_s() if kind == "prefill" else None
+        self.cpu.begin(kind, alone, lambda elapsed: self._end_step(done, tokens, elapsed), fixed)
+
+    def prompt_fixed_s(self) -> float | None:
+        """A prompt step's once-per-step co-run work, where not the prefill kind's."""
+        return None
 
     def _end_step(self, done: TokensDone, tokens: list[int], elapsed: float) -> None:
         self.busy_s += elapsed
@@ -205,6 +210,9 @@ class SimDecodeWorker(SimWorker):
         self.on_token = on_token
         self.on_preempted = on_preempted
         self.num_preemptions = 0
+
+    def prompt_fixed_s(self) -> float:
+        return self.profile.local_prefill_fixed_s  # no KV frames streamed out beside it
 
     def reserve(self, num_tokens: int) -> list[int] | None:
         n = self.blocks.blocks_needed(num_tokens)

@@ -11,6 +11,7 @@ latency percentiles.
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -151,8 +152,16 @@ def co_run_affine(rows: list[dict]) -> dict[str, tuple[float, float]]:
     Python threads beside the forward: two bare forwards side by side slow each other only a
     few percent."""
     out = {}
-    for kind in ("decode", "prefill"):
-        group = [r for r in co_running(rows, kind) if beside_other_kind(r)]
+    prompts = [r for r in co_running(rows, "prefill") if beside_other_kind(r)]
+    local = [r for r in prompts if not on_prefill_worker(r)]
+    groups = {
+        "decode": [r for r in co_running(rows, "decode") if beside_other_kind(r)],
+        # A prefill worker's prompt steps stream KV frames out through its threads beside the
+        # forward; a decode (colocated) worker's own do not: each has its own fixed work.
+        "prefill": [r for r in prompts if on_prefill_worker(r)] or prompts,
+        "local_prefill": local,
+    }
+    for kind, group in groups.items():
         real = np.array([r["real_s"] for r in group], dtype=float)
         priced = np.array([r["priced_s"] for r in group], dtype=float)
         out[kind] = affine_fit(real, priced) if len(group) else (1.0, 0.0)
@@ -164,6 +173,11 @@ def co_running(rows: list[dict], kind: str) -> list[dict]:
     return [
         r for r in rows if (r["kind"] == "decode") == (kind == "decode") and r["co_run"] > CO_RUN
     ]
+
+
+def on_prefill_worker(r: dict) -> bool:
+    """A prefill worker's step (a row naming no worker counts as one)."""
+    return r.get("worker", "prefill").startswith("prefill")
 
 
 def beside_other_kind(r: dict) -> bool:
@@ -182,14 +196,15 @@ def beside_same_kind(r: dict) -> bool:
     return r.get("beside_prefill", 0.0) > 0.5
 
 
-def same_kind_factor(rows: list[dict], kind: str, fixed_s: float) -> float | None:
+def same_kind_factor(rows: list[dict], kind: str, fixed: Callable[[dict], float]) -> float | None:
     """The co-run factor of ``kind``'s steps beside the same kind only (two decode workers'
-    steps share the memory bandwidth both are bound by), with the kind's fixed work held:
-    summed real over summed (price + fixed), at least 1. None without such steps."""
+    steps share the memory bandwidth both are bound by), with each step's fixed work held
+    (``fixed(row)``): summed real over summed (price + fixed), at least 1. None without such
+    steps."""
     group = [r for r in co_running(rows, kind) if beside_same_kind(r)]
     if len(group) < 3:
         return None
-    priced = sum(r["priced_s"] + fixed_s for r in group)
+    priced = sum(r["priced_s"] + fixed(r) for r in group)
     return max(1.0, sum(r["real_s"] for r in group) / priced)
 
 
@@ -278,11 +293,27 @@ def calibrated_costs(rows: list[dict], cores: int | None = None) -> dict[str, fl
     weight = prefill_share_weight([scaled(r) for r in raw], cores, *fit["prefill"])
     if weight is not None:
         costs["oversubscribed_prefill_weight"] = weight
+    if fit_has_local(rows):
+        costs["co_run_fixed_s_local_prefill"] = fit["local_prefill"][1]
+
+    def fixed(r: dict) -> float:  # the fixed work the simulator gives the step
+        if r["kind"] == "decode":
+            return fit["decode"][1]
+        local = not on_prefill_worker(r) and "co_run_fixed_s_local_prefill" in costs
+        return fit["local_prefill" if local else "prefill"][1]
+
     for kind in ("decode", "prefill"):  # a pair no run had keeps the profile's figure
-        pair = same_kind_factor(rows, kind, fit[kind][1])
+        pair = same_kind_factor(rows, kind, fixed)
         if pair is not None:
             costs[f"co_run_slowdown_{kind}_pair"] = pair
     return costs
+
+
+def fit_has_local(rows: list[dict]) -> bool:
+    """Whether decode (colocated) workers' prompt steps ran beside the other kind."""
+    return any(
+        not on_prefill_worker(r) and beside_other_kind(r) for r in co_running(rows, "prefill")
+    )
 
 
 def pooled_costs(
@@ -300,7 +331,14 @@ def pooled_costs(
         weights["decode"].append((seconds, decode))
         weights["prefill"].append((seconds, prefill))
     costs = calibrated_costs(rows, cores)
-    for field, kind in (("co_run_fixed_s", "decode"), ("co_run_fixed_s_prefill", "prefill")):
+    fields = (
+        ("co_run_fixed_s", "decode"),
+        ("co_run_fixed_s_prefill", "prefill"),
+        ("co_run_fixed_s_local_prefill", "prefill"),
+    )
+    for field, kind in fields:
+        if field not in costs:
+            continue
         total = sum(w for w, _ in weights[kind])
         mean = sum(w * s for w, s in weights[kind]) / total if total > 0 else 1.0
         costs[field] /= mean
