@@ -30,6 +30,10 @@ def test_quick_profile_records_hardware_model_dtype_and_versions(tiny_profile):
     prof = load_profile(tiny_profile)
     for key in ("cpu", "device", "dtype", "versions", "model", "threads"):
         assert key in prof.meta
+    identity = prof.meta["cpu_identity"]  # family / model and ISA: the name can be bare on a VM
+    assert set(identity) == {"name", "family", "model", "isa"}
+    assert set(identity["isa"]) <= {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni",
+                                    "amx_tile", "amx_bf16"}  # fmt: skip
     assert prof.prefill_seconds(32, 0) > 0
     assert prof.decode_seconds(4, 64) > 0
     assert prof.transfer_seconds_for(128) > 0

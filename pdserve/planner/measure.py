@@ -18,7 +18,6 @@ stands for.
 from __future__ import annotations
 
 import asyncio
-import platform
 import statistics
 import subprocess
 import time
@@ -27,6 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pdserve.bench.micro.limits import median_time
+from pdserve.planner.machine_meta import machine_meta
 from pdserve.planner.profile import EngineSettings, Profile, Table2D, monotone
 
 QUICK_ROUTER_OVERHEAD_S = 2e-3  # --quick does not spawn the router; BENCHMARKS.md run 5
@@ -285,44 +285,6 @@ def measure_router_overhead(prompt_tokens: int = 256) -> float:
 
     summary = asyncio.run(_measure(40, prompt_tokens))
     return max(r["routed_p50_ms"] for r in summary["rows"]) / 1e3
-
-
-def machine_meta(engine, device: str, threads: int) -> dict:
-    import sys
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    gpu = torch.cuda.get_device_name() if device.startswith("cuda") else None
-    weight = next(engine.runner.model.parameters())
-    return {
-        "cpu": cpu,
-        "cpu_count": __import__("os").cpu_count(),
-        "gpu": gpu,
-        "device": device,
-        "threads": threads,
-        "dtype": str(weight.dtype).removeprefix("torch."),
-        "versions": {
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "pdserve_commit": commit,
-        },
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
 
 
 def engine_dir(model: str):
