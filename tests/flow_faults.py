@@ -84,9 +84,12 @@ class WorkerFaults:
                 return
             chunks, sent = real(servicer, request, context), 0
             for chunk in chunks:
-                yield chunk
+                # Mid-decode whatever the chunking: a slow consumer gets tokens coalesced, and
+                # a first chunk that already carried the finish would end the request before
+                # the fault (a flake seen under CI load). Only the tokens before the fault go.
+                yield _first_tokens(chunk, script.decode_after - sent)
                 sent += len(chunk.token_ids)
-                if chunk.finish_reason or sent >= script.decode_after:
+                if sent >= script.decode_after:
                     break
             chunks.close()  # the worker's own request ends with the call (its abort callback)
             ending = DECODE_ENDINGS[script.decode]
@@ -107,3 +110,16 @@ class WorkerFaults:
             yield from real(servicer, request, context)
 
         return prefill
+
+
+def _first_tokens(chunk: pb.TokenChunk, n: int) -> pb.TokenChunk:
+    """``chunk`` cut to its first ``n`` tokens (and their logprobs), without its finish when
+    tokens were cut or it would finish early (the fault comes after them)."""
+    if len(chunk.token_ids) < n or (len(chunk.token_ids) == n and not chunk.finish_reason):
+        return chunk
+    cut = pb.TokenChunk()
+    cut.CopyFrom(chunk)
+    del cut.token_ids[n:]
+    del cut.logprobs[n:]
+    cut.finish_reason = ""
+    return cut

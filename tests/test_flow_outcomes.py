@@ -265,3 +265,18 @@ def test_a_lease_expired_before_the_attach_goes_around_again(tiny_model, faults)
         assert all(w.consecutive_failures == 0 for w in _handles(cluster))
         assert_no_load_left(cluster)
         assert_all_blocks_free(cluster)
+
+
+def test_the_scripted_fault_lands_mid_decode_however_the_tokens_were_chunked():
+    """A slow consumer gets tokens coalesced: a first chunk that already holds every token and
+    the finish is cut to the tokens before the fault, without the finish (else the request
+    would end normally and the fault never be mid-decode)."""
+    from protos import pdserve_pb2 as pb
+    from tests.flow_faults import _first_tokens
+
+    whole = pb.TokenChunk(token_ids=[5, 6, 7, 8], finish_reason="length")
+    cut = _first_tokens(whole, 2)
+    assert list(cut.token_ids) == [5, 6] and cut.finish_reason == ""
+    assert _first_tokens(pb.TokenChunk(token_ids=[5]), 2) == pb.TokenChunk(token_ids=[5])
+    short = pb.TokenChunk(token_ids=[5], finish_reason="stop")  # ended before the fault: kept
+    assert _first_tokens(short, 2) == short
