@@ -366,3 +366,16 @@ def test_a_step_given_its_own_fixed_work_pays_that_instead_of_its_kinds():
 
     assert prompt_end(None) == pytest.approx(1.2)
     assert prompt_end(0.05) == pytest.approx(1.05)
+
+
+def test_a_colocated_prompt_beside_a_decode_stream_pays_the_local_fixed_work():
+    """Through the simulator (SimDecodeWorker.prompt_fixed_s): the colocated request's prompt
+    step, beside the other worker's decode stream, adds co_run_fixed_s_local_prefill (0.05 s)
+    to its first token, not the prefill worker's figure (0.5 s)."""
+    base = toy_profile()
+    trace = [TraceRequest(0.0, 100, 400), TraceRequest(1.0, 300, 1)]
+    fixed = {"co_run_fixed_s_prefill": 0.5, "co_run_fixed_s_local_prefill": 0.05}
+    prof = Profile(**{**base.__dict__, **fixed})
+    [_, ttft] = simulate(prof, trace, SimConfig(Split(0, 2), cpu_cores=2)).result.ttfts
+    alone = base.router_overhead_s + base.prefill_seconds(300)
+    assert ttft == pytest.approx(alone + 0.05, rel=0.02)

@@ -9,7 +9,6 @@ interpreter's cases, bf16 activations, the embedded model's shapes, and a whole 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -163,10 +162,9 @@ def test_quantized_engine_on_cuda_runs_the_triton_kernels_and_agrees_with_cpu(
     monkeypatch.setattr(triton_quant, "quant_linear", lambda *a: calls.append(1) or real(*a))
     out = {}
     for dev in ("cpu", "cuda"):
-        settings = EngineSettings(
-            str(path), num_blocks=64, device=dev, weights=weights, activations="fp32"
-        )
-        engine = build_engine(dataclasses.replace(settings, prefill_gemm="fp32"))
+        exact = {"activations": "fp32", "prefill_gemm": "fp32"}
+        settings = EngineSettings(str(path), num_blocks=64, device=dev, weights=weights, **exact)
+        engine = build_engine(settings)
         out[dev] = [r.output_token_ids for r in engine.generate(prompts, params)]
         assert engine.blocks.num_free == engine.blocks.num_total
     assert calls, "no Triton quantized matmul ran on CUDA"

@@ -58,6 +58,7 @@ def workload_spec(text: str) -> str:
 
 def add_profile(sub) -> None:
     from engine.args import device_name
+    from engine.config import LOAD_FORMATS
 
     p = sub.add_parser("profile", help="measure one worker's latencies here (for `plan`)")
     p.add_argument("--config", default=None, help="cluster YAML (default: the embedded local one)")
@@ -65,7 +66,7 @@ def add_profile(sub) -> None:
     p.add_argument("--model", default=None, help="override the config's model")
     p.add_argument(
         "--load-format",
-        choices=("auto", "dummy"),
+        choices=LOAD_FORMATS,
         default=None,
         help="dummy: random weights from the model folder's config.json (a shape's timings)",
     )

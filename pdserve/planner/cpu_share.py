@@ -37,10 +37,10 @@ class _Running:
     remaining: float  # seconds of the step alone still to do
     done: Callable[[float], None]
     started: float
+    fixed: float  # its once-per-step co-run work (its kind's, or its own)
     rate: float = 1.0  # work done per simulated second
     gen: int = 0  # the version of its end event that still counts
-    fixed_paid: bool = False  # its once-per-step co-run work was added
-    fixed: float | None = None  # that work, where not its kind's (a decode worker's prompt)
+    fixed_paid: bool = False  # that work was added
 
 
 class CpuShare:
@@ -128,7 +128,8 @@ class CpuShare:
         self._advance(now)
         self._next_id += 1
         kind = "prefill" if kind == "prefill" else "decode"
-        self.running[self._next_id] = _Running(kind, alone_s, done, now, fixed=fixed_s)
+        fixed = self.fixed[kind] if fixed_s is None else fixed_s
+        self.running[self._next_id] = _Running(kind, alone_s, done, now, fixed)
         self._rerate(now)
 
     def charge(self, now: float, cpu_s: float) -> None:
@@ -162,7 +163,7 @@ class CpuShare:
         for (sid, step), share in zip(steps, shares, strict=True):
             others = [k for k in KINDS if counts[k] - (k == step.kind) > 0]
             if others and not step.fixed_paid:
-                step.remaining += self.fixed[step.kind] if step.fixed is None else step.fixed
+                step.remaining += step.fixed
                 step.fixed_paid = True
             step.rate = 1.0 / (share * self.pair_slowdown(step.kind, others))
             step.gen += 1

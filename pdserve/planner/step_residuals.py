@@ -159,8 +159,9 @@ def co_run_affine(rows: list[dict]) -> dict[str, tuple[float, float]]:
         # A prefill worker's prompt steps stream KV frames out through its threads beside the
         # forward; a decode (colocated) worker's own do not: each has its own fixed work.
         "prefill": [r for r in prompts if on_prefill_worker(r)] or prompts,
-        "local_prefill": local,
     }
+    if local:  # "local_prefill" only where decode workers computed prompts beside decode steps
+        groups["local_prefill"] = local
     for kind, group in groups.items():
         real = np.array([r["real_s"] for r in group], dtype=float)
         priced = np.array([r["priced_s"] for r in group], dtype=float)
@@ -293,13 +294,13 @@ def calibrated_costs(rows: list[dict], cores: int | None = None) -> dict[str, fl
     weight = prefill_share_weight([scaled(r) for r in raw], cores, *fit["prefill"])
     if weight is not None:
         costs["oversubscribed_prefill_weight"] = weight
-    if fit_has_local(rows):
+    if "local_prefill" in fit:
         costs["co_run_fixed_s_local_prefill"] = fit["local_prefill"][1]
 
     def fixed(r: dict) -> float:  # the fixed work the simulator gives the step
         if r["kind"] == "decode":
             return fit["decode"][1]
-        local = not on_prefill_worker(r) and "co_run_fixed_s_local_prefill" in costs
+        local = not on_prefill_worker(r) and "local_prefill" in fit
         return fit["local_prefill" if local else "prefill"][1]
 
     for kind in ("decode", "prefill"):  # a pair no run had keeps the profile's figure
@@ -307,13 +308,6 @@ def calibrated_costs(rows: list[dict], cores: int | None = None) -> dict[str, fl
         if pair is not None:
             costs[f"co_run_slowdown_{kind}_pair"] = pair
     return costs
-
-
-def fit_has_local(rows: list[dict]) -> bool:
-    """Whether decode (colocated) workers' prompt steps ran beside the other kind."""
-    return any(
-        not on_prefill_worker(r) and beside_other_kind(r) for r in co_running(rows, "prefill")
-    )
 
 
 def pooled_costs(
