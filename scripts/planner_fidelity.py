@@ -281,8 +281,6 @@ def calibrate(args, profile) -> int:
     costs = calibrated_costs(rows, args.cpu_cores)
     costs["co_run_fixed_s"] /= used.decode
     costs["co_run_fixed_s_prefill"] /= used.prefill
-    if "co_run_fixed_s_decode_pair" in costs:
-        costs["co_run_fixed_s_decode_pair"] /= used.decode
     meta = {
         **profile.meta,
         "co_run": {

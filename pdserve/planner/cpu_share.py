@@ -54,15 +54,12 @@ class CpuShare:
         pairs: dict[tuple[str, str], float] | None = None,
         fixed: dict[str, float] | None = None,
         weights: dict[str, float] | None = None,
-        fixed_pairs: dict[tuple[str, str], float | None] | None = None,
     ):
         """``co_run_slowdown``: a decode step's beside a prefilling neighbour;
         ``co_run_slowdown_prefill``: a prefill step's beside a decoding one (None: the decode
         figure); ``pairs``: (kind, neighbour kind) -> slowdown for the other pairs (a pair not
         given takes its kind's figure); ``fixed``: kind -> the work a step adds once beside
-        a computing neighbour; ``weights``: kind -> its claim on oversubscribed cores (1: fair);
-        ``fixed_pairs``: (kind, neighbour kind) -> the fixed work of a step whose neighbours are
-        all of that kind (a pair not given, or None, pays its kind's)."""
+        a computing neighbour; ``weights``: kind -> its claim on oversubscribed cores (1: fair)."""
         self.cores = cores
         self.threads = max(threads, 1)
         prefill = co_run_slowdown if co_run_slowdown_prefill is None else co_run_slowdown_prefill
@@ -71,7 +68,6 @@ class CpuShare:
         self.pairs.update({k: v for k, v in (pairs or {}).items() if v is not None})
         self.fixed = {k: (fixed or {}).get(k, 0.0) for k in KINDS}
         self.weights = {k: (weights or {}).get(k, 1.0) for k in KINDS}
-        self.fixed_pairs = {k: v for k, v in (fixed_pairs or {}).items() if v is not None}
         self.clock = clock
         self.running: dict[int, _Running] = {}
         self._next_id = 0
@@ -167,7 +163,7 @@ class CpuShare:
         for (sid, step), share in zip(steps, shares, strict=True):
             others = [k for k in KINDS if counts[k] - (k == step.kind) > 0]
             if others and not step.fixed_paid:
-                step.remaining += self._fixed_beside(step, others)
+                step.remaining += step.fixed
                 step.fixed_paid = True
             step.rate = 1.0 / (share * self.pair_slowdown(step.kind, others))
             step.gen += 1
@@ -175,13 +171,6 @@ class CpuShare:
         if bg:
             self._bg_rate = 1.0 / bg_share
             self._schedule_background(now)
-
-    def _fixed_beside(self, step: _Running, others: list[str]) -> float:
-        """The fixed work ``step`` pays as its first neighbours start: its pair's, where they
-        are all of one kind and that pair has its own, else its own."""
-        if len(others) == 1 and (step.kind, others[0]) in self.fixed_pairs:
-            return self.fixed_pairs[step.kind, others[0]]
-        return step.fixed
 
     def _schedule_background(self, now: float) -> None:
         self._bg_gen += 1

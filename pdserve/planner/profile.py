@@ -22,7 +22,6 @@ import json
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from functools import cached_property
 from pathlib import Path
 
 from engine.settings import EngineSettings  # the worker settings a profile was measured with
@@ -129,11 +128,6 @@ class Profile:
     # read about half a prefill worker's (Zen 4: 14-22 ms against 37-45). None in older
     # profiles: the prefill worker's figure.
     co_run_fixed_s_local_prefill: float | None = None
-    # A decode step's beside decode steps only (two decode workers sharing the memory
-    # bandwidth): live steps there lose about as many milliseconds at ten rows as at one, so a
-    # factor alone fitted on the many small batches overcharges the large ones. None in older
-    # profiles: the decode step's fixed work above.
-    co_run_fixed_s_decode_pair: float | None = None
     # A prompt-computing step's claim on the cores against a decode step's 1 when more threads
     # compute than there are cores (CpuShare.shares): the kernel's scheduler favours the decode
     # workers, which sleep between steps, over a long CPU-bound prefill. Set by hand (see
@@ -148,11 +142,6 @@ class Profile:
     # and client work beside it, on the same cores. Fitted from a live run's step traces
     # (planner_fidelity.py --calibrated-out); 1 in older profiles.
     decode_worker_slowdown: float = 1.0
-    # Per row of the decode table, live decode steps over the table's price for them: a
-    # table point measured in a noisy moment (one spike lifts the rows above it through
-    # ``monotone``) misprices every batch near it the same way in every run. Fitted from live
-    # step traces (step_residuals.decode_row_scale); None in older profiles (the table as is).
-    decode_row_scale: tuple[float, ...] | None = None
     # What a row sampled at a temperature costs over a greedy one (the tables are greedy).
     sample_seconds_per_row: float = 0.0
     # CPU the router and its client spend, beside the workers on a small machine: per request
@@ -171,11 +160,6 @@ class Profile:
         return self.co_run_fixed_s_local_prefill
 
     @property
-    def co_run_fixed_pairs(self) -> dict[tuple[str, str], float | None]:
-        """(kind, neighbour kind) -> fixed work, for the pairs that have their own."""
-        return {("decode", "decode"): self.co_run_fixed_s_decode_pair}
-
-    @property
     def co_run_pairs(self) -> dict[tuple[str, str], float | None]:
         """(kind, neighbour kind) -> slowdown, for the same-kind pairs (CpuShare's ``pairs``)."""
         return {
@@ -188,18 +172,7 @@ class Profile:
         return self.prefill.lookup(round(tokens), round(offset / 16))
 
     def decode_seconds(self, batch: float, context: float) -> float:
-        return self.decode_priced.lookup(round(batch), round(context / 16))
-
-    @cached_property
-    def decode_priced(self) -> Table2D:
-        """The decode table with ``decode_row_scale`` applied (more work never faster)."""
-        scale = self.decode_row_scale
-        if scale is None:
-            return self.decode
-        if len(scale) != len(self.decode.rows):
-            raise ValueError("decode_row_scale needs one factor per decode table row")
-        seconds = [[t * f for t in row] for row, f in zip(self.decode.seconds, scale)]
-        return Table2D(self.decode.rows, self.decode.cols, monotone(seconds))
+        return self.decode.lookup(round(batch), round(context / 16))
 
     def transfer_seconds_for(self, num_tokens: int) -> float:
         """Time to push ``num_tokens`` tokens of KV, start to commit."""
@@ -252,7 +225,6 @@ class Profile:
             co_run_fixed_s=self.co_run_fixed_s * decode,
             co_run_fixed_s_prefill=self.co_run_fixed_s_prefill * prefill,
             co_run_fixed_s_local_prefill=_times(self.co_run_fixed_s_local_prefill, prefill),
-            co_run_fixed_s_decode_pair=_times(self.co_run_fixed_s_decode_pair, decode),
         )
 
     # ---- files ---------------------------------------------------------------------------
@@ -285,11 +257,9 @@ class Profile:
                 co_run_slowdown_prefill_pair=_optional_float(d.get("co_run_slowdown_prefill_pair")),
                 prefill_worker_slowdown=float(d.get("prefill_worker_slowdown", 1.0)),
                 decode_worker_slowdown=float(d.get("decode_worker_slowdown", 1.0)),
-                decode_row_scale=_optional_floats(d.get("decode_row_scale")),
                 co_run_fixed_s=float(d.get("co_run_fixed_s", 0.0)),
                 co_run_fixed_s_prefill=float(d.get("co_run_fixed_s_prefill", 0.0)),
                 co_run_fixed_s_local_prefill=_optional_float(d.get("co_run_fixed_s_local_prefill")),
-                co_run_fixed_s_decode_pair=_optional_float(d.get("co_run_fixed_s_decode_pair")),
                 oversubscribed_prefill_weight=float(d.get("oversubscribed_prefill_weight", 1.0)),
                 **{k: float(d.get(k, 0.0)) for k in CPU_COST_FIELDS},
                 meta=dict(d.get("meta", {})),
@@ -300,10 +270,6 @@ class Profile:
 
 def _optional_float(value) -> float | None:
     return None if value is None else float(value)
-
-
-def _optional_floats(values) -> tuple[float, ...] | None:
-    return None if values is None else tuple(float(v) for v in values)
 
 
 def _times(value: float | None, factor: float) -> float | None:

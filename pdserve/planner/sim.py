@@ -137,7 +137,6 @@ class SimCluster:
             profile.co_run_pairs,
             {"decode": profile.co_run_fixed_s, "prefill": profile.co_run_fixed_s_prefill},
             {"prefill": profile.oversubscribed_prefill_weight},
-            profile.co_run_fixed_pairs,
         )
         self.cpu = cpu
         # The router's and client's CPU per streamed token, with the decode worker's gRPC

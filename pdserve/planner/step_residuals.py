@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 
 from engine.step_trace import PlanShape, read_trace
-from pdserve.planner.decode_rows import decode_row_scale, row_scaled
 from pdserve.planner.profile import Profile
 
 SHAPE_FIELDS = tuple(PlanShape.__dataclass_fields__)
@@ -84,7 +83,6 @@ def priced_steps(profile: Profile, steps_by_worker: dict[str, list[dict]]) -> li
                 {
                     "worker": worker,
                     "kind": kind_of(shape),
-                    "decode_rows": shape.decode_rows,
                     "real_s": s["s"],
                     "priced_s": profile.shape_seconds(shape),
                     "co_run": overlap_share(s["t"], s["t"] + s["s"], others),
@@ -265,24 +263,14 @@ def prefill_share_weight(rows: list[dict], cores: int | None, factor: float, fix
     return float(min(10.0, max(0.1, n / (cores * slowdown - 1.0))))
 
 
-def calibrated_costs(rows: list[dict], cores: int | None = None, grid=None) -> dict[str, float]:
-    """The profile fields a live run's steps calibrate: with the decode table's rows
-    ``grid``, its per-row scale first; then each role's alone slowdown, then the co-run factor
-    and fixed work on top of it (prices scaled by the role's slowdown, as the simulator scales
-    them), on real times less the sharing of ``cores`` (``unshared``)."""
-    costs = {}
+def calibrated_costs(rows: list[dict], cores: int | None = None) -> dict[str, float]:
+    """The profile fields a live run's steps calibrate: each role's alone slowdown, then the
+    co-run factor and fixed work on top of it (prices scaled by the role's slowdown, as the
+    simulator scales them), on real times less the sharing of ``cores`` (``unshared``)."""
     raw = rows
     rows = unshared(rows, cores)
     if cores:  # past the cores the live kernel's share is not fair (PLANNING.md): left out
         rows = [r for r in rows if not oversubscribed(r, cores)]
-    alone = [
-        r for r in rows
-        if r["kind"] == "decode" and r["co_run"] < ALONE and r["worker"].startswith("decode")
-    ]  # fmt: skip
-    scale = decode_row_scale(alone, grid) if grid else None
-    if scale is not None:
-        costs["decode_row_scale"] = scale
-        rows, raw = row_scaled(rows, grid, scale), row_scaled(raw, grid, scale)
     decode = role_slowdown(rows, "decode", ("decode",))
     prefill = role_slowdown(rows, "prefill", ("prefill", "mixed"))
 
@@ -295,7 +283,7 @@ def calibrated_costs(rows: list[dict], cores: int | None = None, grid=None) -> d
 
     rows = [scaled(r) for r in rows]
     fit = co_run_affine(rows)
-    costs |= {
+    costs = {
         "decode_worker_slowdown": decode,
         "prefill_worker_slowdown": prefill,
         "co_run_slowdown": fit["decode"][0],
@@ -315,24 +303,11 @@ def calibrated_costs(rows: list[dict], cores: int | None = None, grid=None) -> d
         local = not on_prefill_worker(r) and "local_prefill" in fit
         return fit["local_prefill" if local else "prefill"][1]
 
-    pair = decode_pair_affine(rows)  # a pair no run had keeps the profile's figure
-    if pair is not None:
-        costs["co_run_slowdown_decode_pair"], costs["co_run_fixed_s_decode_pair"] = pair
-    pair = same_kind_factor(rows, "prefill", fixed)
-    if pair is not None:
-        costs["co_run_slowdown_prefill_pair"] = pair
+    for kind in ("decode", "prefill"):  # a pair no run had keeps the profile's figure
+        pair = same_kind_factor(rows, kind, fixed)
+        if pair is not None:
+            costs[f"co_run_slowdown_{kind}_pair"] = pair
     return costs
-
-
-def decode_pair_affine(rows: list[dict]) -> tuple[float, float] | None:
-    """The affine co-run cost (factor, fixed work) of decode steps beside decode steps only
-    (the same fit as ``co_run_affine``'s); None without such steps."""
-    group = [r for r in co_running(rows, "decode") if beside_same_kind(r)]
-    if len(group) < 3:
-        return None
-    real = np.array([r["real_s"] for r in group], dtype=float)
-    priced = np.array([r["priced_s"] for r in group], dtype=float)
-    return affine_fit(real, priced)
 
 
 def pooled_costs(
@@ -349,15 +324,11 @@ def pooled_costs(
         seconds = sum(r["priced_s"] for r in priced)
         weights["decode"].append((seconds, decode))
         weights["prefill"].append((seconds, prefill))
-    costs = calibrated_costs(rows, cores, profile.decode.rows)
-    if "decode_row_scale" in costs and profile.decode_row_scale is not None:  # on top of it
-        pairs = zip(profile.decode_row_scale, costs["decode_row_scale"], strict=True)
-        costs["decode_row_scale"] = tuple(a * b for a, b in pairs)
+    costs = calibrated_costs(rows, cores)
     fields = (
         ("co_run_fixed_s", "decode"),
         ("co_run_fixed_s_prefill", "prefill"),
         ("co_run_fixed_s_local_prefill", "prefill"),
-        ("co_run_fixed_s_decode_pair", "decode"),
     )
     for field, kind in fields:
         if field not in costs:
