@@ -52,9 +52,9 @@ from pdserve.planner.profile import load_profile
 from pdserve.planner.sim import SimConfig, Split
 from pdserve.planner.speed_probe import Speed
 from pdserve.planner.step_residuals import (
-    calibrated_costs,
     format_residuals,
     load_steps,
+    pooled_costs,
     priced_steps,
     step_residuals,
     summarise,
@@ -264,7 +264,7 @@ CALIBRATION = ("1P1D", "mixed", 0.5, 45, 7)  # split, workload, rate, requests, 
 
 def calibrate(args, profile) -> int:
     """Set the profile's live costs from the step traces of one live 1P1D run
-    (step_residuals.calibrated_costs: each role's alone slowdown, then a co-run factor and a
+    (step_residuals.pooled_costs over that one run: each role's alone slowdown, then a co-run factor and a
     once-per-step work for each kind) and write it to ``--calibrated-out``."""
     import dataclasses
 
@@ -275,12 +275,10 @@ def calibrate(args, profile) -> int:
     _, speed = probed_run(probe, Split.parse(label), workload, rate, n, slo, seed, folder)
     used = Speed(**speed["used"]) if speed else Speed()
     # Fitted against the prices at the run's speed, so the fields hold at any speed; the fixed
-    # work is stored at the profile's speed, as at_speed scales it.
+    # work comes back at the profile's speed, as at_speed scales it (pooled_costs of one run).
     rows = priced_steps(profile.at_speed(used.decode, used.prefill), load_steps(folder))
     print(format_residuals(summarise(rows)), flush=True)
-    costs = calibrated_costs(rows, args.cpu_cores)
-    costs["co_run_fixed_s"] /= used.decode
-    costs["co_run_fixed_s_prefill"] /= used.prefill
+    costs = pooled_costs(profile, [(folder, used.decode, used.prefill)], args.cpu_cores)
     meta = {
         **profile.meta,
         "co_run": {
