@@ -90,20 +90,32 @@ def reference_linear(x: torch.Tensor, qw: QuantizedWeight, bias=None) -> torch.T
     return torch.nn.functional.linear(x, dequantize(qw), bias)
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+def quantize_activations(x: torch.Tensor, levels: int = 127) -> torch.Tensor:
     """x [M, K] as quant_dot_cpu.cpp multiplies it: per row and block of 32, codes
-    round(x * 127 / max|x|) times the scale max|x| / 127 (fp32 arithmetic, as the kernel)."""
+    round(x * levels / max|x|) times the scale max|x| / levels (fp32 arithmetic, as the
+    kernel)."""
     m, k = x.shape
     blocks = x.float().reshape(m, k // DOT_BLOCK, DOT_BLOCK)
     top = blocks.abs().amax(dim=2, keepdim=True)
-    inv = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
-    return (torch.round(blocks * inv) * (top / 127.0)).reshape(m, k)
+    inv = torch.where(top > 0, levels / top, torch.zeros_like(top))
+    return (torch.round(blocks * inv) * (top / levels)).reshape(m, k)
+
+
+def activation_levels(fmt: str) -> int:
+    """The codes x takes on each side of zero in the int8-activation kernel of the build this
+    process loads (``cpu_extension.load()``) for weights of ``fmt``: 127, or 63 for int8
+    weights on the AVX2 build (7-bit codes: quant_dot_cpu.cpp's kSevenBit)."""
+    from kernels import cpu_extension
+
+    module = cpu_extension.load()
+    return 127 if module is None else int(module.int8_activation_levels(fmt == "q4"))
 
 
 def int8_activation_reference(x: torch.Tensor, qw: QuantizedWeight, bias=None) -> torch.Tensor:
-    """What the int8-activation kernel computes, in fp32 torch: the quantized x times the
-    weight's scaled codes, plus (q4) the exact x times the weight's minimums."""
-    xq = quantize_activations(x)
+    """What the int8-activation kernel of the loaded build computes, in fp32 torch: the
+    quantized x times the weight's scaled codes, plus (q4) the exact x times the weight's
+    minimums."""
+    xq = quantize_activations(x, activation_levels(qw.format))
     if qw.format == "int8":
         return torch.nn.functional.linear(xq, dequantize(qw), bias)
     n, k = qw.q.shape

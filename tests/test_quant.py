@@ -77,21 +77,24 @@ def test_the_vnni_dot_product_gives_the_same_sums_as_the_sign_trick(fmt, group):
 
 
 @pytest.mark.parametrize("fmt,group", DOT_FORMATS)
-def test_int8_activations_stay_within_their_quantization_step(fmt, group):
-    """Against fp32 activations, the error is what rounding x to 8 bits per block allows:
-    each product off by at most half a step (max|x| / 254) times |w|."""
+def test_int8_activations_stay_within_their_quantization_step(ext, fmt, group):  # noqa: F811
+    """Against fp32 activations, the error is what rounding x per block allows: each product
+    off by at most half a step (max|x| / (2 x levels)) times |w|; levels are 127 (8-bit
+    codes), 63 for int8 weights on the AVX2 build (7-bit codes)."""
+    levels = quant.activation_levels(fmt)
+    assert levels == (63 if ext.__name__.endswith("avx2") and fmt == "int8" else 127)
     torch.manual_seed(4)
     qw = quant.quantize(torch.randn(64, 256), fmt, group)
     x = torch.randn(8, 256)
     x[:, 7] = 40.0  # an outlier channel costs only its own block's precision
-    xq = quant.quantize_activations(x)
-    top = x.view(8, 8, 32).abs().amax(2).repeat_interleave(32, 1)
-    assert bool(((xq - x).abs() <= top / 254 * 1.0001).all())
-    got = quant.int8_activation_reference(x, qw)
+    xq = quant.quantize_activations(x, levels)
+    step = x.view(8, 8, 32).abs().amax(2).repeat_interleave(32, 1) / (2 * levels)
+    assert bool(((xq - x).abs() <= step * 1.0001).all())
+    got = ext.skinny_linear(x, quant.pack(qw, "int8"), 64, None, None)
     w = quant.dequantize(qw)
     if fmt == "q4":  # the minimums multiply the exact x: only the scaled codes see xq's error
         w = w - qw.minimum.float().repeat_interleave(group, dim=1)
-    bound = (top / 254) @ w.abs().T
+    bound = step @ w.abs().T
     assert bool(((got - quant.reference_linear(x, qw)).abs() <= bound * 1.001 + 1e-4).all())
 
 

@@ -53,6 +53,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "x @ W^T (+ bias) (+ residual) for a few rows (fp32, CPU)",
         py::arg("x"), py::arg("packed"), py::arg("n_out"), py::arg("bias") = py::none(),
         py::arg("residual") = py::none(), release());
+  m.def("int8_activation_levels", &int8_activation_levels,
+        "max |code| of x in the int8-activation kernel, for q4 (True) or int8 weights",
+        py::arg("q4_weights"));
   m.def("crc32c", &crc32c, "CRC-32C of a contiguous CPU tensor's bytes", release());
   m.def("gather_kv_blocks", &gather_kv_blocks,
         "copy K/V blocks into a transfer payload; returns its CRC-32C", release());

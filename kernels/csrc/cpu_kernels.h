@@ -113,6 +113,9 @@ bool is_int8_activation_packing(const at::Tensor& packed);
 at::Tensor quant_dot_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_out,
                             const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& residual);
+// The codes x takes in quant_dot_linear, on each side of zero: 127, or 63 for int8 weights
+// on the AVX2 build (quant_dot_cpu.cpp says why).
+int64_t int8_activation_levels(bool q4_weights);
 
 struct StackLinear {
   // bias / packed (oneDNN) / skinny (pack_skinny_weight) undefined when absent
