@@ -18,6 +18,11 @@ against that build's best batched figure (its highest tokens/s over the batch si
 
 ``--weights`` names formats; ``int8:fp32`` / ``q4:fp32`` are those weights with fp32
 activations (the exact kernel) instead of the default int8 ones (kernels/csrc/quant_dot_cpu.cpp).
+
+Each round measures pdserve in a fresh process (``--child``), as each llama.cpp run is one: on
+a VM one process's step times can sit 15-30% above another's for its whole life (where its
+memory landed), so best-of-rounds must give both engines the same number of draws. The child
+asks for huge pages before torch loads, as pdserve's own processes do (engine/hugepages.py).
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import hugepages
+
+hugepages.request()  # before torch loads: its allocator reads the variable once
 
 import torch
 
@@ -81,13 +90,38 @@ def pdserve_tokens_per_s(engine, batch: int, context: int, steps: int) -> float:
     return batch * steps / (time.perf_counter() - start)
 
 
-def measure_round(engines, variants, llama_bins, gguf, args, batches) -> dict:
+def measure_round(llama_bins, gguf, args, batches) -> dict:
     out: dict[str, dict[int, float]] = {}
     for name, binary in llama_bins.items():
         out[f"llama.cpp {name}"] = llama_batched(
             binary, gguf, args.threads, args.context, args.gen, batches
         )
-    for fmt, engine in engines.items():
+    out.update(pdserve_in_child(args))
+    return out
+
+
+def pdserve_in_child(args) -> dict[str, dict[int, float]]:
+    """One round of every pdserve row, measured by a fresh process of this script."""
+    cmd = [sys.executable, __file__, "--child", "--threads", str(args.threads),
+           "--batches", args.batches, "--context", str(args.context), "--gen", str(args.gen),
+           "--weights", args.weights, "--cpu-kernels", args.cpu_kernels,
+           "--kv-dtype", args.kv_dtype]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=True).stdout
+    rows = json.loads(out.strip().splitlines()[-1])
+    return {name: {int(b): tps for b, tps in per_batch.items()} for name, per_batch in rows.items()}
+
+
+def measure_pdserve(args, batches) -> dict[str, dict[int, float]]:
+    """Every pdserve row (format x build) once, in this process."""
+    variants = tuple(v for v in args.cpu_kernels.split(",") if v) or (
+        cpu_extension.selected_variant(),
+    )
+    out = {}
+    for fmt in args.weights.split(","):
+        engine = bench_engine._engine(
+            "embedded", (16,), batches, (args.context + 8,), fmt.split(":")[0], args.kv_dtype,
+            activations=(fmt.split(":") + ["int8"])[1],
+        )[1]  # fmt: skip
         for v in variants:
             bench_engine.use_cpu_kernels(engine.runner.model, v)
             out[f"pdserve {fmt} {v}"] = {
@@ -156,25 +190,18 @@ def main(argv=None) -> int:
                    help="the GGUF file llama.cpp runs (default: the embedded Q4_1 one); an f32 "
                         "conversion compares fp32 with fp32")  # fmt: skip
     p.add_argument("--json", default=None)
+    p.add_argument("--child", action="store_true", help="measure pdserve once; print JSON")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     batches = tuple(int(b) for b in args.batches.split(","))
+    if args.child:
+        print(json.dumps(measure_pdserve(args, batches)))
+        return 0
     llama_bins = dict((s.split("=", 1) if "=" in s else (Path(s).name, s)) for s in args.llama_bin)
     llama_bins = {k: Path(v) for k, v in llama_bins.items()}
-    variants = tuple(v for v in args.cpu_kernels.split(",") if v) or (
-        cpu_extension.selected_variant(),
-    )
     load_before = os.getloadavg()
-    engines = {
-        fmt: bench_engine._engine(
-            "embedded", (16,), batches, (args.context + 8,), fmt.split(":")[0], args.kv_dtype,
-            activations=(fmt.split(":") + ["int8"])[1],
-        )[1]
-        for fmt in args.weights.split(",")
-    }  # fmt: skip
     gguf = Path(args.llama_gguf) if args.llama_gguf else embedded_gguf_path()
-    rounds = [measure_round(engines, variants, llama_bins, gguf, args, batches)
-              for _ in range(args.rounds)]  # fmt: skip
+    rounds = [measure_round(llama_bins, gguf, args, batches) for _ in range(args.rounds)]
     best = best_of(rounds)
     meta = {
         **cpu_extension.describe(),
