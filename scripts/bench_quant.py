@@ -19,10 +19,10 @@ against that build's best batched figure (its highest tokens/s over the batch si
 ``--weights`` names formats; ``int8:fp32`` / ``q4:fp32`` are those weights with fp32
 activations (the exact kernel) instead of the default int8 ones (kernels/csrc/quant_dot_cpu.cpp).
 
-Each round measures pdserve in a fresh process (``--child``), as each llama.cpp run is one: on
-a VM one process's step times can sit 15-30% above another's for its whole life (where its
-memory landed), so best-of-rounds must give both engines the same number of draws. The child
-asks for huge pages before torch loads, as pdserve's own processes do (engine/hugepages.py).
+Each round measures pdserve in a fresh process (``--child``), as each llama.cpp run is one, so
+both engines are measured the same way, round by round, while a VM's speed moves 15-30% from
+minute to minute. The child asks for huge pages before torch loads, as pdserve's own processes
+do (engine/hugepages.py).
 """
 
 from __future__ import annotations
