@@ -97,7 +97,8 @@ class RouterSection(_Strict):
 class AutoscalerConfig(_Strict):
     """Each pool between its own min and max, from its own signal. A pool grows by one when its
     signal is over target and shrinks by one when the signal is under ``low_ratio`` x target;
-    after any change it waits ``cooldown_s`` so it does not flap."""
+    after any change it waits ``cooldown_s`` so it does not flap. With ``planner_profile`` both
+    pools instead go to the split the planner finds for the window's traffic."""
 
     enabled: bool = False
     period_s: float = Field(5.0, gt=0)
@@ -109,6 +110,16 @@ class AutoscalerConfig(_Strict):
     kv_high: float = Field(0.85, gt=0, le=1)
     kv_low: float = Field(0.3, ge=0, le=1)
     low_ratio: float = Field(0.5, gt=0, lt=1)
+    planner_profile: str | None = Field(
+        None,
+        description="a `pdserve profile` file: both pools' targets come from simulating the "
+        "window's finished requests on every split the bounds allow (pdserve/planner/"
+        "autoscale.py) instead of one signal per pool",
+    )
+    planner_headroom: float = Field(1.2, ge=1, description="the window's rate is planned times this")
+    planner_min_requests: int = Field(
+        8, ge=1, description="fewer finished requests in the window: hold the pools as they are"
+    )
 
 
 class TlsSection(_Strict):

@@ -261,7 +261,9 @@ class Router:
                 )
                 timings.e2e_s = time.monotonic() - start
                 tpot = (timings.e2e_s - timings.ttft_s) / (n_out - 1) if n_out > 1 else None
-                self.recent_latencies.append((time.monotonic(), timings.ttft_s, tpot))
+                self.recent_latencies.append(  # the autoscaler's window (planner mode: lengths)
+                    (time.monotonic(), timings.ttft_s, tpot, start, len(inp.prompt_ids), n_out)
+                )
                 yield Delta(tokens, delta_text, reason, usage, timings, index=i, **lp)
                 return
         finally:

@@ -3,7 +3,9 @@ cool-down. (The controller driving a real pool is in test_ray_cluster.py.)"""
 
 from __future__ import annotations
 
-from pdserve.cluster.autoscaler import Autoscaler, PoolSignal, latency_summary
+import pytest
+
+from pdserve.cluster.autoscaler import Autoscaler, PoolSignal, latency_summary, planner_profile
 from pdserve.config import AutoscalerConfig
 
 CFG = AutoscalerConfig(
@@ -61,3 +63,22 @@ def test_latency_summary_uses_the_window_only():
     ttft, tpot = latency_summary(obs, now=100.0, window_s=10.0)
     assert abs(ttft - 0.3) < 1e-9 and abs(tpot - 0.02) < 1e-9
     assert latency_summary(obs, now=200.0, window_s=10.0) == (None, None)
+
+
+def test_planner_mode_moves_a_pool_to_its_target_within_bounds_after_the_cooldown():
+    a = Autoscaler(CFG, BOUNDS)
+    d = a.move_to("decode", 1, 9, now=0, reason="planner: 1P4D")
+    assert (d.old, d.new, d.reason) == (1, 4, "planner: 1P4D")  # clamped to the max
+    assert a.move_to("decode", 4, 2, now=5, reason="x") is None  # cooling down
+    assert a.move_to("decode", 4, 4, now=20, reason="x") is None  # already there
+    assert a.move_to("prefill", 2, 0, now=5, reason="x").new == 1  # its own cool-down; min 1
+
+
+def test_an_unreadable_planner_profile_names_the_setting(tmp_path):
+    assert planner_profile(None) is None
+    bad = tmp_path / "p.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="autoscaler.planner_profile"):
+        planner_profile(str(bad))
+    with pytest.raises(ValueError, match="autoscaler.planner_profile"):
+        planner_profile(str(tmp_path / "missing.json"))

@@ -169,6 +169,39 @@ def test_autoscaler_grows_decode_on_tpot_and_shrinks_when_idle(
         assert any("autoscaler: no decode load" in e for e in st["events"])
 
 
+def test_autoscaler_in_planner_mode_sizes_both_pools_from_the_recent_traffic(
+    ray_address, tiny_model, prompts, reference, tmp_path
+):
+    # Generous SLOs: the planner's simulation of the window's requests finds 1P1D enough, so
+    # pools started at 2 + 2 go to 1 + 1, each change naming the split and the rate.
+    from tests.test_planner_sim import toy_profile
+
+    toy_profile().save(tmp_path / "profile.json")
+    autoscaler = {
+        "enabled": True,
+        "period_s": 0.5,
+        "cooldown_s": 0.0,
+        "window_s": 30.0,
+        "ttft_target_s": 60.0,
+        "tpot_target_s": 10.0,
+        "planner_profile": str(tmp_path / "profile.json"),
+        "planner_min_requests": 4,
+    }
+    pool = {"num_cpus": 0, "threads": 1, "min": 1, "max": 2, "replicas": 2}
+    cfg = tiny_config(tiny_model, autoscaler=autoscaler, pools={"prefill": pool, "decode": pool})
+    with launch(cfg, progress=False) as cluster:
+        with SteadyStream(cluster.grpc_address, prompts, reference) as stream:
+            wait_for(
+                lambda: all(p["target"] == 1 for p in cluster.status()["pools"].values()),
+                60,
+                "the planner to size both pools to 1",
+            )
+        assert not stream.failures, stream.failures[:3]
+        events = cluster.status()["events"]
+        planned = [e for e in events if "autoscaler: planner: 1P1D holds" in e]
+        assert len(planned) == 2, events  # one per pool
+
+
 @pytest.fixture(scope="module")
 def cluster(ray_address, tiny_model):
     with launch(tiny_config(tiny_model), progress=False) as c:

@@ -53,6 +53,18 @@ class Autoscaler:
         self._last_change[role] = now
         return Decision(role, target, new, reason)
 
+    def move_to(self, role: str, target: int, wanted: int, now: float, reason: str):
+        """A Decision taking ``role`` from ``target`` to ``wanted`` (clamped to its bounds), or
+        None while it cools down or when nothing changes (the planner mode's step)."""
+        if now - self._last_change.get(role, float("-inf")) < self.cfg.cooldown_s:
+            return None
+        lo, hi = self.bounds[role]
+        new = max(lo, min(hi, wanted))
+        if new == target:
+            return None
+        self._last_change[role] = now
+        return Decision(role, target, new, reason)
+
     def _pressure(self, role: str, s: PoolSignal) -> tuple[int, str]:
         """+1: over target, -1: comfortably under, 0: hold."""
         return self._prefill_pressure(s) if role == "prefill" else self._decode_pressure(s)
@@ -93,3 +105,16 @@ def latency_summary(
     ttft = sum(o[1] for o in recent) / len(recent)
     tpots = [o[2] for o in recent if o[2] is not None]
     return ttft, (sum(tpots) / len(tpots) if tpots else None)
+
+
+def planner_profile(path: str | None):
+    """The planner mode's profile, loaded once at start (None: the reactive mode); an unreadable
+    file is an error naming the setting."""
+    if not path:
+        return None
+    from pdserve.planner.profile import load_profile  # only in the planner mode
+
+    try:
+        return load_profile(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"autoscaler.planner_profile: cannot read {path!r}: {e}") from e

@@ -129,6 +129,11 @@ class RouterActor:
         obs = self._run(_call(lambda: list(self.router.recent_latencies)))
         return latency_summary(obs, time.monotonic(), window_s)
 
+    def recent_requests(self) -> tuple[list[tuple], float]:
+        """The finished requests the router keeps: (finish time, TTFT, TPOT, arrival time,
+        prompt tokens, output tokens), on this process's monotonic clock, and that clock now."""
+        return self._run(_call(lambda: (list(self.router.recent_latencies), time.monotonic())))
+
     def stop(self) -> None:
         if self.servers is not None:
             self._run(self.servers.stop())

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import ray
 
 from engine import hugepages
-from pdserve.cluster.autoscaler import Autoscaler, PoolSignal
+from pdserve.cluster.autoscaler import Autoscaler, PoolSignal, planner_profile
 from pdserve.cluster.ray_actors import RouterActor, WorkerActor
 from pdserve.config import ClusterConfig, with_cluster_token
 
@@ -64,6 +64,7 @@ class Controller:
         self.drained: deque = deque(maxlen=20)  # served counts at drain and at stop, per worker
         bounds = {role: (self.cfg.pools[role].min, self.cfg.pools[role].max) for role in ROLES}
         self.autoscaler = Autoscaler(self.cfg.autoscaler, bounds)
+        self._profile = planner_profile(self.cfg.autoscaler.planner_profile)
         self._ids = {role: itertools.count() for role in ROLES}
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -280,6 +281,8 @@ class Controller:
                 log.exception("autoscaler round failed")
 
     async def _autoscale_once(self, window_s: float) -> None:
+        if self.cfg.autoscaler.planner_profile:
+            return await self._plan_pools()
         pools = await self.router.pool_status.remote()
         ttft, tpot = await self.router.latency.remote(window_s)
         for role in ROLES:
@@ -294,6 +297,23 @@ class Controller:
                 tpot_s=tpot,
             )
             decision = self.autoscaler.decide(role, self.targets[role], signal, time.monotonic())
+            if decision is not None:
+                self._set_target(role, decision.new, f"autoscaler: {decision.reason}")
+                self._spawn(self._reconcile(role))
+
+    async def _plan_pools(self) -> None:
+        """The planner mode: both pools to the split the window's traffic needs."""
+        from pdserve.planner.autoscale import plan_pools  # the planner loads only in this mode
+
+        if any(r.state == "starting" for r in self.workers.values()):
+            return  # the last change has not landed yet
+        observations, now = await self.router.recent_requests.remote()
+        a, bounds = self.cfg.autoscaler, self.autoscaler.bounds
+        target = await asyncio.to_thread(plan_pools, a, self._profile, observations, now, bounds)
+        for role in ROLES if target is not None else ():
+            wanted = getattr(target, role)
+            decision = self.autoscaler.move_to(role, self.targets[role], wanted, time.monotonic(),
+                                               f"planner: {target.reason}")  # fmt: skip
             if decision is not None:
                 self._set_target(role, decision.new, f"autoscaler: {decision.reason}")
                 self._spawn(self._reconcile(role))
