@@ -143,7 +143,8 @@ struct Int8Rows {
   int64_t K, blocks;
 };
 
-// One block of 32 activations: codes round(x * 127 / max|x|), its scale and its sum.
+// One block of 32 activations: codes round(x * levels / max|x|) (levels 127, or 63 where
+// kSevenBit), its scale and its sum.
 inline void quantize_block(const float* x, int8_t* q, float* scale, float* sum, int32_t* code_sum,
                            float levels) {
   constexpr int V = kBlock / simd::kWidth;
