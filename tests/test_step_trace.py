@@ -331,3 +331,45 @@ def test_the_local_fixed_work_falls_back_round_trips_and_scales_with_speed():
     again = Profile.from_dict(json.loads(json.dumps(prof.to_dict())))
     assert again.co_run_fixed_s_local_prefill == 0.015
     assert prof.at_speed(prefill=2.0).co_run_fixed_s_local_prefill == pytest.approx(0.030)
+
+
+def test_the_runs_background_cpu_is_what_the_simulator_would_charge_over_its_span():
+    """The router's CPU over a live run, as CpuShare.charge gets it: per request (a prompt
+    finished: sampled past the decode rows) and per token (first and decoded), over the span."""
+    import dataclasses
+
+    from pdserve.planner.step_residuals import background_share
+
+    prof = dataclasses.replace(
+        flat_profile(0.01, 0.1),
+        router_cpu_per_request_s=0.5,
+        router_cpu_per_token_s=0.01,
+        stream_cpu_per_token_s=0.02,
+    )
+    line = {"decode_context": 10, "prompt_tokens": 0, "prompt_work": 0}
+    steps = {
+        "prefill-x": [
+            {**line, "t": 0.0, "s": 1.0, "decode_rows": 0, "prompt_tokens": 50, "sampled": 2}
+        ],
+        "decode-y": [
+            {**line, "t": 5.0 + i, "s": 0.5, "decode_rows": 4, "sampled": 4} for i in range(5)
+        ],
+    }
+    cpu = 2 * 0.5 + (2 + 20) * 0.03
+    assert background_share(prof, steps) == pytest.approx(cpu / 9.5)
+    rows = priced_steps(prof, steps)
+    assert all(r["background"] == pytest.approx(cpu / 9.5) for r in rows)
+    assert background_share(prof, {}) == 0.0
+
+
+def test_the_background_share_is_taken_off_with_the_workers_before_the_fit():
+    """On 2 cores, with the router busy 20% of the time: decode steps beside one decode
+    neighbour ran 1.25 x (1 + 0.2 / 2) their price, 1.1 of it the simulator's own share of the
+    cores with the router in (CpuShare charges that itself), so the pair fit reads 1.25."""
+    from pdserve.planner.step_residuals import calibrated_costs, unshared
+
+    rows = [{**_row("decode", p, 1.25 * 1.1 * p), "background": 0.2} for p in (0.01, 0.02, 0.04)]
+    assert [r["real_s"] for r in unshared(rows, 2)] == pytest.approx([0.0125, 0.025, 0.05])
+    assert calibrated_costs(rows, cores=2)["co_run_slowdown_decode_pair"] == pytest.approx(1.25)
+    alone = {**_row("decode", 0.01, 0.01, busy=0.0), "background": 0.2}
+    assert unshared([alone], 2)[0]["real_s"] == pytest.approx(0.01)  # 1.2 threads fit 2 cores

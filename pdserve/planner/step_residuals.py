@@ -67,8 +67,25 @@ def load_steps(folder: str | Path) -> dict[str, list[dict]]:
     return {p.stem: read_trace(p) for p in sorted(Path(folder).glob("*.jsonl"))}
 
 
+def background_share(profile: Profile, steps_by_worker: dict[str, list[dict]]) -> float:
+    """The router's and its client's mean CPU use over one live run (cores' worth), as the
+    simulator charges it (``CpuShare.charge``): each request's and each token's CPU cost,
+    with the tokens the steps sampled (first tokens) and decoded, over the run's span."""
+    steps = [s for worker in steps_by_worker.values() for s in worker]
+    if not steps:
+        return 0.0
+    span = max(s["t"] + s["s"] for s in steps) - min(s["t"] for s in steps)
+    first = sum(max(0, s.get("sampled", 0) - s["decode_rows"]) for s in steps)  # prompts done
+    decoded = sum(s["decode_rows"] for s in steps)
+    per_token = profile.router_cpu_per_token_s + profile.stream_cpu_per_token_s
+    cpu = first * profile.router_cpu_per_request_s + (first + decoded) * per_token
+    return cpu / span if span > 0 else 0.0
+
+
 def priced_steps(profile: Profile, steps_by_worker: dict[str, list[dict]]) -> list[dict]:
-    """Every step of every worker with its priced seconds, kind and co-running share."""
+    """Every step of every worker with its priced seconds, kind and co-running share, and the
+    run's background CPU share (``background_share``)."""
+    background = background_share(profile, steps_by_worker)
     spans = {w: _spans(steps) for w, steps in steps_by_worker.items()}
     prompts = {  # each worker's steps that computed prompt tokens
         w: _spans([s for s in steps if s["prompt_tokens"]]) for w, steps in steps_by_worker.items()
@@ -88,6 +105,7 @@ def priced_steps(profile: Profile, steps_by_worker: dict[str, list[dict]]) -> li
                     "co_run": overlap_share(s["t"], s["t"] + s["s"], others),
                     "busy_others": busy_others(s["t"], s["t"] + s["s"], others),
                     "beside_prefill": overlap_share(s["t"], s["t"] + s["s"], prefilling),
+                    "background": background,
                 }
             )
     return out
@@ -227,10 +245,15 @@ def unshared(rows: list[dict], cores: int | None) -> list[dict]:
     then charges it twice there and wrongly on every run with a core a worker."""
     if not cores:
         return rows
-    return [
-        {**r, "real_s": r["real_s"] / max(1.0, (1.0 + r.get("busy_others", 0.0)) / cores)}
-        for r in rows
-    ]
+    return [{**r, "real_s": r["real_s"] / _fair_share(r, cores)} for r in rows]
+
+
+def _fair_share(r: dict, cores: int) -> float:
+    """The simulator's processor-sharing slowdown of a step, in expectation: the workers
+    computing beside it and the background thread (busy ``background`` of the time) on
+    ``cores``. The live steps ran beside the real router, so a co-run cost fitted on them
+    without this would charge the router's CPU twice: once inside the fit, once in CpuShare."""
+    return max(1.0, (1.0 + r.get("busy_others", 0.0) + r.get("background", 0.0)) / cores)
 
 
 def oversubscribed(r: dict, cores: int) -> bool:
