@@ -107,22 +107,17 @@ inline ivec apply_sign(ivec x, sign_t neg) { return _mm512_mask_sub_epi8(x, neg,
 inline simd::vec to_ps(ivec a) { return _mm512_cvtepi32_ps(a); }
 #else
 using ivec = __m256i;
-using sign_t = __m256i;  // the weights themselves: _mm256_sign_epi8 reads their signs
 inline ivec load_i(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
 inline ivec set1_i8(char v) { return _mm256_set1_epi8(v); }
 inline ivec set1_i32(int32_t v) { return _mm256_set1_epi32(v); }
 inline ivec zero_i() { return _mm256_setzero_si256(); }
 inline ivec and_i(ivec a, ivec b) { return _mm256_and_si256(a, b); }
-inline ivec xor_i(ivec a, ivec b) { return _mm256_xor_si256(a, b); }
 inline ivec srli16(ivec a, int n) { return _mm256_srli_epi16(a, n); }
 inline ivec maddubs(ivec u8, ivec s8) { return _mm256_maddubs_epi16(u8, s8); }
 inline ivec add16(ivec a, ivec b) { return _mm256_add_epi16(a, b); }
 inline ivec add32(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
 inline ivec sub32(ivec a, ivec b) { return _mm256_sub_epi32(a, b); }
 inline ivec pairs_to_i32(ivec a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
-inline ivec abs8(ivec a) { return _mm256_abs_epi8(a); }
-inline sign_t sign_of(ivec w) { return w; }
-inline ivec apply_sign(ivec x, sign_t w) { return _mm256_sign_epi8(x, w); }
 inline simd::vec to_ps(ivec a) { return _mm256_cvtepi32_ps(a); }
 #endif
 
@@ -263,7 +258,6 @@ void int8_pass(const Int8Rows& x, int64_t m0, const Packed& w, int64_t t0, const
   for (auto& row : acc)
     for (auto& a : row) a = simd::zero();
   const uint8_t* tile0 = w.data + t0 * w.tile_bytes;
-  const ivec bias128 = set1_i8(static_cast<char>(0x80));
   for (int64_t k0 = 0; k0 < x.K; k0 += kBlock) {
     ivec sums[MR][R];
     for (auto& row : sums)
@@ -277,35 +271,31 @@ void int8_pass(const Int8Rows& x, int64_t m0, const Packed& w, int64_t t0, const
         for (int m = 0; m < MR; ++m)
           sums[m][t] = dot4(sums[m][t], stored, broadcast4(x.q + (m0 + m) * x.K + k0 + c * 4));
       }
-#else
-      if constexpr (kSevenBit) {  // the stored bytes are maddubs' unsigned operand as they are
-        ivec stored[R];
-        for (int t = 0; t < NT; ++t) {
-          const uint8_t* p = tile0 + t * w.tile_bytes + (k0 / 4 + c) * kChunk;
-          for (int r = 0; r < kChunkRegs; ++r) stored[t * kChunkRegs + r] = load_i(p + r * kRegBytes);
-          simd::prefetch(p + kPrefetchBytes);
-        }
-        for (int m = 0; m < MR; ++m) {
-          const ivec xv = broadcast4(x.q + (m0 + m) * x.K + k0 + c * 4);
-          for (int j = 0; j < R; ++j) sums[m][j] = add32(sums[m][j], pairs_to_i32(maddubs(stored[j], xv)));
-        }
-        continue;
-      }
+#elif defined(__AVX512F__)  // no VNNI: the sign trick (|w| unsigned, w's sign onto x)
       ivec magnitude[R];
       sign_t sign[R];
       for (int t = 0; t < NT; ++t) {
         const uint8_t* p = tile0 + t * w.tile_bytes + (k0 / 4 + c) * kChunk;
-        for (int r = 0; r < kChunkRegs; ++r) {
-          const ivec q = xor_i(load_i(p + r * kRegBytes), bias128);  // the signed codes
-          magnitude[t * kChunkRegs + r] = abs8(q);
-          sign[t * kChunkRegs + r] = sign_of(q);
-        }
+        const ivec q = xor_i(load_i(p), set1_i8(static_cast<char>(0x80)));  // the signed codes
+        magnitude[t] = abs8(q);
+        sign[t] = sign_of(q);
         simd::prefetch(p + kPrefetchBytes);
       }
       for (int m = 0; m < MR; ++m) {
         const ivec xv = broadcast4(x.q + (m0 + m) * x.K + k0 + c * 4);
         for (int j = 0; j < R; ++j)
           sums[m][j] = add32(sums[m][j], pairs_to_i32(maddubs(magnitude[j], apply_sign(xv, sign[j]))));
+      }
+#else  // AVX2, kSevenBit: the stored bytes are maddubs' unsigned operand as they are
+      ivec stored[R];
+      for (int t = 0; t < NT; ++t) {
+        const uint8_t* p = tile0 + t * w.tile_bytes + (k0 / 4 + c) * kChunk;
+        for (int r = 0; r < kChunkRegs; ++r) stored[t * kChunkRegs + r] = load_i(p + r * kRegBytes);
+        simd::prefetch(p + kPrefetchBytes);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const ivec xv = broadcast4(x.q + (m0 + m) * x.K + k0 + c * 4);
+        for (int j = 0; j < R; ++j) sums[m][j] = add32(sums[m][j], pairs_to_i32(maddubs(stored[j], xv)));
       }
 #endif
     }

@@ -45,17 +45,12 @@ class Autoscaler:
         if now - self._last_change.get(role, float("-inf")) < self.cfg.cooldown_s:
             return None
         pressure, reason = self._pressure(role, signal)
-        lo, hi = self.bounds[role]
-        new = target + 1 if pressure > 0 else target - 1 if pressure < 0 else target
-        new = max(lo, min(hi, new))
-        if new == target:
-            return None
-        self._last_change[role] = now
-        return Decision(role, target, new, reason)
+        return self.move_to(role, target, target + pressure, now, reason)
 
     def move_to(self, role: str, target: int, wanted: int, now: float, reason: str):
         """A Decision taking ``role`` from ``target`` to ``wanted`` (clamped to its bounds), or
-        None while it cools down or when nothing changes (the planner mode's step)."""
+        None while it cools down or when nothing changes (``decide``'s step, and the planner
+        mode's)."""
         if now - self._last_change.get(role, float("-inf")) < self.cfg.cooldown_s:
             return None
         lo, hi = self.bounds[role]

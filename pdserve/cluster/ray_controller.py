@@ -296,10 +296,7 @@ class Controller:
                 ttft_s=ttft,
                 tpot_s=tpot,
             )
-            decision = self.autoscaler.decide(role, self.targets[role], signal, time.monotonic())
-            if decision is not None:
-                self._set_target(role, decision.new, f"autoscaler: {decision.reason}")
-                self._spawn(self._reconcile(role))
+            self._apply(self.autoscaler.decide(role, self.targets[role], signal, time.monotonic()))
 
     async def _plan_pools(self) -> None:
         """The planner mode: both pools to the split the window's traffic needs."""
@@ -310,13 +307,20 @@ class Controller:
         observations, now = await self.router.recent_requests.remote()
         a, bounds = self.cfg.autoscaler, self.autoscaler.bounds
         target = await asyncio.to_thread(plan_pools, a, self._profile, observations, now, bounds)
-        for role in ROLES if target is not None else ():
+        if target is None:
+            return  # too little traffic in the window to plan for
+        for role in ROLES:
+            reason = f"planner: {target.reason}"
             wanted = getattr(target, role)
-            decision = self.autoscaler.move_to(role, self.targets[role], wanted, time.monotonic(),
-                                               f"planner: {target.reason}")  # fmt: skip
-            if decision is not None:
-                self._set_target(role, decision.new, f"autoscaler: {decision.reason}")
-                self._spawn(self._reconcile(role))
+            self._apply(
+                self.autoscaler.move_to(role, self.targets[role], wanted, time.monotonic(), reason)
+            )
+
+    def _apply(self, decision) -> None:
+        """An autoscaler Decision (None: keep the pool): its new target, then reconcile."""
+        if decision is not None:
+            self._set_target(decision.role, decision.new, f"autoscaler: {decision.reason}")
+            self._spawn(self._reconcile(decision.role))
 
     # ---- status --------------------------------------------------------------------------
     async def status(self) -> dict:

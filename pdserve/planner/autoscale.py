@@ -39,8 +39,7 @@ def recent_trace(observations, now: float, window_s: float) -> list[TraceRequest
     """The requests that arrived in the last ``window_s`` seconds and finished, as a trace
     (arrival times from the first one). ``observations``: the router's (finish time, TTFT,
     TPOT, arrival time, prompt tokens, output tokens) on one monotonic clock."""
-    recent = sorted((o for o in observations if len(o) >= 6 and now - o[3] <= window_s),
-                    key=lambda o: o[3])  # fmt: skip
+    recent = sorted((o for o in observations if now - o[3] <= window_s), key=lambda o: o[3])
     if not recent:
         return []
     first = recent[0][3]
