@@ -40,8 +40,10 @@ from pdserve.planner import stored_runs
 from pdserve.planner.fidelity_replay import (
     METRICS,
     err,
+    format_spread,
     mape,
     mape_of,
+    repeat_spread,
     replay,
     resimulate,
     run_name,
@@ -330,6 +332,16 @@ def rescore(args, profile) -> int:
     return 0
 
 
+def compare_repeat(args) -> int:
+    """Two stored runs of the same requests (``--repeat FIRST SECOND``): the real cluster
+    against itself, beside each simulation scored on the other run."""
+    spread = repeat_spread(*(json.loads(Path(f).read_text()) for f in args.repeat))
+    print(format_spread(spread), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(spread, indent=1) + "\n")
+    return 0
+
+
 def calibrate_from_runs(args, profile) -> int:
     """The profile with the live costs fitted on every run of the stored fidelity JSONs (their
     step traces pooled, each at its probed speed), written to ``--calibrated-out``."""
@@ -341,7 +353,7 @@ def calibrate_from_runs(args, profile) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--profile", required=True)
+    ap.add_argument("--profile", default=None, help="the profile (every mode but --repeat)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scale", type=float, default=1.0, help="x the requests per run")
@@ -377,6 +389,14 @@ def main() -> int:
         "machine's speed just before and after each real run",
     )
     ap.add_argument(
+        "--repeat",
+        nargs=2,
+        default=None,
+        metavar=("FIRST", "SECOND"),
+        help="two stored runs of the same requests (same --seed, one after the other): print "
+        "how far the real cluster lands from itself, the floor a run's MAPE is read against",
+    )
+    ap.add_argument(
         "--leave-one-out",
         default=None,
         metavar="TRACES",
@@ -384,6 +404,13 @@ def main() -> int:
         "traces (this folder, as --step-trace wrote it) of the other runs",
     )
     args = ap.parse_args()
+    if args.repeat:
+        try:
+            return compare_repeat(args)
+        except ValueError as e:
+            ap.error(f"--repeat: {e}")
+    if not args.profile:
+        ap.error("--profile is required")
     if args.leave_one_out and not args.resimulate:
         ap.error("--leave-one-out needs --resimulate (a stored run and its step traces)")
     profile = load_profile(args.profile)

@@ -210,6 +210,40 @@ def test_resimulate_replays_each_run_at_its_probed_speed():
     assert got != resimulate(plain, prof, slos, _Tokenizer())["fidelity"][0]["sim"]
 
 
+def test_a_repeat_scores_the_real_cluster_against_itself():
+    """Two runs of the same requests: each one's real side taken as the prediction of the
+    other's, and each simulation scored on the other run; a different workload is refused."""
+    from pdserve.planner.fidelity_replay import repeat_spread
+
+    def run(split, real, sim):
+        keys = ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "goodput")
+        return {
+            "split": split, "workload": "chat", "rate": 1.0, "requests": 20,
+            "real": dict(zip(keys, real, strict=True)), "sim": dict(zip(keys, sim, strict=True)),
+        }  # fmt: skip
+
+    first = {"fidelity": [run("1P1D", (100, 200, 50, 1.0), (110, 200, 50, 1.0)),
+                          run("colo2", (100, 400, 40, 2.0), (100, 400, 40, 2.0))]}  # fmt: skip
+    second = {"fidelity": [run("1P1D", (125, 200, 50, 1.0), (100, 200, 50, 1.0)),
+                           run("colo2", (100, 400, 50, 2.0), (100, 400, 50, 2.0))]}  # fmt: skip
+    got = repeat_spread(first, second)
+    assert got["first_predicts_second"] == pytest.approx(
+        {
+            "p50_ttft_ms": (25 / 125) / 2,
+            "p90_ttft_ms": 0,
+            "p50_tpot_ms": (10 / 50) / 2,
+            "goodput": 0,
+        }
+    )
+    assert got["second_predicts_first"]["p50_ttft_ms"] == pytest.approx((25 / 100) / 2)
+    assert got["first_sim_on_second"]["p50_ttft_ms"] == pytest.approx((15 / 125) / 2)
+    assert got["second_sim_on_first"]["p50_tpot_ms"] == pytest.approx((10 / 40) / 2)
+    assert [r["run"] for r in got["runs"]] == ["1P1D_chat_1.0", "colo2_chat_1.0"]
+    other = {"fidelity": [second["fidelity"][0], {**second["fidelity"][1], "requests": 21}]}
+    with pytest.raises(ValueError, match="not a repeat: colo2_chat_1.0"):
+        repeat_spread(first, other)
+
+
 def test_sampling_cost_measures_more_for_a_temperature_than_greedy(make_engine, tmp_path):
     from pdserve.planner.measure import measure_sample_cost
     from tests.conftest import tiny_llama_dir

@@ -110,3 +110,51 @@ def resimulate(
         new["error"] = {m: err(new["sim"][m], row["real"][m]) for m in METRICS}
         rows.append(new)
     return {**report, "fidelity": rows, "mape": mape(rows)}
+
+
+def repeat_spread(first: dict, second: dict) -> dict:
+    """Two fidelity reports of the same requests (same seed and rates, run one after the
+    other): how far the real cluster lands from itself. Per metric, the MAPE of each run's
+    real side taken as the prediction of the other's (a simulator that predicted one run
+    exactly would score that on its repeat: the floor a single run's MAPE is read against),
+    and of each report's simulated side scored on the other's real one."""
+    pairs = list(zip(first["fidelity"], second["fidelity"], strict=True))
+    for a, b in pairs:
+        same = ("split", "workload", "rate", "requests")
+        if any(a[k] != b[k] for k in same):
+            raise ValueError(
+                f"not a repeat: {run_name(a)} ({a['requests']} requests) against "
+                f"{run_name(b)} ({b['requests']} requests)"
+            )
+
+    def score(x_of, y_of) -> dict:  # x_of(pair) predicts y_of(pair)
+        return {m: sum(err(x_of(p)[m], y_of(p)[m]) for p in pairs) / len(pairs) for m in METRICS}
+
+    return {
+        "first_predicts_second": score(lambda p: p[0]["real"], lambda p: p[1]["real"]),
+        "second_predicts_first": score(lambda p: p[1]["real"], lambda p: p[0]["real"]),
+        "first_sim_on_second": score(lambda p: p[0]["sim"], lambda p: p[1]["real"]),
+        "second_sim_on_first": score(lambda p: p[1]["sim"], lambda p: p[0]["real"]),
+        "runs": [{"run": run_name(a), "real": a["real"], "repeat": b["real"]} for a, b in pairs],
+    }
+
+
+SPREAD_LABELS = {
+    "first_predicts_second": "the first run's real side predicting the second's",
+    "second_predicts_first": "the second run's real side predicting the first's",
+    "first_sim_on_second": "the first run's simulation scored on the second",
+    "second_sim_on_first": "the second run's simulation scored on the first",
+}
+
+
+def format_spread(spread: dict) -> str:
+    """``repeat_spread``'s figures: each run's real side and its repeat's, then the MAPEs."""
+    lines = []
+    for run in spread["runs"]:
+        a, b = run["real"], run["repeat"]
+        cells = (f"{m} {a[m]:.4g}/{b[m]:.4g} ({err(a[m], b[m]):.0%})" for m in METRICS)
+        lines.append(f"{run['run']:<22}" + "  ".join(cells))
+    for key, label in SPREAD_LABELS.items():
+        figures = "  ".join(f"{m} {v:.1%}" for m, v in spread[key].items())
+        lines.append(f"MAPE {label}: {figures}")
+    return "\n".join(lines)
