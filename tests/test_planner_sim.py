@@ -36,6 +36,22 @@ def test_noisy_measurements_become_monotone():
     assert monotone([[3, 2, 4], [1, 5, 1]]) == ((3, 3, 4), (3, 5, 5))
 
 
+def test_a_single_point_spike_is_taken_out_before_the_running_maximum():
+    """A timing over both its neighbours on an axis by more than 15% becomes their mean (Zen
+    4's batch 2 at context 64, 36.3 ms between 27.2 and 29.7, and batch 1 at 512); a steep
+    but steady rise, or a high point on the table's edge, is kept."""
+    from pdserve.planner.profile import despike, monotone
+
+    raw = [[27.0, 27.0, 32.0, 27.5], [36.0, 29.0, 30.0, 44.0], [30.0, 34.0, 38.0, 46.0]]
+    got = despike(raw)
+    assert got[1][0] == pytest.approx((27.0 + 30.0) / 2)
+    assert got[0][2] == pytest.approx((27.0 + 27.5) / 2)
+    changed = {(i, j) for i in range(3) for j in range(4) if got[i][j] != raw[i][j]}
+    assert changed == {(1, 0), (0, 2)}
+    assert monotone(got)[1][0] == pytest.approx(28.5)  # no longer carried to larger batches
+    assert despike([[10.0, 20.0, 40.0]]) == [[10.0, 20.0, 40.0]]
+
+
 def test_profile_round_trips_through_json(tmp_path):
     from pdserve.planner.profile import load_profile
 
@@ -206,6 +222,31 @@ def test_a_step_pays_its_fixed_co_run_work_once_when_a_neighbour_starts():
     assert later == pytest.approx([1.7, 2.2])
     prefill = _steps_on_shared_cores(kw, [(0.0, "prefill", 1.0), (0.0, "prefill", 1.0)])
     assert prefill == pytest.approx([2.0, 2.0])  # no fixed work given for prefill steps
+
+
+def test_a_decode_pair_pays_its_own_fixed_work_and_a_prefill_neighbour_the_kinds():
+    """Decode beside decode pays the pair's fixed work (0.1 s) at the pair's factor (1.0): two
+    1 s steps end at 1.1, as the live pair costs a few ms at every batch; beside a prefill
+    step a decode step pays its kind's (0.02) at its kind's factor (1.5)."""
+    kw = {"cores": 2, "threads": 1, "co_run_slowdown": 1.5, "co_run_slowdown_prefill": 1.0,
+          "pairs": {("decode", "decode"): 1.0}, "fixed": {"decode": 0.02},
+          "pair_fixed": {("decode", "decode"): 0.1}}  # fmt: skip
+    assert _steps_on_shared_cores(kw, [(0.0, "decode", 1.0)] * 2) == pytest.approx([1.1] * 2)
+    beside = _steps_on_shared_cores(kw, [(0.0, "decode", 1.0), (0.0, "prefill", 10.0)])
+    assert beside[0] == pytest.approx(1.5 * 1.02)
+    none = {**kw, "pair_fixed": {("decode", "decode"): None}}  # an older profile's
+    assert _steps_on_shared_cores(none, [(0.0, "decode", 1.0)] * 2) == pytest.approx([1.02] * 2)
+
+
+def test_the_decode_pairs_fixed_work_is_kept_in_the_file_and_scaled_with_the_speed(tmp_path):
+    from pdserve.planner.profile import load_profile
+
+    prof = Profile(**{**toy_profile().__dict__, "co_run_fixed_s_decode_pair": 0.006})
+    prof.save(tmp_path / "p.json")
+    again = load_profile(tmp_path / "p.json")
+    assert again.co_run_fixed_s_decode_pair == 0.006
+    assert again.at_speed(decode=2.0).co_run_fixed_s_decode_pair == pytest.approx(0.012)
+    assert toy_profile().at_speed(decode=2.0).co_run_fixed_s_decode_pair is None
 
 
 def test_oversubscribed_cores_are_split_by_weight_and_fairly_without_weights():

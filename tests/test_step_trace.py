@@ -227,6 +227,18 @@ def test_the_cores_share_is_taken_off_before_the_fit_and_each_pair_of_kinds_fits
     assert calibrated_costs(rows)["co_run_slowdown_decode_pair"] > 1.4
 
 
+def test_the_decode_pair_fits_as_fixed_work_where_it_costs_the_same_at_every_batch():
+    """Decode steps beside another decode worker ran their price + 6 ms at every size (Zen 4:
+    1.29x at one row, 1.10x at eight): the pair reads factor 1 and 6 ms of fixed work, not one
+    factor that overcharges the large batches."""
+    from pdserve.planner.step_residuals import calibrated_costs
+
+    rows = [_row("decode", p, p + 0.006) for p in (0.02, 0.03, 0.045, 0.06)]
+    costs = calibrated_costs(rows, cores=2)
+    assert costs["co_run_slowdown_decode_pair"] == pytest.approx(1.0)
+    assert costs["co_run_fixed_s_decode_pair"] == pytest.approx(0.006)
+
+
 @pytest.mark.parametrize("weight", [0.5, 0.8, 1.0])
 def test_the_prefill_weight_fitted_makes_the_simulators_share_what_the_prompt_steps_lost(weight):
     """Prompt steps beside two decoding workers on 2 cores ran ``CpuShare.shares``' slowdown

@@ -54,12 +54,14 @@ class CpuShare:
         pairs: dict[tuple[str, str], float] | None = None,
         fixed: dict[str, float] | None = None,
         weights: dict[str, float] | None = None,
+        pair_fixed: dict[tuple[str, str], float] | None = None,
     ):
         """``co_run_slowdown``: a decode step's beside a prefilling neighbour;
         ``co_run_slowdown_prefill``: a prefill step's beside a decoding one (None: the decode
         figure); ``pairs``: (kind, neighbour kind) -> slowdown for the other pairs (a pair not
         given takes its kind's figure); ``fixed``: kind -> the work a step adds once beside
-        a computing neighbour; ``weights``: kind -> its claim on oversubscribed cores (1: fair)."""
+        a computing neighbour; ``weights``: kind -> its claim on oversubscribed cores (1: fair);
+        ``pair_fixed``: (kind, neighbour kind) -> that work where a pair has its own."""
         self.cores = cores
         self.threads = max(threads, 1)
         prefill = co_run_slowdown if co_run_slowdown_prefill is None else co_run_slowdown_prefill
@@ -68,6 +70,7 @@ class CpuShare:
         self.pairs.update({k: v for k, v in (pairs or {}).items() if v is not None})
         self.fixed = {k: (fixed or {}).get(k, 0.0) for k in KINDS}
         self.weights = {k: (weights or {}).get(k, 1.0) for k in KINDS}
+        self.pair_fixed = {k: v for k, v in (pair_fixed or {}).items() if v is not None}
         self.clock = clock
         self.running: dict[int, _Running] = {}
         self._next_id = 0
@@ -81,6 +84,10 @@ class CpuShare:
     def pair_slowdown(self, kind: str, neighbours) -> float:
         """What the neighbours' kinds cost a step of ``kind`` beside them (the largest)."""
         return max(self.pairs[kind, n] for n in neighbours) if neighbours else 1.0
+
+    def fixed_beside(self, step: _Running, neighbours) -> float:
+        """The once-per-step work a step pays beside the neighbours' kinds (the largest)."""
+        return max(self.pair_fixed.get((step.kind, n), step.fixed) for n in neighbours)
 
     def shares(self, kinds: list[str], background: bool) -> tuple[list[float], float]:
         """How many times slower than on free cores each running step (``kinds``) and the
@@ -163,7 +170,7 @@ class CpuShare:
         for (sid, step), share in zip(steps, shares, strict=True):
             others = [k for k in KINDS if counts[k] - (k == step.kind) > 0]
             if others and not step.fixed_paid:
-                step.remaining += step.fixed
+                step.remaining += self.fixed_beside(step, others)
                 step.fixed_paid = True
             step.rate = 1.0 / (share * self.pair_slowdown(step.kind, others))
             step.gen += 1

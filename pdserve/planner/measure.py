@@ -27,7 +27,7 @@ import torch
 
 from pdserve.bench.micro.limits import median_time
 from pdserve.planner.machine_meta import machine_meta
-from pdserve.planner.profile import EngineSettings, Profile, Table2D, monotone
+from pdserve.planner.profile import EngineSettings, Profile, Table2D, despike, monotone
 
 QUICK_ROUTER_OVERHEAD_S = 2e-3  # --quick does not spawn the router; BENCHMARKS.md run 5
 
@@ -371,8 +371,8 @@ def run_profile(
         quick=quick,
     )
     return Profile(
-        prefill=Table2D(grid.prefill_tokens, grid.offsets, monotone(prefill)),
-        decode=Table2D(grid.batches, grid.contexts, monotone(decode)),
+        prefill=Table2D(grid.prefill_tokens, grid.offsets, monotone(despike(prefill))),
+        decode=Table2D(grid.batches, grid.contexts, monotone(despike(decode))),
         transfer_bytes=tuple(float(t * kv_per_token) for t in grid.transfer_tokens),
         transfer_seconds=tuple(transfer),
         router_overhead_s=router_s,

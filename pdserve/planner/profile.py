@@ -49,6 +49,33 @@ def interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
+SPIKE = 1.15  # a point this far over both its neighbours on an axis is a disturbed timing
+
+
+def despike(seconds: Sequence[Sequence[float]], spike: float = SPIKE) -> list[list[float]]:
+    """Each point that stands over both its neighbours along a row or a column by more than
+    ``spike`` x the larger, replaced by their mean. A timing the machine disturbed (a neighbour
+    process, a page fault) is one point; ``monotone`` would carry it to every larger shape
+    (Zen 4: batch 2 at context 64 read 36.3 ms between 27.2 at batch 1 and 29.7 at batch 4,
+    and priced batches 2-8 there at 36.3)."""
+    out = [list(r) for r in seconds]
+    for i, row in enumerate(seconds):
+        for j, x in enumerate(row):
+            for lo, hi in _neighbour_pairs(seconds, i, j):
+                if x > spike * max(lo, hi):
+                    out[i][j] = (lo + hi) / 2
+                    break
+    return out
+
+
+def _neighbour_pairs(seconds: Sequence[Sequence[float]], i: int, j: int):
+    """The point's two neighbours along its column, then along its row, where it has both."""
+    if 0 < i < len(seconds) - 1:
+        yield seconds[i - 1][j], seconds[i + 1][j]
+    if 0 < j < len(seconds[i]) - 1:
+        yield seconds[i][j - 1], seconds[i][j + 1]
+
+
 def monotone(seconds: Sequence[Sequence[float]]) -> tuple[tuple[float, ...], ...]:
     """Running maximum along both axes: on a shared machine a point measured in a quiet
     moment can come out below a smaller one, and more work is never faster."""
@@ -128,6 +155,10 @@ class Profile:
     # read about half a prefill worker's (Zen 4: 14-22 ms against 37-45). None in older
     # profiles: the prefill worker's figure.
     co_run_fixed_s_local_prefill: float | None = None
+    # A decode step's beside another worker's decode step only: live, that pair costs a decode
+    # step about the same few milliseconds at every batch (Zen 4: 5-7 ms, 1.29x at one row,
+    # 1.10x at eight), not a share of it. None in older profiles: ``co_run_fixed_s``.
+    co_run_fixed_s_decode_pair: float | None = None
     # A prompt-computing step's claim on the cores against a decode step's 1 when more threads
     # compute than there are cores (CpuShare.shares): the kernel's scheduler favours the decode
     # workers, which sleep between steps, over a long CPU-bound prefill. Set by hand (see
@@ -225,6 +256,7 @@ class Profile:
             co_run_fixed_s=self.co_run_fixed_s * decode,
             co_run_fixed_s_prefill=self.co_run_fixed_s_prefill * prefill,
             co_run_fixed_s_local_prefill=_times(self.co_run_fixed_s_local_prefill, prefill),
+            co_run_fixed_s_decode_pair=_times(self.co_run_fixed_s_decode_pair, decode),
         )
 
     # ---- files ---------------------------------------------------------------------------
@@ -260,6 +292,7 @@ class Profile:
                 co_run_fixed_s=float(d.get("co_run_fixed_s", 0.0)),
                 co_run_fixed_s_prefill=float(d.get("co_run_fixed_s_prefill", 0.0)),
                 co_run_fixed_s_local_prefill=_optional_float(d.get("co_run_fixed_s_local_prefill")),
+                co_run_fixed_s_decode_pair=_optional_float(d.get("co_run_fixed_s_decode_pair")),
                 oversubscribed_prefill_weight=float(d.get("oversubscribed_prefill_weight", 1.0)),
                 **{k: float(d.get(k, 0.0)) for k in CPU_COST_FIELDS},
                 meta=dict(d.get("meta", {})),

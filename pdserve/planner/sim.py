@@ -137,6 +137,7 @@ class SimCluster:
             profile.co_run_pairs,
             {"decode": profile.co_run_fixed_s, "prefill": profile.co_run_fixed_s_prefill},
             {"prefill": profile.oversubscribed_prefill_weight},
+            {("decode", "decode"): profile.co_run_fixed_s_decode_pair},
         )
         self.cpu = cpu
         # The router's and client's CPU per streamed token, with the decode worker's gRPC

@@ -326,11 +326,23 @@ def calibrated_costs(rows: list[dict], cores: int | None = None) -> dict[str, fl
         local = not on_prefill_worker(r) and "local_prefill" in fit
         return fit["local_prefill" if local else "prefill"][1]
 
-    for kind in ("decode", "prefill"):  # a pair no run had keeps the profile's figure
-        pair = same_kind_factor(rows, kind, fixed)
-        if pair is not None:
-            costs[f"co_run_slowdown_{kind}_pair"] = pair
+    pair = decode_pair_affine(rows)  # a pair no run had keeps the profile's figures
+    if pair is not None:
+        costs["co_run_slowdown_decode_pair"], costs["co_run_fixed_s_decode_pair"] = pair
+    prefill_pair = same_kind_factor(rows, "prefill", fixed)
+    if prefill_pair is not None:
+        costs["co_run_slowdown_prefill_pair"] = prefill_pair
     return costs
+
+
+def decode_pair_affine(rows: list[dict]) -> tuple[float, float] | None:
+    """The decode pair's (factor, fixed work): decode steps beside decode steps only, as
+    ``affine_fit``. None without such steps."""
+    group = [r for r in co_running(rows, "decode") if beside_same_kind(r)]
+    if len(group) < 3:
+        return None
+    real = np.array([r["real_s"] for r in group], dtype=float)
+    return affine_fit(real, np.array([r["priced_s"] for r in group], dtype=float))
 
 
 def pooled_costs(
@@ -350,6 +362,7 @@ def pooled_costs(
     costs = calibrated_costs(rows, cores)
     fields = (
         ("co_run_fixed_s", "decode"),
+        ("co_run_fixed_s_decode_pair", "decode"),
         ("co_run_fixed_s_prefill", "prefill"),
         ("co_run_fixed_s_local_prefill", "prefill"),
     )
