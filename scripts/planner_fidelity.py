@@ -41,6 +41,7 @@ from pdserve.planner.fidelity_replay import (
     METRICS,
     err,
     format_spread,
+    load_report,
     mape,
     mape_of,
     repeat_spread,
@@ -335,7 +336,7 @@ def rescore(args, profile) -> int:
 def compare_repeat(args) -> int:
     """Two stored runs of the same requests (``--repeat FIRST SECOND``): the real cluster
     against itself, beside each simulation scored on the other run."""
-    spread = repeat_spread(*(json.loads(Path(f).read_text()) for f in args.repeat))
+    spread = repeat_spread(*(load_report(f) for f in args.repeat))
     print(format_spread(spread), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(spread, indent=1) + "\n")

@@ -244,6 +244,20 @@ def test_a_repeat_scores_the_real_cluster_against_itself():
         repeat_spread(first, other)
 
 
+def test_a_stored_report_that_cannot_be_used_is_named_in_the_error(tmp_path):
+    from pdserve.planner.fidelity_replay import load_report
+
+    (tmp_path / "text.json").write_text("not json")
+    (tmp_path / "profile.json").write_text('{"decode": {}}')
+    (tmp_path / "ok.json").write_text('{"fidelity": []}')
+    for name, says in (("missing.json", "cannot read"), ("text.json", "is not JSON"),
+                       ("profile.json", "is not a fidelity report")):  # fmt: skip
+        with pytest.raises(ValueError, match=name) as e:
+            load_report(tmp_path / name)
+        assert says in str(e.value)
+    assert load_report(tmp_path / "ok.json") == {"fidelity": []}
+
+
 def test_sampling_cost_measures_more_for_a_temperature_than_greedy(make_engine, tmp_path):
     from pdserve.planner.measure import measure_sample_cost
     from tests.conftest import tiny_llama_dir

@@ -11,6 +11,8 @@ measurements without running a cluster again.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 from pdserve.bench.loadgen.metrics import SLO, BenchResult
 from pdserve.planner.profile import Profile
@@ -110,6 +112,20 @@ def resimulate(
         new["error"] = {m: err(new["sim"][m], row["real"][m]) for m in METRICS}
         rows.append(new)
     return {**report, "fidelity": rows, "mape": mape(rows)}
+
+
+def load_report(path: str | Path) -> dict:
+    """A stored fidelity report (planner_fidelity.py --json); ValueError naming the file if it
+    cannot be read or holds no runs."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON: {e}") from None
+    if not isinstance(report, dict) or "fidelity" not in report:
+        raise ValueError(f"{path} is not a fidelity report (no runs)")
+    return report
 
 
 def repeat_spread(first: dict, second: dict) -> dict:
