@@ -11,11 +11,10 @@ measurements without running a cluster again.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from pdserve.bench.loadgen.metrics import SLO, BenchResult
-from pdserve.planner.profile import Profile
+from pdserve.planner.profile import Profile, read_json
 from pdserve.planner.sim import SimConfig, Split, simulate
 from pdserve.planner.workload import TraceRequest
 
@@ -117,12 +116,7 @@ def resimulate(
 def load_report(path: str | Path) -> dict:
     """A stored fidelity report (planner_fidelity.py --json); ValueError naming the file if it
     cannot be read or holds no runs."""
-    try:
-        report = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not JSON: {e}") from None
+    report = read_json(path)
     if not isinstance(report, dict) or "fidelity" not in report:
         raise ValueError(f"{path} is not a fidelity report (no runs)")
     return report

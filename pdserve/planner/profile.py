@@ -309,13 +309,20 @@ def _times(value: float | None, factor: float) -> float | None:
     return None if value is None else value * factor
 
 
-def load_profile(path: str | Path) -> Profile:
+def read_json(path: str | Path, what: str = ""):
+    """A JSON file's contents; ValueError naming the file (as ``what``) if it cannot be read or
+    is not JSON."""
+    name = f"{what} {path}" if what else str(path)
     try:
-        data = json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text())
     except OSError as e:
-        raise ValueError(f"cannot read profile {path}: {e.strerror}") from None
+        raise ValueError(f"cannot read {name}: {e.strerror}") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"profile {path} is not JSON: {e}") from None
+        raise ValueError(f"{name} is not JSON: {e}") from None
+
+
+def load_profile(path: str | Path) -> Profile:
+    data = read_json(path, "profile")
     try:
         return Profile.from_dict(data)
     except ValueError as e:
