@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.step_trace import ENV_VAR as STEP_TRACE_ENV
-from pdserve.bench.loadgen.metrics import SLO, BenchResult
+from pdserve.bench.loadgen.metrics import SLO
 from pdserve.bench.loadgen.serve import ServeConfig, run_benchmark
 from pdserve.cluster.local import ClusterSpec, LocalCluster
 from pdserve.planner import stored_runs
@@ -44,10 +44,12 @@ from pdserve.planner.fidelity_replay import (
     load_report,
     mape,
     mape_of,
+    per_request,
     repeat_spread,
     replay,
     resimulate,
     run_name,
+    sends_of,
     shared_prefix_tokens,
     summary,
 )
@@ -140,14 +142,6 @@ def sim_capacity(profile, split: Split, workload: str, slo: SLO, cores: int) -> 
     return Evaluator(profile, wl, slo, sim_config(split, workload, cores)).capacity(split, 0.5)
 
 
-def sends_of(res: BenchResult, rate: float, seed: int, n: int):
-    """Send offsets come from the same seeded Poisson schedule the load generator used."""
-    from pdserve.bench.loadgen.serve import poisson_schedule
-
-    offsets = poisson_schedule(n, rate, seed)
-    return list(zip(offsets.tolist(), res.input_lens, res.output_lens, strict=False))
-
-
 def probed_run(
     probe, split: Split, workload: str, rate: float, n: int, slo: SLO, seed: int, trace=None
 ):
@@ -203,16 +197,6 @@ def fidelity(profile, seed: int, scale: float, cores: int, traces=None, probe=No
                 row["steps"] = step_residuals(now, trace_dir)
                 print(format_residuals(row["steps"]), flush=True)
     return rows
-
-
-def per_request(res: BenchResult) -> dict:
-    """Each completed request's figures in send order, to read residuals request by request."""
-    return {
-        "ttft_s": [round(t, 5) for t in res.ttfts],
-        "tpot_s": [round(t, 5) for t in res.tpots],
-        "prompt_tokens": res.input_lens,
-        "output_tokens": res.output_lens,
-    }
 
 
 def recommendation(

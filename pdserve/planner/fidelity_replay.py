@@ -46,6 +46,24 @@ def mape_of(rows: list[dict], side: str) -> dict:
     return {m: sum(err(r[side][m], r["real"][m]) for r in rows) / len(rows) for m in METRICS}
 
 
+def sends_of(res: BenchResult, rate: float, seed: int, n: int):
+    """Send offsets come from the same seeded Poisson schedule the load generator used."""
+    from pdserve.bench.loadgen.serve import poisson_schedule
+
+    offsets = poisson_schedule(n, rate, seed)
+    return list(zip(offsets.tolist(), res.input_lens, res.output_lens, strict=False))
+
+
+def per_request(res: BenchResult) -> dict:
+    """Each completed request's figures in send order, to read residuals request by request."""
+    return {
+        "ttft_s": [round(t, 5) for t in res.ttfts],
+        "tpot_s": [round(t, 5) for t in res.tpots],
+        "prompt_tokens": res.input_lens,
+        "output_tokens": res.output_lens,
+    }
+
+
 def rebuild_requests(workload: str, n: int, rate: float, seed: int, tokenizer) -> list:
     """The ``n`` requests a seeded fidelity run sent: TraceRequests of (send offset, prompt
     tokens, output tokens)."""

@@ -215,12 +215,11 @@ def beside_same_kind(r: dict) -> bool:
     return r.get("beside_prefill", 0.0) > 0.5
 
 
-def same_kind_factor(rows: list[dict], kind: str, fixed: Callable[[dict], float]) -> float | None:
-    """The co-run factor of ``kind``'s steps beside the same kind only (two decode workers'
-    steps share the memory bandwidth both are bound by), with each step's fixed work held
-    (``fixed(row)``): summed real over summed (price + fixed), at least 1. None without such
-    steps."""
-    group = [r for r in co_running(rows, kind) if beside_same_kind(r)]
+def prefill_pair_factor(rows: list[dict], fixed: Callable[[dict], float]) -> float | None:
+    """The co-run factor of prompt steps beside another worker's prompt steps only, with each
+    step's fixed work held (``fixed(row)``): summed real over summed (price + fixed), at least
+    1. None without such steps. (The decode pair is affine: ``decode_pair_affine``.)"""
+    group = [r for r in co_running(rows, "prefill") if beside_same_kind(r)]
     if len(group) < 3:
         return None
     priced = sum(r["priced_s"] + fixed(r) for r in group)
@@ -320,16 +319,14 @@ def calibrated_costs(rows: list[dict], cores: int | None = None) -> dict[str, fl
     if "local_prefill" in fit:
         costs["co_run_fixed_s_local_prefill"] = fit["local_prefill"][1]
 
-    def fixed(r: dict) -> float:  # the fixed work the simulator gives the step
-        if r["kind"] == "decode":
-            return fit["decode"][1]
+    def fixed(r: dict) -> float:  # the fixed work the simulator gives a prompt step
         local = not on_prefill_worker(r) and "local_prefill" in fit
         return fit["local_prefill" if local else "prefill"][1]
 
     pair = decode_pair_affine(rows)  # a pair no run had keeps the profile's figures
     if pair is not None:
         costs["co_run_slowdown_decode_pair"], costs["co_run_fixed_s_decode_pair"] = pair
-    prefill_pair = same_kind_factor(rows, "prefill", fixed)
+    prefill_pair = prefill_pair_factor(rows, fixed)
     if prefill_pair is not None:
         costs["co_run_slowdown_prefill_pair"] = prefill_pair
     return costs
