@@ -49,7 +49,7 @@ from pdserve.planner.fidelity_replay import (
     replay,
     resimulate,
     run_name,
-    sends_of,
+    sent_requests,
     shared_prefix_tokens,
     summary,
 )
@@ -65,7 +65,6 @@ from pdserve.planner.step_residuals import (
     summarise,
 )
 from pdserve.planner.stored_runs import format_row
-from pdserve.planner.workload import TraceRequest
 
 # (split, workload, SLO). Rates: LOW and NEAR x the simulated capacity (highest rate at 90%).
 # SLOs suit this VM: a 1,300-token document alone takes 2-4 s to prefill on one thread.
@@ -171,8 +170,7 @@ def fidelity(profile, seed: int, scale: float, cores: int, traces=None, probe=No
             real, speed = probed_run(probe, split, workload, rate, n, slo, seed, trace_dir)
             if real.completed < n:
                 print(f"  {label} @ {rate}: {real.failed} failed: {real.errors[:2]}", flush=True)
-            sends = sends_of(real, rate, seed, n)
-            trace = [TraceRequest(t, p, o) for t, p, o in sends]
+            trace = sent_requests(real, rate, seed, n)
             now = profile.at_speed(**speed["used"]) if speed else profile
             sim = replay(now, split, trace, slo, cores, shared_prefix(workload))
             row = {

@@ -278,3 +278,16 @@ def test_router_cpu_is_measured_per_request_and_per_token():
     # gRPC receive, a detokenize and an SSE line: tens of microseconds at the least.
     assert cpu.per_request_s > cpu.per_token_s > 1e-5
     assert 0 < cpu.worker_per_token_s < cpu.per_request_s
+
+
+def test_a_real_runs_requests_replay_at_the_seeded_schedules_send_offsets():
+    from pdserve.bench.loadgen.metrics import SLO, RequestRecord, compute_result
+    from pdserve.bench.loadgen.serve import poisson_schedule
+    from pdserve.planner.fidelity_replay import sent_requests
+
+    records = [
+        RequestRecord(0.0, 1.0, [0.1, 0.2], prompt_tokens=p, success=True) for p in (7, 11, 13)
+    ]
+    got = sent_requests(compute_result(records, 1.0, SLO()), 2.0, 3, 3)
+    assert [r.arrival_s for r in got] == pytest.approx(poisson_schedule(3, 2.0, 3).tolist())
+    assert [(r.prompt_tokens, r.output_tokens) for r in got] == [(7, 2), (11, 2), (13, 2)]

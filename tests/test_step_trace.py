@@ -385,3 +385,20 @@ def test_the_background_share_is_taken_off_with_the_workers_before_the_fit():
     assert calibrated_costs(rows, cores=2)["co_run_slowdown_decode_pair"] == pytest.approx(1.25)
     alone = {**_row("decode", 0.01, 0.01, busy=0.0), "background": 0.2}
     assert unshared([alone], 2)[0]["real_s"] == pytest.approx(0.01)  # 1.2 threads fit 2 cores
+
+
+def test_prompt_steps_beside_a_prompt_step_fit_their_own_factor_on_top_of_the_fixed_work():
+    """On 2 cores, prompt steps beside decode steps only ran 1.1 x (price + 30 ms); a second
+    prefill worker's prompt steps beside another prompt step ran 1.4 x (price + 30 ms): the
+    pair reads 1.4, with the fixed work held, not folded into the factor."""
+    from pdserve.planner.step_residuals import calibrated_costs
+
+    prices = (0.05, 0.1, 0.2)
+    rows = [_row("prefill", p, 1.1 * (p + 0.03), worker="prefill-a") for p in prices]
+    rows += [
+        _row("prefill", p, 1.4 * (p + 0.03), beside_prefill=1.0, worker="prefill-b") for p in prices
+    ]
+    costs = calibrated_costs(rows, cores=2)
+    assert costs["co_run_slowdown_prefill"] == pytest.approx(1.1)
+    assert costs["co_run_fixed_s_prefill"] == pytest.approx(0.03)
+    assert costs["co_run_slowdown_prefill_pair"] == pytest.approx(1.4)

@@ -46,12 +46,17 @@ def mape_of(rows: list[dict], side: str) -> dict:
     return {m: sum(err(r[side][m], r["real"][m]) for r in rows) / len(rows) for m in METRICS}
 
 
-def sends_of(res: BenchResult, rate: float, seed: int, n: int):
-    """Send offsets come from the same seeded Poisson schedule the load generator used."""
+def sent_requests(res: BenchResult, rate: float, seed: int, n: int) -> list[TraceRequest]:
+    """A real run's requests as the simulator replays them: each completed request's prompt and
+    output tokens at its send offset from the same seeded Poisson schedule the load generator
+    used."""
     from pdserve.bench.loadgen.serve import poisson_schedule
 
-    offsets = poisson_schedule(n, rate, seed)
-    return list(zip(offsets.tolist(), res.input_lens, res.output_lens, strict=False))
+    offsets = poisson_schedule(n, rate, seed).tolist()
+    return [
+        TraceRequest(t, p, o)
+        for t, p, o in zip(offsets, res.input_lens, res.output_lens, strict=False)
+    ]
 
 
 def per_request(res: BenchResult) -> dict:
