@@ -291,3 +291,25 @@ def test_a_real_runs_requests_replay_at_the_seeded_schedules_send_offsets():
     got = sent_requests(compute_result(records, 1.0, SLO()), 2.0, 3, 3)
     assert [r.arrival_s for r in got] == pytest.approx(poisson_schedule(3, 2.0, 3).tolist())
     assert [(r.prompt_tokens, r.output_tokens) for r in got] == [(7, 2), (11, 2), (13, 2)]
+
+
+def test_a_failed_request_leaves_the_later_requests_at_their_own_send_offsets():
+    from pdserve.bench.loadgen.metrics import SLO, RequestRecord, compute_result
+    from pdserve.bench.loadgen.serve import poisson_schedule
+    from pdserve.planner.fidelity_replay import per_request, sent_requests
+
+    records = [
+        RequestRecord(0.0, 1.0, [0.1, 0.2], prompt_tokens=7, success=True),
+        RequestRecord(0.0, error="HTTP 503: overloaded"),
+        RequestRecord(0.0, 0.5, [0.5], prompt_tokens=13, success=True),
+        RequestRecord(0.0, 2.0, [0.2, 1.1, 2.0], prompt_tokens=17, success=True),
+    ]
+    res = compute_result(records, 2.0, SLO())
+    got = sent_requests(res, 2.0, 3, 4)
+    offsets = poisson_schedule(4, 2.0, 3).tolist()
+    assert [r.arrival_s for r in got] == pytest.approx([offsets[0], offsets[2], offsets[3]])
+    assert [r.prompt_tokens for r in got] == [7, 13, 17]
+    rows = per_request(res)
+    # One TPOT per completed request, None for the one-token answer, lined up with the lengths.
+    assert rows["tpot_s"] == pytest.approx([0.9, None, 0.9])
+    assert rows["sent_index"] == [0, 2, 3]

@@ -48,24 +48,30 @@ def mape_of(rows: list[dict], side: str) -> dict:
 
 def sent_requests(res: BenchResult, rate: float, seed: int, n: int) -> list[TraceRequest]:
     """A real run's requests as the simulator replays them: each completed request's prompt and
-    output tokens at its send offset from the same seeded Poisson schedule the load generator
-    used."""
+    output tokens at its own send offset in the same seeded Poisson schedule the load generator
+    used (a failed request is left out, and the ones after it keep their offsets)."""
     from pdserve.bench.loadgen.serve import poisson_schedule
 
     offsets = poisson_schedule(n, rate, seed).tolist()
     return [
-        TraceRequest(t, p, o)
-        for t, p, o in zip(offsets, res.input_lens, res.output_lens, strict=False)
+        TraceRequest(offsets[i], p, o)
+        for i, p, o in zip(res.sent_indices, res.input_lens, res.output_lens, strict=True)
     ]
 
 
 def per_request(res: BenchResult) -> dict:
-    """Each completed request's figures in send order, to read residuals request by request."""
+    """Each completed request's figures in send order, to read residuals request by request
+    (TPOT None for a one-token answer, as the metrics leave it out)."""
+    tpots = [
+        round((e2el - ttft) / (out - 1), 5) if out > 1 else None
+        for ttft, e2el, out in zip(res.ttfts, res.e2els, res.output_lens, strict=True)
+    ]
     return {
         "ttft_s": [round(t, 5) for t in res.ttfts],
-        "tpot_s": [round(t, 5) for t in res.tpots],
+        "tpot_s": tpots,
         "prompt_tokens": res.input_lens,
         "output_tokens": res.output_lens,
+        "sent_index": res.sent_indices,
     }
 
 

@@ -120,6 +120,9 @@ class BenchResult:
     e2els: list[float] = field(default_factory=list)
     input_lens: list[int] = field(default_factory=list)
     output_lens: list[int] = field(default_factory=list)
+    # each completed request's place in send order: the per-request lists above line up with it
+    # (ttfts, e2els and the lengths one for one), so a failed request shifts nothing after it
+    sent_indices: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     meta: dict = field(default_factory=dict)  # url, model, workload, rate, seed, nonce, ...
 
@@ -137,7 +140,8 @@ class BenchResult:
 def compute_result(
     records: list[RequestRecord], duration: float, slo: SLO = SLO(), meta: dict | None = None
 ) -> BenchResult:
-    done = [r for r in records if r.success]
+    sent_indices = [i for i, r in enumerate(records) if r.success]
+    done = [records[i] for i in sent_indices]
     ttfts = [r.ttft for r in done]
     tpots = [t for t in (r.tpot for r in done) if t is not None]
     itls = [gap for r in done for gap in r.itls]
@@ -170,6 +174,7 @@ def compute_result(
         e2els=e2els,
         input_lens=[r.prompt_tokens for r in done],
         output_lens=[r.output_tokens for r in done],
+        sent_indices=sent_indices,
         errors=[r.error for r in records if not r.success],
         meta=dict(meta or {}),
     )
