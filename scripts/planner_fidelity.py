@@ -261,9 +261,10 @@ def calibrate(args, profile) -> int:
     used = Speed(**speed["used"]) if speed else Speed()
     # Fitted against the prices at the run's speed, so the fields hold at any speed; the fixed
     # work comes back at the profile's speed, as at_speed scales it (pooled_costs of one run).
-    rows = priced_steps(profile.at_speed(used.decode, used.prefill), load_steps(folder))
+    at = (used.decode, used.prefill, used.prefill_small)
+    rows = priced_steps(profile.at_speed(*at), load_steps(folder))
     print(format_residuals(summarise(rows)), flush=True)
-    costs = pooled_costs(profile, [(folder, used.decode, used.prefill)], args.cpu_cores)
+    costs = pooled_costs(profile, [(folder, *at)], args.cpu_cores)
     meta = {
         **profile.meta,
         "co_run": {

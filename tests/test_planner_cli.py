@@ -199,8 +199,10 @@ def test_the_speed_probe_reads_its_steps_against_the_profiles_prices(tiny_profil
     prof = load_profile(tiny_profile)
     probe = SpeedProbe(prof, reps=1)
     speed = probe.measure()
-    assert 0 < speed.decode < float("inf") and 0 < speed.prefill < float("inf")
+    assert all(0 < v < float("inf") for v in (speed.decode, speed.prefill, speed.prefill_small))
     assert probe.decode_points == [(1, 16), (4, 64)]  # the quick grid's corner and middle
+    small, large = prof.prefill_probe_tokens()
+    assert probe.prefill_points == [(large, 0), (small, 0)] and small < large
     factors = iter([2.0, 8.0])  # per decode point: mean 4
 
     class Timer:
@@ -208,8 +210,31 @@ def test_the_speed_probe_reads_its_steps_against_the_profiles_prices(tiny_profil
             return next(factors) * prof.decode_seconds(b, c)
 
         def prefill(self, n, c):
-            return 1.5 * prof.prefill_seconds(n, c)
+            return (1.5 if n == large else 1.8) * prof.prefill_seconds(n, c)
 
     probe.timer = Timer()
     speed = probe.measure()
-    assert (speed.decode, speed.prefill) == pytest.approx((4.0, 1.5))
+    assert (speed.decode, speed.prefill, speed.prefill_small) == pytest.approx((4.0, 1.5, 1.8))
+    assert speed.to_dict() == {"decode": 4.0, "prefill": 1.5, "prefill_small": 1.8}
+
+
+def test_a_small_prompts_speed_scales_the_short_rows_and_fades_to_the_large_ones(tiny_profile):
+    """The small probe's ratio holds at its prompt and below, the large one's at its prompt
+    and above, and rows between take the log-linear blend (the geometric mean halfway)."""
+    import math
+
+    from pdserve.planner.speed_probe import Speed
+
+    prof = load_profile(tiny_profile)
+    small, large = prof.prefill_probe_tokens()
+    slow = prof.at_speed(1.0, 2.0, 4.0)
+    rows = prof.prefill.rows
+    ratios = [slow.prefill.at(n, 0) / prof.prefill.at(n, 0) for n in rows]
+    for n, ratio in zip(rows, ratios, strict=True):
+        share = min(1.0, max(0.0, math.log(n / small) / math.log(large / small)))
+        assert ratio == pytest.approx(4.0 ** (1 - share) * 2.0**share)
+    assert ratios[0] == pytest.approx(4.0) and ratios[-1] == pytest.approx(2.0)
+    # Without the small probe (runs stored before it), the whole table scales as one.
+    assert prof.at_speed(1.0, 2.0).prefill == prof.prefill.scaled(2.0)
+    both = Speed.mean([Speed(1.0, 2.0, 4.0), Speed(1.0, 2.0, None), Speed(3.0, 4.0, 2.0)])
+    assert (both.decode, both.prefill, both.prefill_small) == pytest.approx((5 / 3, 8 / 3, 3.0))

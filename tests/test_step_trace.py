@@ -265,7 +265,7 @@ def test_stored_runs_find_each_runs_traces_and_speed_and_pool_them_into_a_profil
 
     rows = [
         {"split": "1P1D", "workload": "chat", "rate": r, "speed": {"used": sp}}
-        for r, sp in ((0.5, {"decode": 1.0, "prefill": 1.0}), (1.0, None))
+        for r, sp in ((0.5, {"decode": 1.0, "prefill": 1.0, "prefill_small": 1.2}), (1.0, None))
     ]
     stored = tmp_path / "fidelity.json"
     stored.write_text(json.dumps({"fidelity": rows}))
@@ -275,7 +275,8 @@ def test_stored_runs_find_each_runs_traces_and_speed_and_pool_them_into_a_profil
         traced_runs({"fidelity": rows}, traces)
     _decode_trace(traces / "1P1D_chat_1.0", 1.5)
     runs = traced_runs({"fidelity": rows}, traces)
-    assert runs["1P1D_chat_1.0"] == (traces / "1P1D_chat_1.0", 1.0, 1.0)  # no probe: 1.0
+    assert runs["1P1D_chat_0.5"] == (traces / "1P1D_chat_0.5", 1.0, 1.0, 1.2)
+    assert runs["1P1D_chat_1.0"] == (traces / "1P1D_chat_1.0", 1.0, 1.0, None)  # no probe
     prof = flat_profile(decode_s=0.010, prefill_s=0.100)
     pooled, costs = pooled_profile(prof, [(str(stored), str(traces))], cores=2)
     assert costs["decode_worker_slowdown"] == pytest.approx(1.5)

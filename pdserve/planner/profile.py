@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -115,9 +116,13 @@ class Table2D:
         by_row = [interp(self.cols, line, col) for line in self.seconds]
         return interp(self.rows, by_row, row)
 
-    def scaled(self, factor: float) -> Table2D:
+    def scaled(self, factor: float | Sequence[float]) -> Table2D:
+        """Every entry times ``factor``, or each row times its own (one factor per row)."""
+        factors = [factor] * len(self.rows) if isinstance(factor, (int, float)) else factor
         return Table2D(
-            self.rows, self.cols, tuple(tuple(t * factor for t in r) for r in self.seconds)
+            self.rows,
+            self.cols,
+            tuple(tuple(t * f for t in r) for f, r in zip(factors, self.seconds, strict=True)),
         )
 
     @classmethod
@@ -245,19 +250,40 @@ class Profile:
             t += self.decode_seconds(dec_n, ctx) - self.decode_seconds(dec_n, self.decode.cols[0])
         return t
 
-    def at_speed(self, decode: float = 1.0, prefill: float = 1.0) -> Profile:
+    def at_speed(
+        self, decode: float = 1.0, prefill: float = 1.0, prefill_small: float | None = None
+    ) -> Profile:
         """This profile on the same machine running ``decode`` / ``prefill`` times slower (a
         speed probe's ratios, pdserve/planner/speed_probe.py): each kind's table and its
-        once-per-step co-run work scaled; the shares and slowdowns are ratios, kept."""
+        once-per-step co-run work scaled; the shares and slowdowns are ratios, kept.
+        ``prefill_small``: the ratio at the probe's small prompt, where ``prefill`` is the one at
+        its large prompt (``prefill_probe_tokens``); the prefill rows between the two then
+        scale log-linearly in tokens from one to the other, and each end's beyond it."""
         return replace(
             self,
-            prefill=self.prefill.scaled(prefill),
+            prefill=self.prefill.scaled(self._prefill_row_factors(prefill, prefill_small)),
             decode=self.decode.scaled(decode),
             co_run_fixed_s=self.co_run_fixed_s * decode,
             co_run_fixed_s_prefill=self.co_run_fixed_s_prefill * prefill,
             co_run_fixed_s_local_prefill=_times(self.co_run_fixed_s_local_prefill, prefill),
             co_run_fixed_s_decode_pair=_times(self.co_run_fixed_s_decode_pair, decode),
         )
+
+    def prefill_probe_tokens(self) -> tuple[int, int]:
+        """The prompt lengths a speed probe times (at offset 0): the table's smallest row, where
+        per-step work dominates, and a large one, where the matmuls do."""
+        rows = self.prefill.rows
+        return int(rows[0]), int(rows[len(rows) * 2 // 3])
+
+    def _prefill_row_factors(self, large: float, small: float | None) -> list[float]:
+        if small is None:
+            return [large] * len(self.prefill.rows)
+        lo, hi = (math.log(n) for n in self.prefill_probe_tokens())
+        out = []
+        for tokens in self.prefill.rows:
+            share = min(1.0, max(0.0, (math.log(tokens) - lo) / (hi - lo))) if hi > lo else 1.0
+            out.append(math.exp((1 - share) * math.log(small) + share * math.log(large)))
+        return out
 
     # ---- files ---------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -22,30 +22,40 @@ from pdserve.planner.profile import Profile
 
 def probe_points(profile: Profile) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """Grid points of the profile a live run steps through most: decode at its smallest batch
-    and context and at the middle of both (the full grid: (1, 64) and (8, 512)), prefill of a
-    few hundred new tokens at offset 0 (the full grid: 256)."""
+    and context and at the middle of both (the full grid: (1, 64) and (8, 512)); prefill at
+    offset 0 of the large prompt, then the small one (``Profile.prefill_probe_tokens``; the
+    full grid: 256 and 16 tokens)."""
     rows, cols = profile.decode.rows, profile.decode.cols
     decode = [(rows[0], cols[0]), (rows[len(rows) // 2], cols[len(cols) // 2])]
-    tokens = profile.prefill.rows
-    prefill = [(tokens[len(tokens) * 2 // 3], profile.prefill.cols[0])]
+    small, large = profile.prefill_probe_tokens()
+    prefill = [(large, profile.prefill.cols[0]), (small, profile.prefill.cols[0])]
     return [(int(b), int(c)) for b, c in decode], [(int(n), int(c)) for n, c in prefill]
 
 
 @dataclass(frozen=True)
 class Speed:
-    """Seconds now over the profile's seconds, per step kind (1.0: as profiled)."""
+    """Seconds now over the profile's seconds, per step kind (1.0: as profiled).
+    ``prefill`` is a large prompt's ratio, ``prefill_small`` a small one's: on a shared VM a
+    16-token step, mostly per-step work, drifts further than a 256-token one (PLANNING.md).
+    None: not probed (runs stored before the small prompt was probed)."""
 
     decode: float = 1.0
     prefill: float = 1.0
+    prefill_small: float | None = None
 
     def to_dict(self) -> dict:
-        return {"decode": round(self.decode, 4), "prefill": round(self.prefill, 4)}
+        out = {"decode": round(self.decode, 4), "prefill": round(self.prefill, 4)}
+        if self.prefill_small is not None:
+            out["prefill_small"] = round(self.prefill_small, 4)
+        return out
 
     @classmethod
     def mean(cls, speeds: list[Speed]) -> Speed:
+        smalls = [s.prefill_small for s in speeds if s.prefill_small is not None]
         return cls(
             sum(s.decode for s in speeds) / len(speeds),
             sum(s.prefill for s in speeds) / len(speeds),
+            sum(smalls) / len(smalls) if smalls else None,
         )
 
 
@@ -81,7 +91,8 @@ class SpeedProbe:
                 self.timer.prefill(n, c) / self.profile.prefill_seconds(n, c)
                 for n, c in self.prefill_points
             ]
-        return Speed(geometric_mean(decode), geometric_mean(prefill))
+        large, small = prefill  # probe_points' order
+        return Speed(geometric_mean(decode), large, small)
 
 
 @contextlib.contextmanager

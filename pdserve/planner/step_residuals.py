@@ -342,16 +342,14 @@ def decode_pair_affine(rows: list[dict]) -> tuple[float, float] | None:
     return affine_fit(real, np.array([r["priced_s"] for r in group], dtype=float))
 
 
-def pooled_costs(
-    profile: Profile, runs: list[tuple[str | Path, float, float]], cores: int | None = None
-) -> dict:
+def pooled_costs(profile: Profile, runs: list[tuple], cores: int | None = None) -> dict:
     """``calibrated_costs`` fitted on the steps of several live runs together. Each run is
-    (its trace folder, its probed decode speed, prefill speed): its steps are priced at its own
-    speed, and the fixed work comes back at the profile's speed (weighted by each run's priced
-    seconds), as ``Profile.at_speed`` scales it."""
+    (its trace folder, its probed decode speed, prefill speed[, small-prompt prefill speed]):
+    its steps are priced at its own speed (``Profile.at_speed``), and the fixed work comes back
+    at the profile's speed (weighted by each run's priced seconds), as ``at_speed`` scales it."""
     rows, weights = [], {"decode": [], "prefill": []}
-    for folder, decode, prefill in runs:
-        priced = priced_steps(profile.at_speed(decode, prefill), load_steps(folder))
+    for folder, decode, prefill, *small in runs:
+        priced = priced_steps(profile.at_speed(decode, prefill, *small), load_steps(folder))
         rows += priced
         seconds = sum(r["priced_s"] for r in priced)
         weights["decode"].append((seconds, decode))
@@ -375,7 +373,7 @@ def pooled_costs(
 def leave_one_out_costs(
     profile: Profile, runs: dict, cores: int | None = None, scored=None
 ) -> dict[str, dict]:
-    """For each live run (name -> (trace folder, decode speed, prefill speed)) of ``scored``
+    """For each live run (name -> (trace folder, speeds), as ``pooled_costs``) of ``scored``
     (default: all), the costs calibrated on every *other* run's steps: a run is then simulated
     on costs it did not contribute to, as a planner calibrated on yesterday's traffic predicts
     today's."""

@@ -19,15 +19,21 @@ from pdserve.planner.step_residuals import leave_one_out_costs, pooled_costs
 
 
 def traced_runs(stored: dict, traces: str | Path) -> dict[str, tuple]:
-    """Each stored run's name -> (its step-trace folder under ``traces``, its probed decode
-    and prefill speed; 1.0 where it had no probe)."""
+    """Each stored run's name -> (its step-trace folder under ``traces``, its probed decode,
+    prefill and small-prompt prefill speed; 1.0, and None for the small prompt, where the run
+    had no such probe)."""
     runs = {}
     for row in stored["fidelity"]:
         speed = (row.get("speed") or {}).get("used") or {}
         folder = Path(traces) / run_name(row)
         if not any(folder.glob("*.jsonl")):
             raise FileNotFoundError(f"no step traces in {folder}")
-        runs[run_name(row)] = (folder, speed.get("decode", 1.0), speed.get("prefill", 1.0))
+        runs[run_name(row)] = (
+            folder,
+            speed.get("decode", 1.0),
+            speed.get("prefill", 1.0),
+            speed.get("prefill_small"),
+        )
     return runs
 
 
