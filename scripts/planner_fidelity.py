@@ -39,6 +39,7 @@ from pdserve.cluster.local import ClusterSpec, LocalCluster
 from pdserve.planner import stored_runs
 from pdserve.planner.fidelity_replay import (
     METRICS,
+    NONCE,
     err,
     format_spread,
     load_report,
@@ -124,10 +125,10 @@ def embedded_tokenizer():
 
 
 @functools.cache
-def shared_prefix(workload: str) -> int:
-    """The leading tokens a run's prompts share (its chat preamble), which the live workers'
-    prefix caches serve after the first request."""
-    return shared_prefix_tokens(workload, embedded_tokenizer())
+def shared_prefix(workload: str, nonce: str = NONCE) -> int:
+    """The leading tokens a run's prompts share (its chat preamble and its nonce line), which
+    the live workers' prefix caches serve after the first request."""
+    return shared_prefix_tokens(workload, embedded_tokenizer(), nonce)
 
 
 def sim_config(split: Split, workload: str, cores: int) -> SimConfig:
@@ -171,14 +172,17 @@ def fidelity(profile, seed: int, scale: float, cores: int, traces=None, probe=No
             if real.completed < n:
                 print(f"  {label} @ {rate}: {real.failed} failed: {real.errors[:2]}", flush=True)
             trace = sent_requests(real, rate, seed, n)
+            nonce = real.meta.get("nonce") or NONCE
+            shared = shared_prefix(workload, nonce)
             now = profile.at_speed(**speed["used"]) if speed else profile
-            sim = replay(now, split, trace, slo, cores, shared_prefix(workload))
+            sim = replay(now, split, trace, slo, cores, shared)
             row = {
                 "load_average": os.getloadavg()[0],
                 "split": label,
                 "workload": workload,
                 "rate": rate,
                 "requests": n,
+                "nonce": nonce,  # --resimulate rebuilds the prompts with it
                 "speed": speed,
                 "real": summary(real),
                 "sim": summary(sim),
@@ -186,8 +190,7 @@ def fidelity(profile, seed: int, scale: float, cores: int, traces=None, probe=No
             }
             row["error"] = {m: err(row["sim"][m], row["real"][m]) for m in METRICS}
             if speed:  # the same requests on the profile as measured, for the record
-                row["sim_as_profiled"] = summary(replay(profile, split, trace, slo, cores,
-                                                        shared_prefix(workload)))  # fmt: skip
+                row["sim_as_profiled"] = summary(replay(profile, split, trace, slo, cores, shared))
             row["per_request"] = {"real": per_request(real), "sim": per_request(sim)}
             rows.append(row)
             print(format_row(row), flush=True)

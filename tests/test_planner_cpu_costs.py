@@ -172,6 +172,39 @@ def test_a_runs_prompts_share_the_template_preamble_and_the_nonce_word():
     assert shared_prefix_tokens("mixed", _TemplateTokenizer()) == 4 + 1
 
 
+def test_a_stored_run_replays_the_servers_token_counts_at_each_requests_own_send_offset():
+    """A run stored with its requests' counts replays them, not the rebuilt ones: here the
+    run's nonce tokenized to 2 tokens more than the placeholder (every prompt and the shared
+    preamble 2 longer) and request 3 failed; a run stored before ``sent_index`` finds each
+    request's send offset by matching the counts, one stored with it uses it."""
+    from pdserve.planner.fidelity_replay import (
+        rebuild_requests,
+        shared_prefix_tokens,
+        stored_requests,
+    )
+
+    tok = _TemplateTokenizer()
+    rebuilt = rebuild_requests("mixed", 8, 1.5, 0, tok)
+    kept = [0, 1, 2, 4, 5, 6, 7]
+    real = {
+        "prompt_tokens": [rebuilt[i].prompt_tokens + 2 for i in kept],
+        "output_tokens": [rebuilt[i].output_tokens for i in kept],
+    }
+    row = {"workload": "mixed", "requests": 8, "rate": 1.5, "per_request": {"real": real}}
+    for stored in (row, {**row, "per_request": {"real": {**real, "sent_index": kept}}}):
+        trace, shared = stored_requests(stored, 0, tok)
+        assert [r.arrival_s for r in trace] == [rebuilt[i].arrival_s for i in kept]
+        assert [r.prompt_tokens for r in trace] == real["prompt_tokens"]
+        assert [r.output_tokens for r in trace] == real["output_tokens"]
+        assert shared == shared_prefix_tokens("mixed", tok) + 2
+    # Stored before per_request: the rebuilt requests, every one of them.
+    old = {k: v for k, v in row.items() if k != "per_request"}
+    assert stored_requests(old, 0, tok) == (rebuilt, shared_prefix_tokens("mixed", tok))
+    wrong = {**row, "per_request": {"real": {**real, "output_tokens": [1] * len(kept)}}}
+    with pytest.raises(ValueError, match="do not match its seeded workload"):
+        stored_requests(wrong, 0, tok)
+
+
 def test_resimulate_keeps_the_measured_side_and_scores_the_new_one():
     from pdserve.bench.loadgen.metrics import SLO
     from pdserve.planner.fidelity_replay import METRICS, resimulate

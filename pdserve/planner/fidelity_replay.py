@@ -1,16 +1,18 @@
 """Re-simulate stored fidelity runs (scripts/planner_fidelity.py's JSON) on a profile.
 
-A stored run keeps its measured summary, not its requests; the requests are rebuilt exactly as
-the run made them: the load generator's seeded workload (``make_workload``; the nonce only
-changes a few prompt tokens) through the router's tokenizer and chat template for the prompt
-lengths, ``max_tokens`` for the output lengths (the runs use ``ignore_eos``), and the seeded
-Poisson schedule for the send times. So a new simulator model is scored against the same real
-measurements without running a cluster again.
+A stored run keeps its measured summary and each completed request's prompt and output tokens
+as the server counted them; the send times come from the seeded Poisson schedule, and where a
+run kept less, the requests are rebuilt as the run made them: the load generator's seeded
+workload (``make_workload``, with the run's nonce) through the router's tokenizer and chat
+template for the prompt lengths, ``max_tokens`` for the output lengths (the runs use
+``ignore_eos``). So a new simulator model is scored against the same real measurements, on the
+same requests the live simulation replayed, without running a cluster again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from pathlib import Path
 
 from pdserve.bench.loadgen.metrics import SLO, BenchResult
@@ -19,7 +21,7 @@ from pdserve.planner.sim import SimConfig, Split, simulate
 from pdserve.planner.workload import TraceRequest
 
 METRICS = ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "goodput")
-NONCE = "0" * 8  # as long as new_nonce()'s: the preamble tokenizes to the same length
+NONCE = "0" * 8  # as long as new_nonce()'s; a real nonce tokenizes to 0-3 tokens more or fewer
 
 
 def summary(res: BenchResult) -> dict:
@@ -75,14 +77,17 @@ def per_request(res: BenchResult) -> dict:
     }
 
 
-def rebuild_requests(workload: str, n: int, rate: float, seed: int, tokenizer) -> list:
+def rebuild_requests(
+    workload: str, n: int, rate: float, seed: int, tokenizer, nonce: str = NONCE
+) -> list:
     """The ``n`` requests a seeded fidelity run sent: TraceRequests of (send offset, prompt
-    tokens, output tokens)."""
+    tokens, output tokens); exact with the run's own ``nonce``, within a few prompt tokens
+    without it."""
     from pdserve.bench.loadgen.serve import poisson_schedule
     from pdserve.bench.loadgen.workloads import make_workload
     from router.tokenize import tokenize
 
-    reqs = make_workload(workload, n, seed, NONCE).requests
+    reqs = make_workload(workload, n, seed, nonce).requests
     offsets = poisson_schedule(n, rate, seed).tolist()
     return [
         TraceRequest(t, len(tokenize(tokenizer, None, r.as_messages())), r.max_tokens)
@@ -90,16 +95,60 @@ def rebuild_requests(workload: str, n: int, rate: float, seed: int, tokenizer) -
     ]
 
 
-def shared_prefix_tokens(workload: str, tokenizer) -> int:
+def shared_prefix_tokens(workload: str, tokenizer, nonce: str = NONCE) -> int:
     """How many leading tokens the prompts of one run of ``workload`` share: the chat
     template's preamble (SmolLM2's default system prompt) and the run's nonce line, up to the
     request's own index."""
     from pdserve.bench.loadgen.workloads import make_workload
     from router.tokenize import tokenize
 
-    first, second = make_workload(workload, 2, 0, NONCE).requests
+    first, second = make_workload(workload, 2, 0, nonce).requests
     a, b = (tokenize(tokenizer, None, r.as_messages()) for r in (first, second))
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def stored_requests(row: dict, seed: int, tokenizer) -> tuple[list[TraceRequest], int]:
+    """A stored run's requests as the simulator replays them, and the prompts' shared prefix.
+    Each completed request keeps the prompt and output tokens the server reported
+    (``per_request``) at its send offset in the seeded schedule. Rebuilt from the seeded
+    workload alone, a run stored without its nonce comes out a few tokens off: another nonce
+    tokenizes to up to 3 tokens more or fewer, and a 20-token prompt step's price moves some
+    2.6 ms a token. Such a run's nonce line is taken as long as its prompts say (the shift
+    between the server's counts and the rebuilt ones), shared prefix included."""
+    nonce = row.get("nonce") or NONCE
+    rebuilt = rebuild_requests(
+        row["workload"], row["requests"], row["rate"], seed, tokenizer, nonce
+    )
+    shared = shared_prefix_tokens(row["workload"], tokenizer, nonce)
+    real = (row.get("per_request") or {}).get("real")
+    if not real:  # stored before per_request
+        return rebuilt, shared
+    prompts, outputs = real["prompt_tokens"], real["output_tokens"]
+    shift = Counter(p - r.prompt_tokens for p, r in zip(prompts, rebuilt)).most_common(1)[0][0]
+    sent = real.get("sent_index") or match_sent(rebuilt, prompts, outputs, shift)
+    trace = [
+        TraceRequest(rebuilt[i].arrival_s, p, o)
+        for i, p, o in zip(sent, prompts, outputs, strict=True)
+    ]
+    return trace, shared + shift
+
+
+def match_sent(rebuilt: list, prompts: list[int], outputs: list[int], shift: int) -> list[int]:
+    """Each completed request's place in send order, for a run stored before ``sent_index``:
+    the completed requests, in order, matched to the earliest rebuilt request after the last
+    match with the same output tokens and the same prompt tokens once shifted by ``shift``."""
+    sent, i = [], 0
+    for p, o in zip(prompts, outputs, strict=True):
+        while i < len(rebuilt) and (rebuilt[i].prompt_tokens + shift, rebuilt[i].output_tokens) != (
+            p,
+            o,
+        ):
+            i += 1
+        if i == len(rebuilt):
+            raise ValueError("a stored run's requests do not match its seeded workload")
+        sent.append(i)
+        i += 1
+    return sent
 
 
 def replay(
@@ -124,16 +173,14 @@ def resimulate(
     ``costs``: run name -> profile fields to replace for that run alone (its leave-one-out
     calibration), or None."""
     cores = int(report.get("cpu_cores") or 2)
-    workloads = {row["workload"] for row in report["fidelity"]}
-    shared = {w: shared_prefix_tokens(w, tokenizer) for w in workloads}
     rows = []
     for row in report["fidelity"]:
-        trace = rebuild_requests(row["workload"], row["requests"], row["rate"], seed, tokenizer)
+        trace, shared = stored_requests(row, seed, tokenizer)
         split, slo = Split.parse(row["split"]), slos[row["workload"]]
         speed = (row.get("speed") or {}).get("used")  # the run's probed speed, if it had one
         own = dataclasses.replace(profile, **costs[run_name(row)]) if costs else profile
         now = own.at_speed(**speed) if speed else own
-        sim = replay(now, split, trace, slo, cores, shared[row["workload"]])
+        sim = replay(now, split, trace, slo, cores, shared)
         new = {**row, "sim": summary(sim)}
         if costs:
             new["costs"] = costs[run_name(row)]
