@@ -172,6 +172,21 @@ def test_a_runs_prompts_share_the_template_preamble_and_the_nonce_word():
     assert shared_prefix_tokens("mixed", _TemplateTokenizer()) == 4 + 1
 
 
+class _CharTokenizer(_Tokenizer):
+    """One token a character: every digit of the request's index is a token of its own."""
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text)
+
+
+def test_the_shared_prefix_is_what_most_requests_find_cached_index_digits_included():
+    """Requests 0 and 1 share the nonce line up to the index; requests 10-39, most of a run,
+    share the index's first digit with an earlier request too: the median request's share."""
+    from pdserve.planner.fidelity_replay import NONCE, shared_prefix_tokens
+
+    assert shared_prefix_tokens("chat", _CharTokenizer()) == len(f"Session {NONCE}-") + 1
+
+
 def test_a_stored_run_replays_the_servers_token_counts_at_each_requests_own_send_offset():
     """A run stored with its requests' counts replays them, not the rebuilt ones: here the
     run's nonce tokenized to 2 tokens more than the placeholder (every prompt and the shared

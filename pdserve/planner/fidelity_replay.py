@@ -12,6 +12,7 @@ same requests the live simulation replayed, without running a cluster again.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections import Counter
 from pathlib import Path
 
@@ -21,7 +22,8 @@ from pdserve.planner.sim import SimConfig, Split, simulate
 from pdserve.planner.workload import TraceRequest
 
 METRICS = ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "goodput")
-NONCE = "0" * 8  # as long as new_nonce()'s; a real nonce tokenizes to 0-3 tokens more or fewer
+NONCE = "0" * 8  # as long as new_nonce()'s; a real nonce tokenizes to up to 6 tokens fewer
+SHARED_PREFIX_SAMPLE = 40  # requests: most of them share an index digit with an earlier one
 
 
 def summary(res: BenchResult) -> dict:
@@ -95,15 +97,25 @@ def rebuild_requests(
     ]
 
 
-def shared_prefix_tokens(workload: str, tokenizer, nonce: str = NONCE) -> int:
-    """How many leading tokens the prompts of one run of ``workload`` share: the chat
-    template's preamble (SmolLM2's default system prompt) and the run's nonce line, up to the
-    request's own index."""
+def shared_prefix_tokens(
+    workload: str, tokenizer, nonce: str = NONCE, requests: int = SHARED_PREFIX_SAMPLE
+) -> int:
+    """How many leading tokens a run's typical prompt (the median over its first ``requests``)
+    shares with the earlier prompt it shares most with, as the workers' prefix caches serve
+    them: the chat template's preamble (SmolLM2's default system prompt), the run's nonce line,
+    and the leading digits of the request's index that an earlier index shares (request 14
+    with requests 10-13). A nonce that tokenizes 4 tokens shorter leaves 31 tokens shared
+    between requests 0 and 1, yet 32 (two blocks) for most of a run's requests."""
     from pdserve.bench.loadgen.workloads import make_workload
     from router.tokenize import tokenize
 
-    first, second = make_workload(workload, 2, 0, nonce).requests
-    a, b = (tokenize(tokenizer, None, r.as_messages()) for r in (first, second))
+    reqs = make_workload(workload, requests, 0, nonce).requests
+    prompts = [tokenize(tokenizer, None, r.as_messages()) for r in reqs]
+    best = [max(_common_prefix(p, q) for q in prompts[:i]) for i, p in enumerate(prompts) if i]
+    return int(statistics.median_low(best))
+
+
+def _common_prefix(a: list, b: list) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
