@@ -123,9 +123,9 @@ def stored_requests(row: dict, seed: int, tokenizer) -> tuple[list[TraceRequest]
     """A stored run's requests as the simulator replays them, and the prompts' shared prefix.
     Each completed request keeps the prompt and output tokens the server reported
     (``per_request``) at its send offset in the seeded schedule. Rebuilt from the seeded
-    workload alone, a run stored without its nonce comes out a few tokens off: another nonce
-    tokenizes to up to 3 tokens more or fewer, and a 20-token prompt step's price moves some
-    2.6 ms a token. Such a run's nonce line is taken as long as its prompts say (the shift
+    workload alone, a run stored without its nonce comes out a few tokens off: the stored
+    runs' nonces tokenize to 0-4 tokens fewer than the placeholder, and a 20-token prompt
+    step's price moves some 2.6 ms a token. Such a run's nonce line is taken as long as its prompts say (the shift
     between the server's counts and the rebuilt ones), shared prefix included."""
     nonce = row.get("nonce") or NONCE
     rebuilt = rebuild_requests(
@@ -149,14 +149,12 @@ def match_sent(rebuilt: list, prompts: list[int], outputs: list[int], shift: int
     """Each completed request's place in send order, for a run stored before ``sent_index``:
     the completed requests, in order, matched to the earliest rebuilt request after the last
     match with the same output tokens and the same prompt tokens once shifted by ``shift``."""
+    counts = [(r.prompt_tokens + shift, r.output_tokens) for r in rebuilt]
     sent, i = [], 0
-    for p, o in zip(prompts, outputs, strict=True):
-        while i < len(rebuilt) and (rebuilt[i].prompt_tokens + shift, rebuilt[i].output_tokens) != (
-            p,
-            o,
-        ):
+    for wanted in zip(prompts, outputs, strict=True):
+        while i < len(counts) and counts[i] != wanted:
             i += 1
-        if i == len(rebuilt):
+        if i == len(counts):
             raise ValueError("a stored run's requests do not match its seeded workload")
         sent.append(i)
         i += 1
