@@ -212,6 +212,16 @@ def test_a_stored_run_replays_the_servers_token_counts_at_each_requests_own_send
         assert [r.prompt_tokens for r in trace] == real["prompt_tokens"]
         assert [r.output_tokens for r in trace] == real["output_tokens"]
         assert shared == shared_prefix_tokens("mixed", tok) + 2
+    # A run that kept its send indices pairs the counts by them, even when request 0 was shed.
+    late = [1, 2, 3, 4, 5, 6, 7]
+    first_shed = {
+        "prompt_tokens": [rebuilt[i].prompt_tokens + 2 for i in late],
+        "output_tokens": [rebuilt[i].output_tokens for i in late],
+        "sent_index": late,
+    }
+    trace, shared = stored_requests({**row, "per_request": {"real": first_shed}}, 0, tok)
+    assert [r.arrival_s for r in trace] == [rebuilt[i].arrival_s for i in late]
+    assert shared == shared_prefix_tokens("mixed", tok) + 2
     # Stored before per_request: the rebuilt requests, every one of them.
     old = {k: v for k, v in row.items() if k != "per_request"}
     assert stored_requests(old, 0, tok) == (rebuilt, shared_prefix_tokens("mixed", tok))

@@ -125,8 +125,9 @@ def stored_requests(row: dict, seed: int, tokenizer) -> tuple[list[TraceRequest]
     (``per_request``) at its send offset in the seeded schedule. Rebuilt from the seeded
     workload alone, a run stored without its nonce comes out a few tokens off: the stored
     runs' nonces tokenize to 0-4 tokens fewer than the placeholder, and a 20-token prompt
-    step's price moves some 2.6 ms a token. Such a run's nonce line is taken as long as its prompts say (the shift
-    between the server's counts and the rebuilt ones), shared prefix included."""
+    step's price moves some 2.6 ms a token. Such a run's nonce line is taken as long as its
+    prompts say (the shift between the server's counts and the rebuilt ones), shared prefix
+    included."""
     nonce = row.get("nonce") or NONCE
     rebuilt = rebuild_requests(
         row["workload"], row["requests"], row["rate"], seed, tokenizer, nonce
@@ -136,8 +137,12 @@ def stored_requests(row: dict, seed: int, tokenizer) -> tuple[list[TraceRequest]
     if not real:  # stored before per_request
         return rebuilt, shared
     prompts, outputs = real["prompt_tokens"], real["output_tokens"]
-    shift = Counter(p - r.prompt_tokens for p, r in zip(prompts, rebuilt)).most_common(1)[0][0]
-    sent = real.get("sent_index") or match_sent(rebuilt, prompts, outputs, shift)
+    sent = real.get("sent_index")
+    # Paired by send index where the run kept it; before that, in order (a shed request
+    # misaligns only the pairs after it, and the shift is the commonest difference).
+    paired = [rebuilt[i] for i in sent] if sent else rebuilt
+    shift = Counter(p - r.prompt_tokens for p, r in zip(prompts, paired)).most_common(1)[0][0]
+    sent = sent or match_sent(rebuilt, prompts, outputs, shift)
     trace = [
         TraceRequest(rebuilt[i].arrival_s, p, o)
         for i, p, o in zip(sent, prompts, outputs, strict=True)
