@@ -165,9 +165,10 @@ class Profile:
     # 1.10x at eight), not a share of it. None in older profiles: ``co_run_fixed_s``.
     co_run_fixed_s_decode_pair: float | None = None
     # A prompt-computing step's claim on the cores against a decode step's 1 when more threads
-    # compute than there are cores (CpuShare.shares): the kernel's scheduler favours the decode
-    # workers, which sleep between steps, over a long CPU-bound prefill. Set by hand (see
-    # docs/PLANNING.md section 4 for what 1P2D step traces read); 1 (fair) by default.
+    # compute than there are cores (CpuShare.shares): the kernel's scheduler may favour the
+    # decode workers, which sleep between steps, over a long CPU-bound prefill. Fitted from
+    # live step traces (step_residuals.prefill_share_weight; Zen 4 reads about 1, fair); 1 as
+    # measured.
     oversubscribed_prefill_weight: float = 1.0
     # A prefill step in a disaggregated prefill worker over the same step in a bare engine:
     # the worker ships each layer's KV while the next computes (frames built and sent by its
