@@ -300,7 +300,9 @@ def rescore(args, profile) -> int:
     costs = None
     if args.leave_one_out:
         more = args.calibrate_from or ()
-        costs = stored_runs.leave_one_out(stored, profile, args.leave_one_out, args.cpu_cores, more)
+        costs = stored_runs.leave_one_out(
+            stored, profile, args.leave_one_out, args.cpu_cores, more, embedded_tokenizer()
+        )
         for name, c in costs.items():
             print(f"{name}: calibrated on the others: {json.dumps(c)}", flush=True)
     seed = stored.get("seed", args.seed)  # the runs' own; older files: --seed
@@ -332,7 +334,9 @@ def compare_repeat(args) -> int:
 def calibrate_from_runs(args, profile) -> int:
     """The profile with the live costs fitted on every run of the stored fidelity JSONs (their
     step traces pooled, each at its probed speed), written to ``--calibrated-out``."""
-    pooled, costs = stored_runs.pooled_profile(profile, args.calibrate_from, args.cpu_cores)
+    pooled, costs = stored_runs.pooled_profile(
+        profile, args.calibrate_from, args.cpu_cores, embedded_tokenizer()
+    )
     pooled.save(args.calibrated_out)
     print(f"wrote {args.calibrated_out}: {json.dumps(costs)}")
     return 0

@@ -136,7 +136,7 @@ class Profile:
     decode: Table2D  # rows: sequences in the batch, cols: mean context per sequence
     transfer_bytes: tuple[float, ...]  # a whole request's KV pushed, bytes
     transfer_seconds: tuple[float, ...]
-    router_overhead_s: float  # what the router adds to the first token
+    router_overhead_s: float  # what the router adds to the first token (fake workers)
     kv_bytes_per_token: int
     num_layers: int
     engine: EngineSettings = field(default_factory=EngineSettings)
@@ -179,6 +179,11 @@ class Profile:
     # and client work beside it, on the same cores. Fitted from a live run's step traces
     # (planner_fidelity.py --calibrated-out); 1 in older profiles.
     decode_worker_slowdown: float = 1.0
+    # What a disaggregated request's first token waits beyond ``router_overhead_s`` in a live
+    # cluster: the reserve and prefill calls reaching busy worker processes, and the token's
+    # way back from the prefill worker while KV frames and other streams share its threads.
+    # Fitted from live runs' step traces (step_residuals.disaggregated_hop_s); 0 as measured.
+    disaggregated_hop_s: float = 0.0
     # What a row sampled at a temperature costs over a greedy one (the tables are greedy).
     sample_seconds_per_row: float = 0.0
     # CPU the router and its client spend, beside the workers on a small machine: per request
@@ -316,6 +321,7 @@ class Profile:
                 co_run_slowdown_prefill_pair=_optional_float(d.get("co_run_slowdown_prefill_pair")),
                 prefill_worker_slowdown=float(d.get("prefill_worker_slowdown", 1.0)),
                 decode_worker_slowdown=float(d.get("decode_worker_slowdown", 1.0)),
+                disaggregated_hop_s=float(d.get("disaggregated_hop_s", 0.0)),
                 co_run_fixed_s=float(d.get("co_run_fixed_s", 0.0)),
                 co_run_fixed_s_prefill=float(d.get("co_run_fixed_s_prefill", 0.0)),
                 co_run_fixed_s_local_prefill=_optional_float(d.get("co_run_fixed_s_local_prefill")),

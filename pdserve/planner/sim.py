@@ -222,7 +222,8 @@ class SimCluster:
         """Prefill worker ``p`` sampled the first token; the KV commits at ``committed_at``."""
         p.inflight_tokens -= req.num_tokens
         p.inflight_requests -= 1
-        self._emit(req, committed_at if self.cfg.first_token_waits_for_kv else sampled_at)
+        first = committed_at if self.cfg.first_token_waits_for_kv else sampled_at
+        self._emit(req, first + self.profile.disaggregated_hop_s)
         self.clock.at(committed_at, self._attach, req)
 
     def _attach(self, req: _Req) -> None:

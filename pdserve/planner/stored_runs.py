@@ -13,8 +13,10 @@ import json
 import time
 from pathlib import Path
 
-from pdserve.planner.fidelity_replay import METRICS, run_name
+from pdserve.planner.fidelity_replay import METRICS, run_name, stored_requests
+from pdserve.planner.first_token_hop import hop_beyond_router, request_hops
 from pdserve.planner.profile import Profile
+from pdserve.planner.sim import Split
 from pdserve.planner.step_residuals import leave_one_out_costs, pooled_costs
 
 
@@ -37,29 +39,77 @@ def traced_runs(stored: dict, traces: str | Path) -> dict[str, tuple]:
     return runs
 
 
+def run_hops(row: dict, seed: int, tokenizer, folder: Path) -> list[float]:
+    """A disaggregated run's first-token paths (``first_token_hop.request_hops``): each clean
+    request's TTFT less its prompt step. Empty for colocated runs and for several prefill
+    workers (whose steps interleave)."""
+    split = Split.parse(row["split"])
+    real = (row.get("per_request") or {}).get("real")
+    if split.colocated or split.num_prefill != 1 or not real:
+        return []
+    trace, _ = stored_requests(row, seed, tokenizer)
+    steps = []
+    for f in Path(folder).glob("prefill-*.jsonl"):
+        with f.open() as lines:
+            steps += [
+                (s["t"], s["s"], s["prompt_tokens"])
+                for s in map(json.loads, lines)
+                if s["prompt_tokens"]
+            ]
+    sends, prompts = [r.arrival_s for r in trace], [r.prompt_tokens for r in trace]
+    return request_hops(sends, real["ttft_s"], prompts, sorted(steps))
+
+
+def traced_hops(stored: dict, traces, tokenizer) -> dict[str, list[float]]:
+    """Each stored run's name -> ``run_hops`` (empty without a tokenizer)."""
+    if tokenizer is None:
+        return {run_name(row): [] for row in stored["fidelity"]}
+    seed = int(stored.get("seed") or 0)
+    return {
+        run_name(row): run_hops(row, seed, tokenizer, Path(traces) / run_name(row))
+        for row in stored["fidelity"]
+    }
+
+
 def leave_one_out(
-    stored: dict, profile: Profile, traces, cores: int | None, more=()
+    stored: dict, profile: Profile, traces, cores: int | None, more=(), tokenizer=None
 ) -> dict[str, dict]:
     """Each stored run's name -> the costs fitted on every other run's step traces: the other
     runs of ``stored``, and every run of each (stored fidelity JSON path, its traces folder)
-    in ``more`` (earlier sets of runs on the same machine)."""
+    in ``more`` (earlier sets of runs on the same machine). With ``tokenizer`` (the router's,
+    to rebuild the requests), the disaggregated first token's path too, from the others."""
     scored = traced_runs(stored, traces)
-    return leave_one_out_costs(profile, {**scored, **_runs_of(more)}, cores, scored)
+    runs, hops = _runs_of(more, tokenizer)
+    costs = leave_one_out_costs(profile, {**scored, **runs}, cores, scored)
+    if tokenizer is not None:
+        hops.update(traced_hops(stored, traces, tokenizer))
+        for name, c in costs.items():
+            others = [h for other, hs in hops.items() if other != name for h in hs]
+            c["disaggregated_hop_s"] = hop_beyond_router(others, profile.router_overhead_s)
+    return costs
 
 
-def _runs_of(sources) -> dict[str, tuple]:
-    runs = {}
+def _runs_of(sources, tokenizer=None) -> tuple[dict[str, tuple], dict[str, list[float]]]:
+    runs, hops = {}, {}
     for stored_path, traces in sources:  # names kept apart per stored file
         stored = json.loads(Path(stored_path).read_text())
         runs.update({f"{stored_path}:{k}": v for k, v in traced_runs(stored, traces).items()})
-    return runs
+        got = traced_hops(stored, traces, tokenizer).items()
+        hops.update({f"{stored_path}:{k}": v for k, v in got})
+    return runs, hops
 
 
-def pooled_profile(profile: Profile, sources, cores: int | None) -> tuple[Profile, dict]:
+def pooled_profile(
+    profile: Profile, sources, cores: int | None, tokenizer=None
+) -> tuple[Profile, dict]:
     """``profile`` with the live costs fitted on every run of each (stored fidelity JSON path,
-    its traces folder) in ``sources``, pooled; and those costs."""
-    runs = _runs_of(sources)
+    its traces folder) in ``sources``, pooled; and those costs (with ``tokenizer``, the
+    disaggregated first token's path too)."""
+    runs, hops = _runs_of(sources, tokenizer)
     costs = pooled_costs(profile, list(runs.values()), cores)
+    if tokenizer is not None:
+        every = [h for hs in hops.values() for h in hs]
+        costs["disaggregated_hop_s"] = hop_beyond_router(every, profile.router_overhead_s)
     meta = {
         **profile.meta,
         "co_run": {
