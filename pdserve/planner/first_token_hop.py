@@ -5,8 +5,8 @@ stored live run: its TTFT less the prefill worker's step that computed it.
 live cluster the reserve and prefill calls reach worker processes whose threads are busy
 (KV frames, streamed tokens, the engine thread holding the GIL between kernels), and the first
 token comes back through a prefill worker that is still shipping the last layer's frames. On
-the Zen 4 VM that path took 10-16 ms a request in the fidelity runs, where one request at a
-time through an idle cluster takes 6 ms.
+the Zen 4 VM that path took 8.7-18.8 ms a request (the median of a fidelity run), where one
+request at a time through an idle 1P1D cluster takes 6.3 ms.
 
 A run stores each request's send offset (the seeded schedule) and TTFT, and its workers' step
 traces their wall-clock starts; the two clocks are tied by the offset that puts a prompt step
@@ -37,9 +37,7 @@ def align_offset(sends: Sequence[float], starts: Sequence[float]) -> float:
             n += i < len(starts) and starts[i] - (t0 + s) <= ALIGN_WINDOW_S
         return n
 
-    candidates = [
-        start - send - ALIGN_WINDOW_S / 2 for start in starts[:60] for send in sends[:3]
-    ]  # fmt: skip
+    candidates = [start - send - ALIGN_WINDOW_S / 2 for start in starts[:60] for send in sends[:3]]
     return max(candidates, key=matched) if candidates else 0.0
 
 
@@ -67,9 +65,8 @@ def request_hops(
             continue  # late (not its own step), or another request joined it
         if tokens + CACHED_AT_MOST < prompt:
             continue  # the first chunk of a longer prompt
-        hop = ttft - seconds
-        if 0.0 <= hop <= ttft:
-            hops.append(hop)
+        if ttft >= seconds:
+            hops.append(ttft - seconds)
     return hops
 
 

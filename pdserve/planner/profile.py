@@ -182,7 +182,7 @@ class Profile:
     # What a disaggregated request's first token waits beyond ``router_overhead_s`` in a live
     # cluster: the reserve and prefill calls reaching busy worker processes, and the token's
     # way back from the prefill worker while KV frames and other streams share its threads.
-    # Fitted from live runs' step traces (step_residuals.disaggregated_hop_s); 0 as measured.
+    # Fitted from stored live runs (stored_runs.run_hops, first_token_hop.py); 0 as measured.
     disaggregated_hop_s: float = 0.0
     # What a row sampled at a temperature costs over a greedy one (the tables are greedy).
     sample_seconds_per_row: float = 0.0
