@@ -48,7 +48,6 @@ from pdserve.planner.fidelity_replay import (
     per_request,
     repeat_spread,
     replay,
-    resimulate,
     run_name,
     sent_requests,
     shared_prefix_tokens,
@@ -65,7 +64,7 @@ from pdserve.planner.step_residuals import (
     step_residuals,
     summarise,
 )
-from pdserve.planner.stored_runs import format_row
+from pdserve.planner.stored_runs import format_mape, format_row
 
 # (split, workload, SLO). Rates: LOW and NEAR x the simulated capacity (highest rate at 90%).
 # SLOs suit this VM: a 1,300-token document alone takes 2-4 s to prefill on one thread.
@@ -297,16 +296,13 @@ def rescore(args, profile) -> int:
     """A stored run's simulated side redone on ``profile`` (the measured side kept)."""
     stored = json.loads(Path(args.resimulate).read_text())
     slos = {workload: slo for _, workload, slo in SETUPS}
-    costs = None
-    if args.leave_one_out:
-        more = args.calibrate_from or ()
-        costs = stored_runs.leave_one_out(
-            stored, profile, args.leave_one_out, args.cpu_cores, more, embedded_tokenizer()
-        )
-        for name, c in costs.items():
-            print(f"{name}: calibrated on the others: {json.dumps(c)}", flush=True)
     seed = stored.get("seed", args.seed)  # the runs' own; older files: --seed
-    report = resimulate(stored, profile, slos, embedded_tokenizer(), seed, costs)
+    report = stored_runs.rescored(
+        stored, profile, slos, embedded_tokenizer(), seed, args.leave_one_out,
+        args.cpu_cores, args.calibrate_from or (),
+    )  # fmt: skip
+    for row in report["fidelity"] if args.leave_one_out else ():
+        print(f"{run_name(row)}: calibrated on the others: {json.dumps(row['costs'])}")
     report.update(
         leave_one_out=args.leave_one_out,
         profile=args.profile,
@@ -315,7 +311,7 @@ def rescore(args, profile) -> int:
     )
     for row in report["fidelity"]:
         print(format_row(row))
-    print("MAPE " + "  ".join(f"{m} {v:.1%}" for m, v in report["mape"].items()), flush=True)
+    print(format_mape(report["mape"]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0
@@ -429,14 +425,11 @@ def main() -> int:
             speed_probe(args, profile),
         )  # fmt: skip
         report["fidelity"], report["mape"] = rows, mape(rows)
-        print("MAPE " + "  ".join(f"{m} {v:.1%}" for m, v in report["mape"].items()), flush=True)
+        print(format_mape(report["mape"]), flush=True)
         if all(r.get("sim_as_profiled") for r in rows):
             report["mape_as_profiled"] = mape_of(rows, "sim_as_profiled")
-            print(
-                "MAPE on the profile as measured "
-                + "  ".join(f"{m} {v:.1%}" for m, v in report["mape_as_profiled"].items()),
-                flush=True,
-            )
+            label = "MAPE on the profile as measured"
+            print(format_mape(report["mape_as_profiled"], label), flush=True)
     if args.part in ("recommend", "all"):
         report["recommendation"] = recommendation(
             profile, args.seed, args.max_workers, args.scale, args.cpu_cores, args.workloads

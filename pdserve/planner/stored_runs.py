@@ -13,11 +13,11 @@ import json
 import time
 from pathlib import Path
 
-from pdserve.planner.fidelity_replay import METRICS, run_name, stored_requests
+from pdserve.planner.fidelity_replay import METRICS, resimulate, run_name, stored_requests
 from pdserve.planner.first_token_hop import hop_beyond_router, request_hops
 from pdserve.planner.profile import Profile
 from pdserve.planner.sim import Split
-from pdserve.planner.step_residuals import leave_one_out_costs, pooled_costs
+from pdserve.planner.step_residuals import leave_one_out_costs, load_steps, pooled_costs
 
 
 def traced_runs(stored: dict, traces: str | Path) -> dict[str, tuple]:
@@ -48,14 +48,13 @@ def run_hops(row: dict, seed: int, tokenizer, folder: Path) -> list[float]:
     if split.colocated or split.num_prefill != 1 or not real:
         return []
     trace, _ = stored_requests(row, seed, tokenizer)
-    steps = []
-    for f in Path(folder).glob("prefill-*.jsonl"):
-        with f.open() as lines:
-            steps += [
-                (s["t"], s["s"], s["prompt_tokens"])
-                for s in map(json.loads, lines)
-                if s["prompt_tokens"]
-            ]
+    steps = [
+        (s["t"], s["s"], s["prompt_tokens"])
+        for worker, worker_steps in load_steps(folder).items()
+        if worker.startswith("prefill")
+        for s in worker_steps
+        if s["prompt_tokens"]
+    ]
     sends, prompts = [r.arrival_s for r in trace], [r.prompt_tokens for r in trace]
     return request_hops(sends, real["ttft_s"], prompts, sorted(steps))
 
@@ -89,6 +88,19 @@ def leave_one_out(
     return costs
 
 
+def rescored(
+    stored: dict, profile: Profile, slos: dict, tokenizer, seed: int, traces=None,
+    cores: int | None = None, more=(),
+) -> dict:  # fmt: skip
+    """``stored`` (a fidelity report) re-simulated on ``profile``: with ``traces`` (its runs'
+    step-trace folder) each run on the costs fitted on every other run (``leave_one_out``,
+    ``more`` joining the pool), else all on ``profile`` as it is."""
+    costs = None
+    if traces is not None:
+        costs = leave_one_out(stored, profile, traces, cores, more, tokenizer)
+    return resimulate(stored, profile, slos, tokenizer, seed, costs)
+
+
 def _runs_of(sources, tokenizer=None) -> tuple[dict[str, tuple], dict[str, list[float]]]:
     runs, hops = {}, {}
     for stored_path, traces in sources:  # names kept apart per stored file
@@ -119,6 +131,11 @@ def pooled_profile(
         },
     }
     return dataclasses.replace(profile, **costs, meta=meta), costs
+
+
+def format_mape(mape: dict, label: str = "MAPE") -> str:
+    """A report's MAPE per metric on a line."""
+    return label + " " + "  ".join(f"{m} {v:.1%}" for m, v in mape.items())
 
 
 def format_row(r: dict) -> str:
