@@ -17,6 +17,7 @@ A step's cost, from the scheduler's plan (``step_seconds``):
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -179,6 +180,11 @@ class Profile:
     # and client work beside it, on the same cores. Fitted from a live run's step traces
     # (planner_fidelity.py --calibrated-out); 1 in older profiles.
     decode_worker_slowdown: float = 1.0
+    # A live decode-only step over its price, one factor per row (batch size) of the decode
+    # table: the bare table, timed once, gets the batch's shape wrong by more than noise (Zen 4
+    # alone steps: 0.95x at one row, 1.12x at four to eight, every setup alike). Fitted from
+    # live step traces (step_residuals.decode_row_factors); () as measured: 1 at every batch.
+    decode_row_factors: tuple[float, ...] = ()
     # What a disaggregated request's first token waits beyond ``router_overhead_s`` in a live
     # cluster: the reserve and prefill calls reaching busy worker processes, and the token's
     # way back from the prefill worker while KV frames and other streams share its threads.
@@ -242,8 +248,18 @@ class Profile:
         return self.shape_seconds(PlanShape.of(scheduled))
 
     def shape_seconds(self, shape: PlanShape) -> float:
-        """A step of this shape: its forward and its rows sampled at a temperature."""
-        return self.forward_seconds(shape) + shape.sampled * self.sample_seconds_per_row
+        """A step of this shape: its forward and its rows sampled at a temperature, a
+        decode-only step at its batch's live factor (``decode_row_factors``)."""
+        t = self.forward_seconds(shape) + shape.sampled * self.sample_seconds_per_row
+        if self.decode_row_factors and not shape.prompt_tokens and shape.decode_rows:
+            t *= self.decode_row_factor(shape.decode_rows)
+        return t
+
+    def decode_row_factor(self, rows: int) -> float:
+        """``decode_row_factors`` between the table's batch sizes, flat past both ends."""
+        if not self.decode_row_factors:
+            return 1.0
+        return _row_factor(self.decode.rows, self.decode_row_factors, rows)
 
     def forward_seconds(self, shape: PlanShape) -> float:
         """The forward (and a greedy sample per row, as the tables were timed)."""
@@ -321,6 +337,7 @@ class Profile:
                 co_run_slowdown_prefill_pair=_optional_float(d.get("co_run_slowdown_prefill_pair")),
                 prefill_worker_slowdown=float(d.get("prefill_worker_slowdown", 1.0)),
                 decode_worker_slowdown=float(d.get("decode_worker_slowdown", 1.0)),
+                decode_row_factors=_row_factors(d.get("decode_row_factors"), d["decode"]),
                 disaggregated_hop_s=float(d.get("disaggregated_hop_s", 0.0)),
                 co_run_fixed_s=float(d.get("co_run_fixed_s", 0.0)),
                 co_run_fixed_s_prefill=float(d.get("co_run_fixed_s_prefill", 0.0)),
@@ -332,6 +349,18 @@ class Profile:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a valid profile: {type(e).__name__}: {e}") from None
+
+
+def _row_factors(value, decode: dict) -> tuple[float, ...]:
+    factors = tuple(float(f) for f in value or ())
+    if factors and len(factors) != len(decode["rows"]):
+        raise ValueError("decode_row_factors needs one factor per decode table row")
+    return factors
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_factor(rows: tuple, factors: tuple, n: int) -> float:
+    return interp(rows, factors, min(n, rows[-1]))
 
 
 def _optional_float(value) -> float | None:

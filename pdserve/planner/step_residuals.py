@@ -11,7 +11,8 @@ latency percentiles.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -100,6 +101,7 @@ def priced_steps(profile: Profile, steps_by_worker: dict[str, list[dict]]) -> li
                 {
                     "worker": worker,
                     "kind": kind_of(shape),
+                    "rows": shape.decode_rows,
                     "real_s": s["s"],
                     "priced_s": profile.shape_seconds(shape),
                     "co_run": overlap_share(s["t"], s["t"] + s["s"], others),
@@ -147,15 +149,23 @@ def format_residuals(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def affine_fit(real: np.ndarray, priced: np.ndarray) -> tuple[float, float]:
-    """(a, c) with real ~ a x (priced + c), a >= 1 and c >= 0, by least squares: the co-run
-    factor and the once-per-step work of CpuShare (``fixed``), in seconds of the step alone."""
+# The least slope a decode step's co-run fit may take. Priced with the decode table's row
+# factors (fitted on alone steps: 1.10-1.13x at four to eight rows on Zen 4), decode steps
+# beside a neighbour read about 0.91 x (price + 6-8 ms): the alone steps' mid-batch excess is
+# smaller beside a busy neighbour. A prompt step's fit keeps the slope at 1 or more.
+DECODE_SLOPE_FLOOR = 0.85
+
+
+def affine_fit(real: np.ndarray, priced: np.ndarray, floor: float = 1.0) -> tuple[float, float]:
+    """(a, c) with real ~ a x (priced + c), a >= ``floor`` and c >= 0, by least squares: the
+    co-run factor and the once-per-step work of CpuShare (``fixed``), in seconds of the step
+    alone."""
     if len(real) < 3 or np.ptp(priced) <= 0:
         a = max(1.0, float(real.sum() / priced.sum())) if priced.sum() > 0 else 1.0
         return a, 0.0
     a, b = np.polyfit(priced, real, 1)
-    if a < 1.0:  # the slope held at 1: the whole excess is per step
-        a, b = 1.0, max(0.0, float(np.mean(real - priced)))
+    if a < floor:  # the slope held at the floor: the rest of the excess is per step
+        a, b = floor, max(0.0, float(np.mean(real - floor * priced)))
     elif b < 0.0:  # the intercept held at 0: the excess is proportional
         a, b = max(1.0, float(real @ priced / (priced @ priced))), 0.0
     return float(a), float(b) / float(a)
@@ -183,7 +193,8 @@ def co_run_affine(rows: list[dict]) -> dict[str, tuple[float, float]]:
     for kind, group in groups.items():
         real = np.array([r["real_s"] for r in group], dtype=float)
         priced = np.array([r["priced_s"] for r in group], dtype=float)
-        out[kind] = affine_fit(real, priced) if len(group) else (1.0, 0.0)
+        floor = DECODE_SLOPE_FLOOR if kind == "decode" else 1.0
+        out[kind] = affine_fit(real, priced, floor) if len(group) else (1.0, 0.0)
     return out
 
 
@@ -339,7 +350,49 @@ def decode_pair_affine(rows: list[dict]) -> tuple[float, float] | None:
     if len(group) < 3:
         return None
     real = np.array([r["real_s"] for r in group], dtype=float)
-    return affine_fit(real, np.array([r["priced_s"] for r in group], dtype=float))
+    priced = np.array([r["priced_s"] for r in group], dtype=float)
+    return affine_fit(real, priced, DECODE_SLOPE_FLOOR)
+
+
+MIN_ROW_STEPS = 30  # a decode table row with fewer alone steps is read from its neighbours
+
+
+def decode_row_factors(rows: list[dict], batches: Sequence[float]) -> tuple[float, ...]:
+    """``Profile.decode_row_factors``: each decode table row's live decode-only steps with no
+    other worker computing, summed real over summed priced (priced without factors). A step
+    between two of the table's batch sizes counts toward both, by its linear weight, as the
+    factor is read back; a row with under ``MIN_ROW_STEPS`` steps' weight is interpolated
+    between the fitted rows around it, or takes the end one's. () without such steps."""
+    real, priced, weight = (np.zeros(len(batches)) for _ in range(3))
+    for r in rows:
+        if r["kind"] != "decode" or r["co_run"] >= ALONE or on_prefill_worker(r):
+            continue
+        n = min(max(r["rows"], batches[0]), batches[-1])
+        hi = min(bisect_left(batches, n), len(batches) - 1)
+        lo = max(hi - 1, 0)
+        share = 1.0 if hi == lo else (n - batches[lo]) / (batches[hi] - batches[lo])
+        for k, w in ((lo, 1.0 - share), (hi, share)):
+            real[k] += w * r["real_s"]
+            priced[k] += w * r["priced_s"]
+            weight[k] += w
+    fitted = weight >= MIN_ROW_STEPS
+    if not fitted.any():
+        return ()
+    at = np.asarray(batches, dtype=float)
+    factors = np.interp(at, at[fitted], real[fitted] / priced[fitted])  # flat past the ends
+    return tuple(float(f) for f in factors)
+
+
+def with_row_factors(rows: list[dict], profile: Profile) -> list[dict]:
+    """Rows priced without ``decode_row_factors``, priced as ``profile`` prices them."""
+    if not profile.decode_row_factors:
+        return rows
+    return [
+        {**r, "priced_s": r["priced_s"] * profile.decode_row_factor(r["rows"])}
+        if r["kind"] == "decode"
+        else r
+        for r in rows
+    ]
 
 
 def pooled_costs(profile: Profile, runs: list[tuple], cores: int | None = None) -> dict:
@@ -348,13 +401,16 @@ def pooled_costs(profile: Profile, runs: list[tuple], cores: int | None = None) 
     its steps are priced at its own speed (``Profile.at_speed``), and the fixed work comes back
     at the profile's speed (weighted by each run's priced seconds), as ``at_speed`` scales it."""
     rows, weights = [], {"decode": [], "prefill": []}
+    profile = replace(profile, decode_row_factors=())  # fitted anew below
     for folder, decode, prefill, *small in runs:
         priced = priced_steps(profile.at_speed(decode, prefill, *small), load_steps(folder))
         rows += priced
         seconds = sum(r["priced_s"] for r in priced)
         weights["decode"].append((seconds, decode))
         weights["prefill"].append((seconds, prefill))
-    costs = calibrated_costs(rows, cores)
+    factors = decode_row_factors(rows, profile.decode.rows)
+    rows = with_row_factors(rows, replace(profile, decode_row_factors=factors))
+    costs = {**calibrated_costs(rows, cores), "decode_row_factors": factors}
     fields = (
         ("co_run_fixed_s", "decode"),
         ("co_run_fixed_s_decode_pair", "decode"),
