@@ -59,12 +59,11 @@ from pdserve.planner.speed_probe import Speed
 from pdserve.planner.step_residuals import (
     format_residuals,
     load_steps,
-    pooled_costs,
     priced_steps,
     step_residuals,
     summarise,
 )
-from pdserve.planner.stored_runs import format_mape, format_row
+from pdserve.planner.stored_runs import format_mape, format_row, pooled_costs
 
 # (split, workload, SLO). Rates: LOW and NEAR x the simulated capacity (highest rate at 90%).
 # SLOs suit this VM: a 1,300-token document alone takes 2-4 s to prefill on one thread.
@@ -251,7 +250,7 @@ CALIBRATION = ("1P1D", "mixed", 0.5, 45, 7)  # split, workload, rate, requests, 
 
 def calibrate(args, profile) -> int:
     """Set the profile's live costs from the step traces of one live 1P1D run
-    (step_residuals.pooled_costs over that one run: each role's alone slowdown, then a co-run factor and a
+    (stored_runs.pooled_costs over that one run: each role's alone slowdown, then a co-run factor and a
     once-per-step work for each kind) and write it to ``--calibrated-out``."""
     import dataclasses
 

@@ -1,5 +1,5 @@
 """The decode table's live factor per batch size (Profile.decode_row_factors), fitted from the
-alone decode steps of live step traces (step_residuals.decode_row_factors, pooled_costs)."""
+alone decode steps of live step traces (step_residuals.decode_row_factors, stored_runs.pooled_costs)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 
 from engine.step_trace import PlanShape
 from pdserve.planner.profile import Profile, Table2D
-from pdserve.planner.step_residuals import decode_row_factors, pooled_costs
+from pdserve.planner.step_residuals import decode_row_factors
+from pdserve.planner.stored_runs import pooled_costs
 
 BATCHES = (1.0, 2.0, 4.0, 8.0)
 

@@ -161,7 +161,7 @@ def test_leave_one_out_calibrates_each_run_on_the_other_runs_steps_at_their_spee
     """Run x's decode steps ran 2x their price, y's and z's 1.5x, but z's probe found the
     machine 1.5x slow then: each run's costs come from the others alone, each of those read
     against its own speed."""
-    from pdserve.planner.step_residuals import leave_one_out_costs
+    from pdserve.planner.stored_runs import leave_one_out_costs
 
     prof = flat_profile(decode_s=0.010, prefill_s=0.100)
     runs = {

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -393,47 +392,3 @@ def with_row_factors(rows: list[dict], profile: Profile) -> list[dict]:
         else r
         for r in rows
     ]
-
-
-def pooled_costs(profile: Profile, runs: list[tuple], cores: int | None = None) -> dict:
-    """``calibrated_costs`` fitted on the steps of several live runs together. Each run is
-    (its trace folder, its probed decode speed, prefill speed[, small-prompt prefill speed]):
-    its steps are priced at its own speed (``Profile.at_speed``), and the fixed work comes back
-    at the profile's speed (weighted by each run's priced seconds), as ``at_speed`` scales it."""
-    rows, weights = [], {"decode": [], "prefill": []}
-    profile = replace(profile, decode_row_factors=())  # fitted anew below
-    for folder, decode, prefill, *small in runs:
-        priced = priced_steps(profile.at_speed(decode, prefill, *small), load_steps(folder))
-        rows += priced
-        seconds = sum(r["priced_s"] for r in priced)
-        weights["decode"].append((seconds, decode))
-        weights["prefill"].append((seconds, prefill))
-    factors = decode_row_factors(rows, profile.decode.rows)
-    rows = with_row_factors(rows, replace(profile, decode_row_factors=factors))
-    costs = {**calibrated_costs(rows, cores), "decode_row_factors": factors}
-    fields = (
-        ("co_run_fixed_s", "decode"),
-        ("co_run_fixed_s_decode_pair", "decode"),
-        ("co_run_fixed_s_prefill", "prefill"),
-        ("co_run_fixed_s_local_prefill", "prefill"),
-    )
-    for field, kind in fields:
-        if field not in costs:
-            continue
-        total = sum(w for w, _ in weights[kind])
-        mean = sum(w * s for w, s in weights[kind]) / total if total > 0 else 1.0
-        costs[field] /= mean
-    return costs
-
-
-def leave_one_out_costs(
-    profile: Profile, runs: dict, cores: int | None = None, scored=None
-) -> dict[str, dict]:
-    """For each live run (name -> (trace folder, speeds), as ``pooled_costs``) of ``scored``
-    (default: all), the costs calibrated on every *other* run's steps: a run is then simulated
-    on costs it did not contribute to, as a planner calibrated on yesterday's traffic predicts
-    today's."""
-    return {
-        name: pooled_costs(profile, [r for other, r in runs.items() if other != name], cores)
-        for name in (runs if scored is None else scored)
-    }

@@ -3,7 +3,7 @@ workers recorded: the live costs a planner takes from earlier runs, with no clus
 
 A run's traces sit in one folder per run, named by ``fidelity_replay.run_name``, as
 ``--step-trace`` wrote them; each run was probed for the machine's speed around it, and its
-steps are priced at that speed (``step_residuals.pooled_costs``).
+steps are priced at that speed (``pooled_costs``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,13 @@ from pdserve.planner.fidelity_replay import METRICS, resimulate, run_name, store
 from pdserve.planner.first_token_hop import hop_beyond_router, request_hops
 from pdserve.planner.profile import Profile
 from pdserve.planner.sim import Split
-from pdserve.planner.step_residuals import leave_one_out_costs, load_steps, pooled_costs
+from pdserve.planner.step_residuals import (
+    calibrated_costs,
+    decode_row_factors,
+    load_steps,
+    priced_steps,
+    with_row_factors,
+)
 
 
 def traced_runs(stored: dict, traces: str | Path) -> dict[str, tuple]:
@@ -37,6 +43,50 @@ def traced_runs(stored: dict, traces: str | Path) -> dict[str, tuple]:
             speed.get("prefill_small"),
         )
     return runs
+
+
+def pooled_costs(profile: Profile, runs: list[tuple], cores: int | None = None) -> dict:
+    """``calibrated_costs`` fitted on the steps of several live runs together. Each run is
+    (its trace folder, its probed decode speed, prefill speed[, small-prompt prefill speed]):
+    its steps are priced at its own speed (``Profile.at_speed``), and the fixed work comes back
+    at the profile's speed (weighted by each run's priced seconds), as ``at_speed`` scales it."""
+    rows, weights = [], {"decode": [], "prefill": []}
+    profile = dataclasses.replace(profile, decode_row_factors=())  # fitted anew below
+    for folder, decode, prefill, *small in runs:
+        priced = priced_steps(profile.at_speed(decode, prefill, *small), load_steps(folder))
+        rows += priced
+        seconds = sum(r["priced_s"] for r in priced)
+        weights["decode"].append((seconds, decode))
+        weights["prefill"].append((seconds, prefill))
+    factors = decode_row_factors(rows, profile.decode.rows)
+    rows = with_row_factors(rows, dataclasses.replace(profile, decode_row_factors=factors))
+    costs = {**calibrated_costs(rows, cores), "decode_row_factors": factors}
+    fields = (
+        ("co_run_fixed_s", "decode"),
+        ("co_run_fixed_s_decode_pair", "decode"),
+        ("co_run_fixed_s_prefill", "prefill"),
+        ("co_run_fixed_s_local_prefill", "prefill"),
+    )
+    for field, kind in fields:
+        if field not in costs:
+            continue
+        total = sum(w for w, _ in weights[kind])
+        mean = sum(w * s for w, s in weights[kind]) / total if total > 0 else 1.0
+        costs[field] /= mean
+    return costs
+
+
+def leave_one_out_costs(
+    profile: Profile, runs: dict, cores: int | None = None, scored=None
+) -> dict[str, dict]:
+    """For each live run (name -> (trace folder, speeds), as ``pooled_costs``) of ``scored``
+    (default: all), the costs calibrated on every *other* run's steps: a run is then simulated
+    on costs it did not contribute to, as a planner calibrated on yesterday's traffic predicts
+    today's."""
+    return {
+        name: pooled_costs(profile, [r for other, r in runs.items() if other != name], cores)
+        for name in (runs if scored is None else scored)
+    }
 
 
 def run_hops(row: dict, seed: int, tokenizer, folder: Path) -> list[float]:
