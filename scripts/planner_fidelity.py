@@ -337,7 +337,7 @@ def calibrate_from_runs(args, profile) -> int:
     return 0
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", default=None, help="the profile (every mode but --repeat)")
     ap.add_argument("--json", default=None)
@@ -389,6 +389,11 @@ def main() -> int:
         help="with --resimulate: simulate each run on live costs calibrated from the step "
         "traces (this folder, as --step-trace wrote it) of the other runs",
     )
+    return ap
+
+
+def main() -> int:
+    ap = build_parser()
     args = ap.parse_args()
     if args.repeat:
         try:
@@ -411,6 +416,11 @@ def main() -> int:
         ap.error(f"--leave-one-out / --calibrate-from: {e}")
     if args.calibrated_out:
         return calibrate(args, profile)
+    return live_report(args, profile)
+
+
+def live_report(args, profile) -> int:
+    """Parts 1 and 2 on real clusters (``--part``), written to ``--json``."""
     report: dict = {
         "profile": args.profile,
         "cpu_cores": args.cpu_cores,
