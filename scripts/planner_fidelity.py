@@ -32,21 +32,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import planner_fidelity_stored as stored_modes
+
 from engine.step_trace import ENV_VAR as STEP_TRACE_ENV
 from pdserve.bench.loadgen.metrics import SLO
 from pdserve.bench.loadgen.serve import ServeConfig, run_benchmark
 from pdserve.cluster.local import ClusterSpec, LocalCluster
-from pdserve.planner import stored_runs
 from pdserve.planner.fidelity_replay import (
     METRICS,
     NONCE,
     err,
-    format_spread,
-    load_report,
     mape,
     mape_of,
     per_request,
-    repeat_spread,
     replay,
     run_name,
     sent_requests,
@@ -291,52 +289,6 @@ def speed_probe(args, profile):
     return None if args.no_speed_probe else SpeedProbe(profile)
 
 
-def rescore(args, profile) -> int:
-    """A stored run's simulated side redone on ``profile`` (the measured side kept)."""
-    stored = json.loads(Path(args.resimulate).read_text())
-    slos = {workload: slo for _, workload, slo in SETUPS}
-    seed = stored.get("seed", args.seed)  # the runs' own; older files: --seed
-    report = stored_runs.rescored(
-        stored, profile, slos, embedded_tokenizer(), seed, args.leave_one_out,
-        args.cpu_cores, args.calibrate_from or (),
-    )  # fmt: skip
-    for row in report["fidelity"] if args.leave_one_out else ():
-        print(f"{run_name(row)}: calibrated on the others: {json.dumps(row['costs'])}")
-    report.update(
-        leave_one_out=args.leave_one_out,
-        profile=args.profile,
-        resimulated=time.strftime("%Y-%m-%d %H:%M:%S"),
-        mape_as_stored=stored.get("mape"),  # the simulated side this replaced
-    )
-    for row in report["fidelity"]:
-        print(format_row(row))
-    print(format_mape(report["mape"]), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    return 0
-
-
-def compare_repeat(args) -> int:
-    """Two stored runs of the same requests (``--repeat FIRST SECOND``): the real cluster
-    against itself, beside each simulation scored on the other run."""
-    spread = repeat_spread(*(load_report(f) for f in args.repeat))
-    print(format_spread(spread), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(spread, indent=1) + "\n")
-    return 0
-
-
-def calibrate_from_runs(args, profile) -> int:
-    """The profile with the live costs fitted on every run of the stored fidelity JSONs (their
-    step traces pooled, each at its probed speed), written to ``--calibrated-out``."""
-    pooled, costs = stored_runs.pooled_profile(
-        profile, args.calibrate_from, args.cpu_cores, embedded_tokenizer()
-    )
-    pooled.save(args.calibrated_out)
-    print(f"wrote {args.calibrated_out}: {json.dumps(costs)}")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", default=None, help="the profile (every mode but --repeat)")
@@ -397,7 +349,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.repeat:
         try:
-            return compare_repeat(args)
+            return stored_modes.compare_repeat(args)
         except ValueError as e:
             ap.error(f"--repeat: {e}")
     if not args.profile:
@@ -409,9 +361,10 @@ def main() -> int:
         ap.error("--calibrate-from needs --calibrated-out (where to write the profile)")
     try:
         if args.resimulate:
-            return rescore(args, profile)
+            slos = {workload: slo for _, workload, slo in SETUPS}
+            return stored_modes.rescore(args, profile, slos, embedded_tokenizer())
         if args.calibrated_out and args.calibrate_from:
-            return calibrate_from_runs(args, profile)
+            return stored_modes.calibrate_from_runs(args, profile, embedded_tokenizer())
     except FileNotFoundError as e:  # a traces folder without the stored runs' traces
         ap.error(f"--leave-one-out / --calibrate-from: {e}")
     if args.calibrated_out:
