@@ -150,8 +150,9 @@ def runnable_variants() -> list[str]:
     return [v.name for v in VARIANTS if v.cpu_flags <= flags]
 
 
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none): the one place
+    the project reads it (the extension's variants, profiles' and benchmarks' CPU names)."""
     fields: dict[str, str] = {}
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -166,7 +167,7 @@ def _cpuinfo() -> dict[str, str]:
 def cpu_flags() -> frozenset[str]:
     """The CPU's instruction-set flags, as /proc/cpuinfo names them (torch's detected
     capability where there is no /proc/cpuinfo)."""
-    info = _cpuinfo()
+    info = cpuinfo()
     if "flags" in info or "Features" in info:  # x86 / ARM spelling
         return frozenset(info.get("flags", info.get("Features", "")).split())
     import torch
@@ -176,7 +177,8 @@ def cpu_flags() -> frozenset[str]:
 
 
 def cpu_model() -> str:
-    info = _cpuinfo()
+    """The CPU's model name (``platform.processor()`` or the machine where /proc has none)."""
+    info = cpuinfo()
     return info.get("model name") or platform.processor() or platform.machine()
 
 

@@ -4,12 +4,13 @@ dtype, the versions and the commit, the date."""
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import sys
 import time
 
 import torch
+
+from kernels.cpu_extension import cpu_model, cpuinfo
 
 # The instruction sets the CPU kernels choose between (a VM's "model name" can be bare).
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16")
@@ -17,19 +18,10 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_t
 
 def cpu_identity() -> dict:
     """The first CPU's name, family / model numbers and the ISA_FLAGS it has (Linux)."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if not line.strip():
-                    break  # the first processor's block only
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
+    fields = cpuinfo()
     flags = set(fields.get("flags", "").split())
     return {
-        "name": fields.get("model name", platform.processor()),
+        "name": cpu_model(),
         "family": fields.get("cpu family"),
         "model": fields.get("model"),
         "isa": [f for f in ISA_FLAGS if f in flags],
