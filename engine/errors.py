@@ -1,4 +1,6 @@
-"""Errors a user can act on. Each carries a message that names what is wrong and why."""
+"""The engine's errors, torch-free (the router imports them): those a user can act on, each
+with a message that names what is wrong and why, and the step's own failure, which the step
+(engine/step.py) and its failure isolation (engine/step_isolation.py) share from here."""
 
 
 class PdserveError(Exception):
@@ -41,3 +43,8 @@ class WorkerError(EngineError):
 
     prefix = "worker error"
     status_code = "UNAVAILABLE"
+
+
+class StepUpdateError(RuntimeError):
+    """The update after a forward raised outside any one request's work: the step is not run
+    again (its tokens were already taken), and the loop's owner fails what is in flight."""

@@ -1,11 +1,14 @@
 """The colocated engine: add requests, step, collect outputs. The step is engine/step.py's
-schedule, run, update, the same one the workers run."""
+schedule, run, update, the same one the workers run. ``build_engine`` makes one from
+engine/settings.py's serving settings (workers, the local harness, Ray actors)."""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -15,6 +18,7 @@ from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus, SamplingParams, check_token_ids
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.settings import EngineSettings, LoadedModel, context_length, load_model_once
 from engine.step import ModelExecutor, StepHooks, StepLoop
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -63,10 +67,8 @@ class LLMEngine(StepHooks):
         device: str = "cpu",
     ) -> LLMEngine:
         """Load a checkpoint; ``device`` "cuda" runs the forward on the GPU, attention through
-        the Triton kernels. The same engine ``engine.settings.build_engine`` builds for a worker
-        from these settings."""
-        from engine.settings import EngineSettings, build_engine, load_model_once
-
+        the Triton kernels. The same engine ``build_engine`` builds for a worker from these
+        settings."""
         cache, scheduler = cache or CacheConfig(), scheduler or SchedulerConfig()
         settings = EngineSettings(
             str(model),
@@ -169,3 +171,22 @@ class LLMEngine(StepHooks):
     def _forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
         self.sampler.release(request_id)
+
+
+def build_engine(s: EngineSettings, loaded: LoadedModel | None = None) -> LLMEngine:
+    """The engine ``s`` describes, on ``loaded``'s weights when given (else loaded now)."""
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    loaded = loaded or load_model_once(s)
+    cfg = EngineConfig(
+        loaded.config,
+        s.cache,
+        s.scheduler,
+        context_length(s, loaded.config),
+        weights=s.weights,
+        weight_group=s.weight_group,
+        kv_dtype=s.kv_dtype,
+        prefill_gemm=s.prefill_gemm,
+        activations=s.activations,
+    )
+    return LLMEngine(cfg, loaded.weights, loaded.tokenizer)

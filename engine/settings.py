@@ -1,17 +1,14 @@
-"""What builds one serving engine, in every process that hosts one (workers, the local harness,
-Ray actors): the engine's serving defaults live here, once, and ``build_engine`` is the one way
-to turn them into an ``LLMEngine``. Torch-free at import: the router and the config read the
-defaults without loading a model."""
+"""What one serving engine is made of, in every process that hosts one (workers, the local
+harness, Ray actors): the engine's serving defaults live here, once, and a checkpoint loaded
+once. ``engine.llm_engine.build_engine`` turns them into an ``LLMEngine`` (it lives beside the
+class, so this module imports nothing of it). Torch-free at import: the router and the config
+read the defaults without loading a model."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-
-if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True)
@@ -65,7 +62,7 @@ def load_model_once(s: EngineSettings, progress: bool = False) -> LoadedModel:
     weights = load_model(
         model_dir,
         cfg,
-        _context_length(s, cfg),
+        context_length(s, cfg),
         s.device,
         s.weights,
         s.weight_group,
@@ -77,29 +74,6 @@ def load_model_once(s: EngineSettings, progress: bool = False) -> LoadedModel:
     return LoadedModel(cfg, weights, Tokenizer(model_dir) if has_tokenizer else None)
 
 
-def build_engine(s: EngineSettings, loaded: LoadedModel | None = None) -> LLMEngine:
-    """The engine ``s`` describes, on ``loaded``'s weights when given (else loaded now)."""
-    from engine.llm_engine import LLMEngine
-
-    if s.threads:
-        import torch
-
-        torch.set_num_threads(s.threads)
-    loaded = loaded or load_model_once(s)
-    cfg = EngineConfig(
-        loaded.config,
-        s.cache,
-        s.scheduler,
-        _context_length(s, loaded.config),
-        weights=s.weights,
-        weight_group=s.weight_group,
-        kv_dtype=s.kv_dtype,
-        prefill_gemm=s.prefill_gemm,
-        activations=s.activations,
-    )
-    return LLMEngine(cfg, loaded.weights, loaded.tokenizer)
-
-
-def _context_length(s: EngineSettings, model_cfg) -> int:
+def context_length(s: EngineSettings, model_cfg) -> int:
     # A context past the checkpoint's positions would index RoPE tables that do not exist.
     return min(s.max_model_len, model_cfg.max_position_embeddings)

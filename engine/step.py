@@ -18,7 +18,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Protocol
 
-from engine.errors import EngineError, WorkerError
+from engine.errors import EngineError, StepUpdateError, WorkerError
 from engine.request import RequestStatus
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step_isolation import isolate_failed_forward
@@ -35,11 +35,6 @@ log = logging.getLogger("pdserve.engine")
 # Called as done(tokens, failed=None): one token per sampling sequence of the plan, less those
 # in ``failed`` (request id -> the exception its own sampling raised).
 TokensDone = Callable[..., None]
-
-
-class StepUpdateError(RuntimeError):
-    """The update after a forward raised outside any one request's work: the step is not run
-    again (its tokens were already taken), and the loop's owner fails what is in flight."""
 
 
 class StepHooks:

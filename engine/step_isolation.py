@@ -27,7 +27,7 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
-from engine.errors import EngineError, WorkerError
+from engine.errors import EngineError, StepUpdateError, WorkerError
 
 if TYPE_CHECKING:
     from engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -61,7 +61,6 @@ class _Bisection:
 
     def _run(self, seqs: list[ScheduledSequence]) -> BaseException | None:
         from engine.scheduler import SchedulerOutput
-        from engine.step import StepUpdateError
 
         self.num_runs += 1
         try:

@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from engine.args import add_engine_args, engine_args, engine_settings_from_args
-from engine.settings import EngineSettings, LoadedModel, build_engine
+from engine.settings import EngineSettings, LoadedModel
 from grpc_plumbing import worker_process as process
 
 
@@ -19,6 +19,7 @@ class PrefillSettings:
 
 def start_prefill_worker(s: PrefillSettings, loaded: LoadedModel | None = None):
     """Build the engine (on ``loaded``'s shared weights when given) and serve it."""
+    from engine.llm_engine import build_engine  # torch: only when a worker starts
     from prefill_worker.server import serve_prefill_worker
     from prefill_worker.worker import PrefillWorker
 

@@ -223,7 +223,8 @@ def test_int8_rows_round_half_to_even_and_keep_zero_heads_as_kv_int8_does():
 
 
 def _int8_engine(path, make_engine):
-    from engine.settings import EngineSettings, build_engine
+    from engine.llm_engine import build_engine
+    from engine.settings import EngineSettings
 
     engine = build_engine(EngineSettings(str(path), num_blocks=64, kv_dtype="int8"))
     make_engine.engines.append(engine)  # its leak check: every block free at the end

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, build_engine
 from engine.request import SamplingParams
-from engine.settings import EngineSettings, build_engine
+from engine.settings import EngineSettings
 from pdserve.cluster.local import ClusterSpec, LocalCluster
 from tests.cluster_utils import assert_all_blocks_free, generate_concurrently, worker_statuses
 from tests.conftest import tiny_llama_dir

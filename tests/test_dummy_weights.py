@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from engine.errors import ModelNotFoundError
+from engine.llm_engine import build_engine
 from engine.request import SamplingParams
-from engine.settings import EngineSettings, build_engine
+from engine.settings import EngineSettings
 from pdserve.cli import main
 from pdserve.config import ConfigError, validate_config
 from pdserve.planner.measure import FULL, GPU, QUICK, grid_for

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.llm_engine import build_engine
 from engine.loader import load_config, load_model
 from engine.model_runner import ModelRunner
 from engine.request import SamplingParams
-from engine.settings import EngineSettings, build_engine
+from engine.settings import EngineSettings
 from kernels import kv_fp8
 from kernels.kv_blocks import gather_kv_blocks
 from kernels.metadata import AttentionMetadata

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.llm_engine import build_engine
 from engine.request import SamplingParams
-from engine.settings import EngineSettings, build_engine
+from engine.settings import EngineSettings
 from kernels import ops, quant
 from tests.conftest import tiny_llama_dir
 from tests.test_engine_greedy_tiny import random_prompts

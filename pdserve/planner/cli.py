@@ -87,7 +87,7 @@ def cmd_cpu_costs(args, cfg) -> int:
     import dataclasses
     import os
 
-    from engine.settings import build_engine
+    from engine.llm_engine import build_engine
     from pdserve.planner.measure import engine_dir, measure_cpu_costs
     from pdserve.planner.profile import load_profile
 

@@ -303,8 +303,8 @@ def run_profile(
     """Measure the worker ``cfg`` (a pdserve.config.ClusterConfig) describes, on ``device``."""
     from tqdm.auto import tqdm
 
+    from engine.llm_engine import build_engine
     from engine.loader import resolve_device
-    from engine.settings import build_engine
     from pdserve.settings import settings_from_config
 
     device = resolve_device(device)

@@ -67,7 +67,7 @@ class SpeedProbe:
     """A bare engine as the profile measured it, kept for repeated probes in one process."""
 
     def __init__(self, profile: Profile, reps: int = 5):
-        from engine.settings import build_engine
+        from engine.llm_engine import build_engine
         from pdserve.planner.measure import Grid, WorkerTimer
 
         self.profile = profile
