@@ -1,0 +1,1 @@
+"""The test suite: unit, integration, fault and end-to-end tests (``conftest.py``: fixtures)."""
