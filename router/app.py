@@ -70,7 +70,7 @@ async def start_router(
         raise
     servers = RouterServers(router, grpc_server, grpc_address)
     if http_port is not None:
-        from router.http_serve import start_http_server  # fastapi only when HTTP is served
+        from router.http.listen import start_http_server  # fastapi only when HTTP is served
 
         try:
             servers.http_server = await start_http_server(

@@ -5,7 +5,7 @@ On gRPC only ``Health`` and the standard ``grpc.health.v1.Health`` stay open (pr
 no key); every other method needs it,
 server reflection included (the schema is no secret, but an open door is one more to audit:
 ``grpcurl -H 'authorization: Bearer KEY'`` sends it to reflection too). On HTTP every route
-but ``/health`` needs it (``/metrics`` optionally open): see router/http_guard.py.
+but ``/health`` needs it (``/metrics`` optionally open): see router/http/guard.py.
 """
 
 from __future__ import annotations

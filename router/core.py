@@ -16,7 +16,9 @@ from engine.errors import InvalidRequestError
 from engine.request import SamplingParams, check_token_ids, sampling_from_message
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from protos import pdserve_pb2 as pb
-from router.flow import FlowConfig, FlowRequest, FlowTimings, Overloaded, RequestFlow
+from router.flow.lifecycle import RequestFlow
+from router.flow.request import FlowRequest
+from router.flow.types import FlowConfig, FlowTimings, Overloaded
 from router.limits import FirstTokenQueue, check_request_limits
 from router.metrics import Metrics
 from router.policies import get_policy

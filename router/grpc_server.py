@@ -15,7 +15,7 @@ from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from router.auth import ApiKeyInterceptor
 from router.core import Router
-from router.flow import EngineFailure, Overloaded, WorkerFailure
+from router.flow.types import EngineFailure, Overloaded, WorkerFailure
 from router.health import GENERATION_SERVICE, HEALTH_SERVICE, RouterHealth
 from router.tokenize import detokenize, tokenize
 

@@ -16,7 +16,7 @@ from pdserve.client import AsyncClient
 from pdserve.cluster.local import ClusterSpec, LocalCluster
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from router.flow_types import lease_destination
+from router.flow.types import lease_destination
 from tests.cluster_utils import assert_all_blocks_free
 from tests.conftest import tiny_llama_dir
 from tests.greedy import assert_same_greedy, hf_greedy

@@ -1,5 +1,5 @@
-"""How each attempt of a request ends decides what the router does next (router/flow.py):
-an engine error of the request is an error to its client (gRPC INTERNAL, HTTP 500, an SSE
+"""How each attempt of a request ends decides what the router does next
+(router/flow/lifecycle.py): an engine error of the request is an error to its client (gRPC INTERNAL, HTTP 500, an SSE
 error event), never retried and never a finish "abort"; a transport fault, a lost worker, a
 preemption or a broken transfer go around again with exact greedy output; a lease the decode
 worker lost before the attach goes around again instead of a 503. On every path the router's
@@ -19,7 +19,7 @@ import pytest
 from kv_transfer.errors import FrameError
 from pdserve.client import AsyncClient
 from pdserve.cluster.local import ClusterSpec, LocalCluster
-from router.flow_types import AttemptOutcome, ended_by
+from router.flow.types import AttemptOutcome, ended_by
 from router.pool import WorkerHandle
 from tests.cluster_utils import assert_all_blocks_free
 from tests.conftest import tiny_llama_dir

@@ -222,7 +222,7 @@ HEAVY = {"torch", "transformers", "kv_transfer", "kernels"}
 
 
 def test_the_router_entry_points_load_no_torch_and_no_transformers():
-    loaded = modules_loaded_by("import router.app, router.__main__, router.http_server")
+    loaded = modules_loaded_by("import router.app, router.__main__, router.http.routes")
     assert "router" in loaded and not loaded & HEAVY, sorted(loaded & HEAVY)
 
 

@@ -18,7 +18,7 @@ from pdserve.client import AsyncClient
 from pdserve.cluster.local import ClusterSpec, LocalCluster
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from router.flow import Overloaded
+from router.flow.types import Overloaded
 from router.limits import FirstTokenQueue
 from tests.cluster_utils import assert_all_blocks_free
 from tests.conftest import tiny_llama_dir

@@ -17,7 +17,7 @@ from engine.request import SamplingParams
 from engine.scheduler import SchedulerOutput
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from router.flow_types import lease_destination
+from router.flow.types import lease_destination
 from tests.conftest import tiny_llama_dir
 
 BAD = "bad"

@@ -1,7 +1,7 @@
 """Discrete-event simulation of a pdserve cluster: xPyD or colocated, one router.
 
-The router side mirrors router/flow.py: decode first (reserve a lease on the decode worker the
-decode policy picks; wait when none has room, 429 after ``reserve_timeout_s``), prefill on the
+The router side mirrors router/flow/lifecycle.py: decode first (reserve a lease on the decode worker
+the decode policy picks; wait when none has room, 429 after ``reserve_timeout_s``), prefill on the
 worker the prefill policy picks, the first token out as soon as it is sampled, decoding once the
 KV is committed (the exposed part of the transfer), and a preempted request sent around again
 with its tokens appended. Colocated (no prefill workers), or prompts up to

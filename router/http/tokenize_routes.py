@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.errors import InvalidRequestError
 from router.core import Router
-from router.openai_models import ChatMessage, TokenId, openapi_body
+from router.http.openai_requests import ChatMessage, TokenId, openapi_body
 from router.tokenize import detokenize, tokenize
 
 

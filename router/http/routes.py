@@ -2,10 +2,10 @@
 same request path as gRPC (``Router.prepare`` then ``Router.generate``).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
-``"stream": true``), GET /v1/models, POST /tokenize and /detokenize (vLLM's), GET /health (503 until every pool has a ready worker),
-GET /metrics (Prometheus). Errors use OpenAI's shape ``{"error": {message, type, param,
-code}}``: 400 bad parameter (named in ``param``), 401 bad API key, 404 unknown model or route,
-429 overloaded, 500 an engine error of the request, 503 workers failed.
+``"stream": true``), GET /v1/models, POST /tokenize and /detokenize (vLLM's), GET /health (503 until
+every pool has a ready worker), GET /metrics (Prometheus). Errors use OpenAI's shape ``{"error":
+{message, type, param, code}}``: 400 bad parameter (named in ``param``), 401 bad API key, 404
+unknown model or route, 429 overloaded, 500 an engine error of the request, 503 workers failed.
 """
 
 from __future__ import annotations
@@ -25,11 +25,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.errors import InvalidRequestError
 from router.auth import bearer_ok
 from router.core import Router
-from router.flow import EngineFailure, Overloaded, WorkerFailure
-from router.http_tokenize import add_tokenize_routes
-from router.openai_batch import merge_prompts
-from router.openai_models import ChatCompletionRequest, CompletionRequest, openapi_body
-from router.openai_responses import (
+from router.flow.types import EngineFailure, Overloaded, WorkerFailure
+from router.http.openai_requests import ChatCompletionRequest, CompletionRequest, openapi_body
+from router.http.openai_responses import (
     ChatResponseShape,
     ResponseBuilder,
     ResponseShape,
@@ -37,6 +35,8 @@ from router.openai_responses import (
     timings_body,
     usage_body,
 )
+from router.http.prompt_batch import merge_prompts
+from router.http.tokenize_routes import add_tokenize_routes
 
 log = logging.getLogger("pdserve.router")
 

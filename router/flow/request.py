@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from protos import pdserve_pb2 as pb
-from router.flow_types import FlowTimings, Tokens, without_prompt_logprobs
+from router.flow.types import FlowTimings, Tokens, without_prompt_logprobs
 
 
 @dataclass

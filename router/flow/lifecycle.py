@@ -36,21 +36,20 @@ import grpc
 
 from engine.block_manager import blocks_for
 from protos import pdserve_pb2 as pb
-from router.flow_attempt import (
+from router.flow.attempt import (
     Attempt,
     raise_if_transfer_lost,
     stream_tokens,
     transfer_done,
     wait_first_chunk_or_lost_transfer,
 )
-from router.flow_request import FlowRequest
-from router.flow_types import (  # FlowConfig, Overloaded, ... are still imported from here
+from router.flow.request import FlowRequest
+from router.flow.types import (
     WIRE_PREEMPTED,
     AttemptEnded,
     AttemptOutcome,
     EngineFailure,
     FlowConfig,
-    FlowTimings,
     Overloaded,
     Tokens,
     WorkerFailure,
@@ -59,17 +58,6 @@ from router.flow_types import (  # FlowConfig, Overloaded, ... are still importe
     sequence_sampling,
 )
 from router.pool import WorkerPool
-
-# What other modules import from here.
-__all__ = [
-    "EngineFailure",
-    "FlowConfig",
-    "FlowRequest",
-    "FlowTimings",
-    "Overloaded",
-    "RequestFlow",
-    "WorkerFailure",
-]
 
 log = logging.getLogger("pdserve.router")
 

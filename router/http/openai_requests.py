@@ -1,5 +1,5 @@
 """OpenAI API requests at the HTTP edge: the request models (pydantic, strict types) of
-/v1/completions and /v1/chat/completions (their responses: ``router/openai_responses.py``).
+/v1/completions and /v1/chat/completions (their responses: ``router/http/openai_responses.py``).
 
 Types are checked here (``"max_tokens": "abc"`` is a 400 naming ``max_tokens``); value ranges
 that the engine defines (temperature, top_k, min_tokens vs max_tokens, the context length) are

@@ -1,5 +1,5 @@
 """Serving the HTTP app: uvicorn as a task on the router's running loop, on a socket bound to
-the configured host, behind the API guard (router/http_guard.py), over TLS when configured."""
+the configured host, behind the API guard (router/http/guard.py), over TLS when configured."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import uvicorn
 
 from grpc_plumbing.tls import TlsFiles
 from router.core import Router
-from router.http_guard import ApiGuard
+from router.http.guard import ApiGuard
 from router.security import ApiSecurity
 
 
@@ -85,7 +85,7 @@ async def start_http_server(
     api_key: str | None = None,
     security: ApiSecurity | None = None,
 ) -> HttpServer:
-    from router.http_server import build_app  # fastapi only when HTTP is served
+    from router.http.routes import build_app  # fastapi only when HTTP is served
 
     security = security or ApiSecurity()
     app = ApiGuard(

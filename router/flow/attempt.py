@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from protos import pdserve_pb2 as pb
-from router.flow_request import FlowRequest
-from router.flow_types import AttemptEnded, AttemptOutcome, Tokens
+from router.flow.request import FlowRequest
+from router.flow.types import AttemptEnded, AttemptOutcome, Tokens
 from router.pool import WorkerHandle
 
 log = logging.getLogger("pdserve.router")
