@@ -14,11 +14,12 @@ from decode_worker.worker import CallerLeft, DecodeWorker, ReservationError
 from engine.errors import EngineError, InvalidRequestError
 from engine.wire import logprob_message, logprob_messages
 from grpc_plumbing.auth import resolve_cluster_token
+from grpc_plumbing.health import add_worker_health
 from grpc_plumbing.server import worker_server
 from kv_transfer.errors import FrameError
-from kv_transfer.health import add_worker_health
 from kv_transfer.sender import start_receiver_server
-from kv_transfer.transports import TOKEN_TRANSPORTS, add_kv_servicer
+from kv_transfer.transport_grpc import add_kv_servicer
+from kv_transfer.transports import TOKEN_TRANSPORTS
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 

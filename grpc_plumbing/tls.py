@@ -8,7 +8,7 @@ presents ``cert``/``key``, every client verifies it against ``ca`` and presents 
 cluster key pair get a connection at all (the cluster token is checked on top). ``server_name``
 is the name the certificate was issued for when it does not list every node's IP address.
 
-torch_dist (gloo, NCCL) has no TLS: see kv_transfer/dist_pair.py's security note.
+torch_dist (gloo, NCCL) has no TLS: see kv_transfer/torch_dist/pair.py's security note.
 """
 
 from __future__ import annotations

@@ -7,18 +7,17 @@ frames of one link in order (torch_dist needs that) and bounds threads by the nu
 workers rather than by in-flight requests; gathering and CRC-32C are far faster than any link.
 
 Transports plug in as a ``Link`` (a sender's connection, shared by its streams) that opens one
-``Channel`` per stream. They are chosen by name: see ``make_sender``/``start_receiver_server``.
+``Channel`` per stream (kv_transfer/interfaces.py). They are chosen by name: see
+``make_sender``/``start_receiver_server``.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import queue
 import threading
 import time
 import weakref
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -27,7 +26,8 @@ import torch
 
 from kernels.kv_blocks import gather_kv_blocks
 from kv_transfer.frame import MAX_FRAME_BYTES, dtype_name, encode_commit_frame, encode_kv_frame
-from kv_transfer.transports import TRANSPORTS
+from kv_transfer.interfaces import Channel, Link, ReceiverServer
+from kv_transfer.transports import transport_module
 
 log = logging.getLogger("pdserve.kv")
 
@@ -45,48 +45,6 @@ class TransferStats:
     bytes: int  # kv payload bytes pushed
     frames: int  # kv frames pushed (the commit frame not counted)
     seconds: float  # from open_stream to the receiver's acknowledgement of the commit
-
-
-class Channel(ABC):
-    """One stream's pipe to the receiver. push* run on the sender thread."""
-
-    @abstractmethod
-    def push(self, header: bytes, payload) -> None: ...
-
-    @abstractmethod
-    def push_commit(self, header: bytes, payload) -> None: ...
-
-    @abstractmethod
-    def wait_ack(self, timeout: float) -> list[str]:
-        """Block until the receiver acknowledged the commit; return reasons for rejections."""
-
-    @abstractmethod
-    def cancel(self) -> None: ...
-
-
-class Link(ABC):
-    """A sender's connection to one receiver endpoint, shared by all its streams."""
-
-    idle_interval_s: float | None = None  # call on_idle when the sender thread idles this long
-    # True once the link cannot carry another stream (torch_dist: a half-sent message or a
-    # dead peer desynchronizes the pair for good); the sender then connects a new one.
-    broken: bool = False
-
-    def on_idle(self) -> None:
-        """Keep the link alive (torch_dist pings; a silent gloo pair times out)."""
-
-    @abstractmethod
-    def open_channel(self, request_id: str, lease_id: str) -> Channel: ...
-
-    @abstractmethod
-    def close(self) -> None: ...
-
-
-class ReceiverServer(ABC):
-    endpoint: str  # what make_sender needs to reach this server
-
-    @abstractmethod
-    def stop(self) -> None: ...
 
 
 @dataclass
@@ -335,16 +293,10 @@ def _close_quietly(link: Link) -> None:
         log.info("closing a broken kv link: %s: %s", type(e).__name__, e)
 
 
-def _transport(name: str):
-    if name not in TRANSPORTS:
-        raise ValueError(f"unknown transport {name!r}; known: {', '.join(sorted(TRANSPORTS))}")
-    return importlib.import_module(TRANSPORTS[name])
-
-
 def make_sender(transport: str, endpoint: str, **opts) -> KVSender:
     """Connect to a receiver server's ``endpoint`` over the named transport; the sender
     reconnects the same way when the link breaks."""
-    module = _transport(transport)
+    module = transport_module(transport)
 
     def connect() -> Link:
         return module.connect(endpoint, **opts)
@@ -356,4 +308,4 @@ def start_receiver_server(
     transport: str, receiver, host: str = "127.0.0.1", port: int = 0, **opts
 ) -> ReceiverServer:
     """Serve ``receiver`` on host:port (port 0 picks a free one); see ``.endpoint``."""
-    return _transport(transport).serve(receiver, host, port, **opts)
+    return transport_module(transport).serve(receiver, host, port, **opts)

@@ -35,7 +35,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from kv_transfer.sender import Channel, Link, ReceiverServer, start_receiver_server
+from kv_transfer.interfaces import Channel, Link, ReceiverServer
+from kv_transfer.transports import transport_module
 
 POLICY_ENV = "PDSERVE_KV_FAULTS"  # a policy string, for workers started as processes
 
@@ -195,10 +196,8 @@ class FaultReceiverServer(ReceiverServer):
 
 
 def connect(endpoint: str, **opts) -> Link:
-    from kv_transfer.sender import _transport
-
     inner, policy, inner_endpoint = parse_endpoint(endpoint)
-    return _FaultLink(_transport(inner).connect(inner_endpoint, **opts), policy)
+    return _FaultLink(transport_module(inner).connect(inner_endpoint, **opts), policy)
 
 
 def serve(
@@ -215,5 +214,5 @@ def serve(
         policy = os.environ.get(POLICY_ENV, "")
     if isinstance(policy, str):
         policy = FaultPolicy.parse(policy)
-    server = start_receiver_server(inner, receiver, host, port, **opts)
+    server = transport_module(inner).serve(receiver, host, port, **opts)
     return FaultReceiverServer(server, inner, policy)

@@ -31,7 +31,7 @@ from pyarrow import flight
 from grpc_plumbing.auth import TOKEN_KEY, require_token_off_loopback, token_matches
 from grpc_plumbing.tls import read_pem
 from kv_transfer.errors import FrameError
-from kv_transfer.sender import Channel, Link, ReceiverServer
+from kv_transfer.interfaces import Channel, Link, ReceiverServer
 
 log = logging.getLogger("pdserve.kv")
 

@@ -17,7 +17,7 @@ from grpc_plumbing.auth import TOKEN_KEY, require_token_off_loopback, token_matc
 from grpc_plumbing.server import EXCLUSIVE_PORT, bind, message_options
 from grpc_plumbing.tls import ClusterTls
 from kv_transfer.errors import FrameError
-from kv_transfer.sender import Channel, Link, ReceiverServer
+from kv_transfer.interfaces import Channel, Link, ReceiverServer
 from protos import pdserve_pb2, pdserve_pb2_grpc
 
 log = logging.getLogger("pdserve.kv")

@@ -6,7 +6,7 @@ import itertools
 import threading
 
 from kv_transfer.errors import FrameError
-from kv_transfer.sender import Channel, Link, ReceiverServer
+from kv_transfer.interfaces import Channel, Link, ReceiverServer
 
 _registry: dict[str, object] = {}  # name -> KVReceiver
 _registry_lock = threading.Lock()

@@ -1,17 +1,25 @@
 """The transport registry's names, torch-free: the config, the CLIs and the workers read them.
 
-Picking one by name is ``kv_transfer.sender.make_sender`` / ``start_receiver_server`` (they
-import the named module, and torch, when used).
+``transport_module`` imports the one named (and what it needs: grpc, pyarrow, torch) when
+used; ``kv_transfer.sender.make_sender`` / ``start_receiver_server`` pick one by name with it.
+A worker's gRPC server hosts the grpc transport's service with
+``kv_transfer.transport_grpc.add_kv_servicer``.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kv_transfer.interfaces import Transport
 
 # name -> the module that implements it (``connect(endpoint, **opts)``, ``serve(...)``)
 TRANSPORTS = {
     "local": "kv_transfer.transport_local",
     "grpc": "kv_transfer.transport_grpc",
     "flight": "kv_transfer.transport_flight",
-    "torch_dist": "kv_transfer.transport_dist",
+    "torch_dist": "kv_transfer.torch_dist.transport",
     "faults": "kv_transfer.transport_faults",  # tests: wraps another, injects faults
 }
 # What a worker can be configured with (cluster YAML ``kv_transport``, ``--kv-transport``):
@@ -24,8 +32,8 @@ TOKEN_TRANSPORTS = frozenset({*WORKER_TRANSPORTS, "faults"})
 TLS_TRANSPORTS = frozenset({"grpc", "flight"})
 
 
-def add_kv_servicer(server, receiver, token: str | None = None) -> None:
-    """Host KvTransfer.PushFrames on a worker's existing grpc server (see transport_grpc)."""
-    from kv_transfer.transport_grpc import add_kv_servicer as add  # grpc only when used
-
-    add(server, receiver, token)
+def transport_module(name: str) -> Transport:
+    """The module that implements transport ``name`` (``connect``, ``serve``), imported now."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown transport {name!r}; known: {', '.join(sorted(TRANSPORTS))}")
+    return importlib.import_module(TRANSPORTS[name])

@@ -11,8 +11,8 @@ from engine.errors import EngineError, InvalidRequestError
 from engine.request import sampling_from_message
 from engine.wire import logprob_message, logprob_messages
 from grpc_plumbing.auth import resolve_cluster_token
+from grpc_plumbing.health import add_worker_health
 from grpc_plumbing.server import worker_server
-from kv_transfer.health import add_worker_health
 from kv_transfer.sender import TransferError
 from kv_transfer.sender_pool import SenderPool
 from prefill_worker.worker import PrefillWorker

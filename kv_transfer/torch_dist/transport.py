@@ -1,5 +1,5 @@
 """torch_dist transport, sender side: a link is one pair group to one receiver (the
-protocol and its security are described in kv_transfer.dist_pair)."""
+protocol and its security are described in kv_transfer.torch_dist.pair)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-from kv_transfer.dist_pair import (
+from kv_transfer.interfaces import Channel, Link, ReceiverServer
+from kv_transfer.torch_dist.pair import (
     OP_ABORT,
     OP_CLOSE,
     OP_COMMIT,
@@ -26,7 +27,7 @@ from kv_transfer.dist_pair import (
     make_pair_group,
     token_proof,
 )
-from kv_transfer.sender import Channel, Link, ReceiverServer
+from kv_transfer.torch_dist.receiver import DistReceiverServer
 
 log = logging.getLogger("pdserve.kv")
 
@@ -197,6 +198,4 @@ def connect(endpoint: str, **opts) -> Link:
 
 
 def serve(receiver, host: str, port: int, **opts) -> ReceiverServer:
-    from kv_transfer.dist_receiver import DistReceiverServer
-
     return DistReceiverServer(receiver, host, port, **opts)

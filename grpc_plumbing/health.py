@@ -1,9 +1,10 @@
-"""The standard gRPC health service (``grpc.health.v1.Health``) on a worker's server.
+"""The standard gRPC health service (``grpc.health.v1.Health``) on a worker's server (both
+roles; the router has its own, on its asyncio server, in router/).
 
 What Kubernetes' gRPC probes and ``grpc-health-probe`` speak. A worker's server starts only
 after its warm-up, so it answers SERVING from the first call it can take; it turns NOT_SERVING
 while draining (no new work: routing and probes stop sending), and on shutdown. Probes carry
-no cluster token, so the token check lets these two methods through (grpc_plumbing/auth.py).
+no cluster token, so the token check lets these two methods through (auth.py).
 """
 
 from __future__ import annotations

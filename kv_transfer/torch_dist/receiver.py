@@ -1,5 +1,5 @@
 """torch_dist transport, receiver side: a TCPStore rendezvous bound to the configured host,
-one thread per sender pair (the protocol and its security are in kv_transfer.dist_pair)."""
+one thread per sender pair (the protocol and its security are in kv_transfer.torch_dist.pair)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ import torch
 import torch.distributed as dist
 
 from grpc_plumbing.auth import OpenBindError, is_loopback
-from kv_transfer.dist_pair import (
+from kv_transfer.errors import FrameError
+from kv_transfer.frame import MAX_FRAME_BYTES, MAX_HEADER_BYTES
+from kv_transfer.interfaces import ReceiverServer
+from kv_transfer.torch_dist.pair import (
     OP_ABORT,
     OP_CLOSE,
     OP_COMMIT,
@@ -30,9 +33,6 @@ from kv_transfer.dist_pair import (
     make_pair_group,
     token_proof,
 )
-from kv_transfer.errors import FrameError
-from kv_transfer.frame import MAX_FRAME_BYTES, MAX_HEADER_BYTES
-from kv_transfer.sender import ReceiverServer
 
 log = logging.getLogger("pdserve.kv")
 
