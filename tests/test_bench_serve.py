@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pdserve.bench import main as bench_main
-from pdserve.bench.loadgen.metrics import SLO, RequestRecord, compute_result, format_result
+from pdserve.metrics import SLO, RequestRecord, compute_result, format_result
 from pdserve.bench.loadgen.serve import apply_sse_line, poisson_schedule
 from pdserve.bench.loadgen.sweep import SweepPoint, goodput_of
 

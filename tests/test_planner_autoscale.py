@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.loadgen.metrics import SLO
+from pdserve.metrics import SLO
 from pdserve.planner.autoscale import recent_trace, target_split
 from pdserve.planner.search import Evaluator, trace_workload
 from pdserve.planner.sim import SimConfig, Split

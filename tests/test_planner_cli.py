@@ -39,7 +39,7 @@ def test_quick_profile_records_hardware_model_dtype_and_versions(tiny_profile):
     assert prof.transfer_seconds_for(128) > 0
     assert prof.engine.max_model_len == 256
     assert prof.sample_seconds_per_row > 0  # measured even on the quick grid
-    assert prof.router_cpu_per_token_s == 0  # --quick starts no router
+    assert prof.cpu.router_cpu_per_token_s == 0  # --quick starts no router
 
 
 def test_cpu_costs_only_remeasures_sampling_and_keeps_the_tables(tiny_profile, tmp_path):
@@ -178,23 +178,20 @@ def test_plan_past_unit_max_replicates_units(tiny_profile, tmp_path):
 
 
 def test_at_speed_scales_each_kinds_prices_and_its_once_per_step_work(tiny_profile):
-    import dataclasses
 
-    prof = dataclasses.replace(
-        load_profile(tiny_profile), co_run_fixed_s=0.01, co_run_fixed_s_prefill=0.02
-    )
+    prof = load_profile(tiny_profile).with_cpu(co_run_fixed_s=0.01, co_run_fixed_s_prefill=0.02)
     slow = prof.at_speed(decode=2.0, prefill=3.0)
     assert slow.decode_seconds(4, 64) == pytest.approx(2 * prof.decode_seconds(4, 64))
     assert slow.prefill_seconds(32, 32) == pytest.approx(3 * prof.prefill_seconds(32, 32))
-    assert (slow.co_run_fixed_s, slow.co_run_fixed_s_prefill) == pytest.approx((0.02, 0.06))
-    assert slow.co_run_slowdown == prof.co_run_slowdown  # ratios are not speeds
+    assert (slow.cpu.co_run_fixed_s, slow.cpu.co_run_fixed_s_prefill) == pytest.approx((0.02, 0.06))
+    assert slow.cpu.co_run_slowdown == prof.cpu.co_run_slowdown  # ratios are not speeds
     assert slow.transfer_seconds == prof.transfer_seconds
 
 
 def test_the_speed_probe_reads_its_steps_against_the_profiles_prices(tiny_profile):
     """The ratios are the geometric mean over the probe's grid points of seconds now over the
     profile's seconds; on the real engine they are finite and positive."""
-    from pdserve.planner.speed_probe import SpeedProbe
+    from pdserve.bench.fidelity.speed_probe import SpeedProbe
 
     prof = load_profile(tiny_profile)
     probe = SpeedProbe(prof, reps=1)
@@ -223,7 +220,7 @@ def test_a_small_prompts_speed_scales_the_short_rows_and_fades_to_the_large_ones
     and above, and rows between take the log-linear blend (the geometric mean halfway)."""
     import math
 
-    from pdserve.planner.speed_probe import Speed
+    from pdserve.bench.fidelity.speed_probe import Speed
 
     prof = load_profile(tiny_profile)
     small, large = prof.prefill_probe_tokens()

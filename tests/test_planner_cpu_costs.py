@@ -10,7 +10,7 @@ import pytest
 from engine.request import Request, SamplingParams
 from engine.scheduler import ScheduledSequence
 from pdserve.planner.cpu_share import CpuShare
-from pdserve.planner.profile import CPU_COST_FIELDS, Profile, load_profile
+from pdserve.planner.profile import Profile, load_profile
 from pdserve.planner.sim import SimConfig, Split, simulate
 from pdserve.planner.sim_workers import Clock
 from pdserve.planner.workload import TraceRequest
@@ -20,8 +20,13 @@ from tests.test_planner_sim import toy_profile
 SAMPLE_S = 0.004
 
 
-def with_costs(**costs) -> Profile:
-    return Profile(**{**toy_profile().__dict__, **costs})
+# The router's and the decode worker's CPU costs (the CPU corrections they are among).
+CPU_COST_FIELDS = ("router_cpu_per_request_s", "router_cpu_per_token_s", "stream_cpu_per_token_s")
+
+
+def with_costs(sample_seconds_per_row: float = 0.0, **costs) -> Profile:
+    prof = toy_profile().with_cpu(**costs)
+    return Profile(**{**prof.__dict__, "sample_seconds_per_row": sample_seconds_per_row})
 
 
 def decode_rows(n: int, temperature: float, context: int = 100) -> list[ScheduledSequence]:
@@ -48,15 +53,18 @@ def test_a_sampled_row_costs_the_profiles_figure_and_a_greedy_row_nothing():
 
 
 def test_cpu_costs_round_trip_and_an_older_profile_reads_zero(tmp_path):
-    costs = dict(zip(CPU_COST_FIELDS, (0.004, 0.003, 3e-4, 1e-4), strict=True))
-    with_costs(**costs).save(tmp_path / "p.json")
+    costs = dict(zip(CPU_COST_FIELDS, (0.003, 3e-4, 1e-4), strict=True))
+    with_costs(0.004, **costs).save(tmp_path / "p.json")
     again = load_profile(tmp_path / "p.json")
-    assert {k: getattr(again, k) for k in CPU_COST_FIELDS} == costs
+    assert {k: getattr(again.cpu, k) for k in CPU_COST_FIELDS} == costs
+    assert again.sample_seconds_per_row == 0.004
     old = json.loads((tmp_path / "p.json").read_text())
-    for k in CPU_COST_FIELDS:
+    for k in (*CPU_COST_FIELDS, "sample_seconds_per_row"):
         del old[k]
     (tmp_path / "old.json").write_text(json.dumps(old))
-    assert all(getattr(load_profile(tmp_path / "old.json"), k) == 0 for k in CPU_COST_FIELDS)
+    older = load_profile(tmp_path / "old.json")
+    assert older.sample_seconds_per_row == 0
+    assert all(getattr(older.cpu, k) == 0 for k in CPU_COST_FIELDS)
 
 
 def test_zero_load_tpot_is_a_decode_step_plus_one_sampled_row():
@@ -116,7 +124,7 @@ def test_router_cpu_per_request_delays_a_step_that_starts_behind_it():
 
 
 def test_two_runs_give_the_cost_per_request_and_per_token():
-    from pdserve.planner.measure_router import solve_costs
+    from pdserve.bench.fidelity.measure_router import solve_costs
 
     idle, per_req, per_tok, stream = 0.01, 0.004, 3e-4, 1e-4
     # (cpu, fake worker cpu, wall, tokens) of 64 requests streaming 2 and 64 tokens each
@@ -143,9 +151,9 @@ class _Tokenizer:
 
 
 def test_a_stored_run_is_rebuilt_with_its_seeded_sends_and_lengths():
+    from pdserve.bench.fidelity.fidelity_replay import NONCE, rebuild_requests
     from pdserve.bench.loadgen.serve import poisson_schedule
     from pdserve.bench.loadgen.workloads import make_workload
-    from pdserve.planner.fidelity_replay import NONCE, rebuild_requests
 
     got = rebuild_requests("mixed", 20, 1.5, 0, _Tokenizer())
     want = make_workload("mixed", 20, 0, NONCE).requests
@@ -166,7 +174,7 @@ class _TemplateTokenizer(_Tokenizer):
 def test_a_runs_prompts_share_the_template_preamble_and_the_nonce_word():
     """Every prompt of a run begins with the template's preamble and "Session": the nonce
     word itself carries the request's index ("0000-3."), so the shared part ends before it."""
-    from pdserve.planner.fidelity_replay import shared_prefix_tokens
+    from pdserve.bench.fidelity.fidelity_replay import shared_prefix_tokens
 
     assert shared_prefix_tokens("chat", _Tokenizer()) == 1
     assert shared_prefix_tokens("mixed", _TemplateTokenizer()) == 4 + 1
@@ -182,7 +190,7 @@ class _CharTokenizer(_Tokenizer):
 def test_the_shared_prefix_is_what_most_requests_find_cached_index_digits_included():
     """Requests 0 and 1 share the nonce line up to the index; requests 10-39, most of a run,
     share the index's first digit with an earlier request too: the median request's share."""
-    from pdserve.planner.fidelity_replay import NONCE, shared_prefix_tokens
+    from pdserve.bench.fidelity.fidelity_replay import NONCE, shared_prefix_tokens
 
     assert shared_prefix_tokens("chat", _CharTokenizer()) == len(f"Session {NONCE}-") + 1
 
@@ -192,7 +200,7 @@ def test_a_stored_run_replays_the_servers_token_counts_at_each_requests_own_send
     run's nonce tokenized to 2 tokens more than the placeholder (every prompt and the shared
     preamble 2 longer) and request 3 failed; a run stored before ``sent_index`` finds each
     request's send offset by matching the counts, one stored with it uses it."""
-    from pdserve.planner.fidelity_replay import (
+    from pdserve.bench.fidelity.fidelity_replay import (
         rebuild_requests,
         shared_prefix_tokens,
         stored_requests,
@@ -231,8 +239,8 @@ def test_a_stored_run_replays_the_servers_token_counts_at_each_requests_own_send
 
 
 def test_resimulate_keeps_the_measured_side_and_scores_the_new_one():
-    from pdserve.bench.loadgen.metrics import SLO
-    from pdserve.planner.fidelity_replay import METRICS, resimulate
+    from pdserve.bench.fidelity.fidelity_replay import METRICS, resimulate
+    from pdserve.metrics import SLO
 
     real = {"p50_ttft_ms": 100.0, "p90_ttft_ms": 200.0, "p50_tpot_ms": 50.0, "goodput": 1.0}
     row = {"split": "1P1D", "workload": "chat", "rate": 1.0, "requests": 20, "real": real}
@@ -250,8 +258,8 @@ def test_resimulate_keeps_the_measured_side_and_scores_the_new_one():
 def test_resimulate_replays_each_run_at_its_probed_speed():
     """A run that a speed probe found 2x slower than the profile is simulated on the profile
     at that speed: the same as resimulating the unprobed run on ``at_speed(2, 2)``."""
-    from pdserve.bench.loadgen.metrics import SLO
-    from pdserve.planner.fidelity_replay import resimulate
+    from pdserve.bench.fidelity.fidelity_replay import resimulate
+    from pdserve.metrics import SLO
 
     real = {"p50_ttft_ms": 100.0, "p90_ttft_ms": 200.0, "p50_tpot_ms": 50.0, "goodput": 1.0}
     row = {"split": "1P1D", "workload": "chat", "rate": 1.0, "requests": 20, "real": real}
@@ -271,7 +279,7 @@ def test_resimulate_replays_each_run_at_its_probed_speed():
 def test_a_repeat_scores_the_real_cluster_against_itself():
     """Two runs of the same requests: each one's real side taken as the prediction of the
     other's, and each simulation scored on the other run; a different workload is refused."""
-    from pdserve.planner.fidelity_replay import repeat_spread
+    from pdserve.bench.fidelity.fidelity_replay import repeat_spread
 
     def run(split, real, sim):
         keys = ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "goodput")
@@ -303,7 +311,7 @@ def test_a_repeat_scores_the_real_cluster_against_itself():
 
 
 def test_a_stored_report_that_cannot_be_used_is_named_in_the_error(tmp_path):
-    from pdserve.planner.fidelity_replay import load_report
+    from pdserve.bench.fidelity.fidelity_replay import load_report
 
     (tmp_path / "text.json").write_text("not json")
     (tmp_path / "profile.json").write_text('{"decode": {}}')
@@ -328,8 +336,8 @@ def test_sampling_cost_measures_more_for_a_temperature_than_greedy(make_engine, 
 @pytest.mark.slow
 @needs_embedded
 def test_router_cpu_is_measured_per_request_and_per_token():
+    from pdserve.bench.fidelity.measure_router import measure_router_cpu
     from pdserve.planner.measure import engine_dir
-    from pdserve.planner.measure_router import measure_router_cpu
 
     cpu = measure_router_cpu(str(engine_dir("embedded")), requests=24, tokens=32)
     # Per request: a tokenize, the chat template, a reservation, a prefill call; per token a
@@ -339,9 +347,9 @@ def test_router_cpu_is_measured_per_request_and_per_token():
 
 
 def test_a_real_runs_requests_replay_at_the_seeded_schedules_send_offsets():
-    from pdserve.bench.loadgen.metrics import SLO, RequestRecord, compute_result
+    from pdserve.bench.fidelity.fidelity_replay import sent_requests
     from pdserve.bench.loadgen.serve import poisson_schedule
-    from pdserve.planner.fidelity_replay import sent_requests
+    from pdserve.metrics import SLO, RequestRecord, compute_result
 
     records = [
         RequestRecord(0.0, 1.0, [0.1, 0.2], prompt_tokens=p, success=True) for p in (7, 11, 13)
@@ -352,9 +360,9 @@ def test_a_real_runs_requests_replay_at_the_seeded_schedules_send_offsets():
 
 
 def test_a_failed_request_leaves_the_later_requests_at_their_own_send_offsets():
-    from pdserve.bench.loadgen.metrics import SLO, RequestRecord, compute_result
+    from pdserve.bench.fidelity.fidelity_replay import per_request, sent_requests
     from pdserve.bench.loadgen.serve import poisson_schedule
-    from pdserve.planner.fidelity_replay import per_request, sent_requests
+    from pdserve.metrics import SLO, RequestRecord, compute_result
 
     records = [
         RequestRecord(0.0, 1.0, [0.1, 0.2], prompt_tokens=7, success=True),

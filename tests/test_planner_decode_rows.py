@@ -3,15 +3,14 @@ alone decode steps of live step traces (step_residuals.decode_row_factors, store
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 
 from engine.step_trace import PlanShape
+from pdserve.bench.fidelity.step_residuals import decode_row_factors
+from pdserve.bench.fidelity.stored_runs import pooled_costs
 from pdserve.planner.profile import Profile, Table2D
-from pdserve.planner.step_residuals import decode_row_factors
-from pdserve.planner.stored_runs import pooled_costs
 
 BATCHES = (1.0, 2.0, 4.0, 8.0)
 
@@ -53,7 +52,7 @@ def test_each_table_row_reads_its_alone_steps_real_over_priced():
 
 
 def test_the_profile_charges_the_factor_on_decode_only_steps_between_and_past_the_rows():
-    prof = dataclasses.replace(table_profile(), decode_row_factors=(0.9, 1.0, 1.2, 1.4))
+    prof = table_profile().with_cpu(decode_row_factors=(0.9, 1.0, 1.2, 1.4))
     base = table_profile()
 
     def shape(rows: int, prompt: int = 0) -> PlanShape:
@@ -69,10 +68,10 @@ def test_the_profile_charges_the_factor_on_decode_only_steps_between_and_past_th
 
 
 def test_the_factors_survive_the_file_and_a_wrong_count_is_refused():
-    prof = dataclasses.replace(table_profile(), decode_row_factors=(0.9, 1.0, 1.2, 1.4))
+    prof = table_profile().with_cpu(decode_row_factors=(0.9, 1.0, 1.2, 1.4))
     again = Profile.from_dict(json.loads(json.dumps(prof.to_dict())))
-    assert again.decode_row_factors == (0.9, 1.0, 1.2, 1.4)
-    assert Profile.from_dict(table_profile().to_dict()).decode_row_factors == ()
+    assert again.cpu.decode_row_factors == (0.9, 1.0, 1.2, 1.4)
+    assert Profile.from_dict(table_profile().to_dict()).cpu.decode_row_factors == ()
     bad = {**prof.to_dict(), "decode_row_factors": [1.0, 1.1]}
     with pytest.raises(ValueError, match="decode_row_factors"):
         Profile.from_dict(bad)
@@ -100,7 +99,7 @@ def test_pooled_costs_fit_the_factors_before_the_roles_and_refit_them_from_scrat
     costs = pooled_costs(prof, [(tmp_path / "run", 1.0, 1.0)], cores=2)
     assert costs["decode_row_factors"] == pytest.approx((0.9, 1.0, 1.2, 1.2))
     assert costs["decode_worker_slowdown"] == pytest.approx(1.0)
-    fitted = dataclasses.replace(prof, decode_row_factors=costs["decode_row_factors"])
+    fitted = prof.with_cpu(decode_row_factors=costs["decode_row_factors"])
     again = pooled_costs(fitted, [(tmp_path / "run", 1.0, 1.0)], cores=2)
     assert again["decode_row_factors"] == pytest.approx(costs["decode_row_factors"])
 
@@ -108,7 +107,7 @@ def test_pooled_costs_fit_the_factors_before_the_roles_and_refit_them_from_scrat
 def test_a_decode_steps_co_run_fit_may_slope_under_1_and_a_prompt_steps_may_not():
     """Beside a busy neighbour, decode steps ran 0.9 x (price + 6 ms): the fit reads it back.
     Prompt steps of the same shape keep the slope at 1, the excess per step."""
-    from pdserve.planner.step_residuals import DECODE_SLOPE_FLOOR, co_run_affine
+    from pdserve.bench.fidelity.step_residuals import DECODE_SLOPE_FLOOR, co_run_affine
 
     prices = (0.02, 0.04, 0.08)
     rows = [{"kind": "decode", "co_run": 1.0, "beside_prefill": 1.0, "priced_s": p,

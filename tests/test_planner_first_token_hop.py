@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pdserve.planner.first_token_hop import hop_beyond_router, request_hops
+from pdserve.bench.fidelity.first_token_hop import hop_beyond_router, request_hops
 from pdserve.planner.sim import Split, simulate
 from pdserve.planner.workload import TraceRequest
 from tests.test_planner_sim import toy_profile
@@ -52,7 +52,7 @@ def test_the_path_beyond_the_router_is_the_median_less_its_overhead_and_never_be
 
 
 def test_a_disaggregated_first_token_takes_the_path_and_a_colocated_one_does_not():
-    prof = dataclasses.replace(toy_profile(router_s=0.004), disaggregated_hop_s=0.007)
+    prof = toy_profile(router_s=0.004).with_cpu(disaggregated_hop_s=0.007)
     n = 300
     router, prefill = prof.router_overhead_s, prof.prefill_seconds(n, 0)
     [disagg] = simulate(prof, [TraceRequest(0.0, n, 1)], Split(1, 1)).result.ttfts
@@ -64,19 +64,19 @@ def test_a_disaggregated_first_token_takes_the_path_and_a_colocated_one_does_not
 def test_the_path_round_trips_through_the_profile_file_and_older_files_read_0(tmp_path):
     from pdserve.planner.profile import load_profile
 
-    prof = dataclasses.replace(toy_profile(router_s=0.004), disaggregated_hop_s=0.007)
+    prof = toy_profile(router_s=0.004).with_cpu(disaggregated_hop_s=0.007)
     prof.save(tmp_path / "p.json")
-    assert load_profile(tmp_path / "p.json").disaggregated_hop_s == 0.007
+    assert load_profile(tmp_path / "p.json").cpu.disaggregated_hop_s == 0.007
     d = json.loads((tmp_path / "p.json").read_text())
     del d["disaggregated_hop_s"]
     (tmp_path / "old.json").write_text(json.dumps(d))
-    assert load_profile(tmp_path / "old.json").disaggregated_hop_s == 0.0
+    assert load_profile(tmp_path / "old.json").cpu.disaggregated_hop_s == 0.0
 
 
 def _stored_run(tmp_path, name: str, hop_s: float, rate: float = 0.5):
     """A stored 1P1D chat run of 6 requests whose first tokens each took ``hop_s`` beyond
     their prompt step, with its prefill worker's step trace."""
-    from pdserve.planner.fidelity_replay import rebuild_requests
+    from pdserve.bench.fidelity.fidelity_replay import rebuild_requests
     from tests.test_planner_cpu_costs import _TemplateTokenizer
 
     reqs = rebuild_requests("chat", 6, rate, 0, _TemplateTokenizer())
@@ -103,7 +103,7 @@ def _stored_run(tmp_path, name: str, hop_s: float, rate: float = 0.5):
 
 
 def test_a_stored_run_is_scored_on_the_path_the_other_runs_took(tmp_path):
-    from pdserve.planner.stored_runs import leave_one_out, pooled_profile
+    from pdserve.bench.fidelity.stored_runs import leave_one_out, pooled_profile
     from tests.test_planner_cpu_costs import _TemplateTokenizer
     from tests.test_step_trace import flat_profile
 
@@ -119,4 +119,4 @@ def test_a_stored_run_is_scored_on_the_path_the_other_runs_took(tmp_path):
     sources = [(str(a_path), str(a_traces)), (str(b_path), str(b_traces))]
     pooled, _ = pooled_profile(prof, sources, 2, tok)
     # Six requests each way: the median of the twelve is halfway between the two paths.
-    assert pooled.disaggregated_hop_s == pytest.approx((0.013 + 0.030) / 2 - 0.004)
+    assert pooled.cpu.disaggregated_hop_s == pytest.approx((0.013 + 0.030) / 2 - 0.004)

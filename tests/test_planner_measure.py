@@ -40,12 +40,12 @@ def test_each_pair_of_kinds_is_timed_beside_its_own_neighbour_and_sets_its_profi
     monkeypatch,
 ):
     """A decode step beside a prefilling and beside a decoding neighbour, a prefill step beside
-    each: four figures, each over its own step alone, each keyed by the Profile field it sets
+    each: four figures, each over its own step alone, each keyed by the CpuCorrections field it sets
     (never below 1: a neighbour does not make a step faster)."""
     import dataclasses
 
     from pdserve.planner import measure
-    from pdserve.planner.profile import Profile
+    from pdserve.planner.cpu_corrections import CpuCorrections
 
     # Alone: decode 1 s, prefill 2 s. Beside a neighbour: the seconds in this table.
     seconds = {
@@ -84,15 +84,15 @@ def test_each_pair_of_kinds_is_timed_beside_its_own_neighbour_and_sets_its_profi
         "co_run_slowdown_decode_pair": 1.25,
         "co_run_slowdown_prefill_pair": 1.5,
     }
-    assert set(got) <= {f.name for f in dataclasses.fields(Profile)}
+    assert set(got) <= {f.name for f in dataclasses.fields(CpuCorrections)}
 
 
 def test_a_live_prefill_worker_reports_its_prefill_of_each_length(tmp_path):
     """A real 1P1D pair (worker processes, the gRPC KV transport) on a tiny model: the prefill
     worker's own prefill seconds for each prompt length, what prefill_worker_slowdown is the
     ratio of."""
+    from pdserve.bench.fidelity.measure_live import live_prefill_seconds
     from pdserve.config import ClusterConfig
-    from pdserve.planner.measure_live import live_prefill_seconds
     from tests.conftest import tiny_llama_dir
 
     model, _ = tiny_llama_dir(tmp_path)

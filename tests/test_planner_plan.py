@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.loadgen.metrics import SLO
+from pdserve.metrics import SLO
 from pdserve.planner.search import candidate_splits, plan, recommend, synthetic_workload
 from pdserve.planner.sim import Split
 from pdserve.planner.workload import at_rate, read_trace, repeat_trace, synthetic, write_trace

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.loadgen.metrics import SLO
+from pdserve.metrics import SLO
 from pdserve.planner.analytic import Hardware, ModelShape, analytic_profile
 from pdserve.planner.profile import EngineSettings, Profile, Table2D, interp
 from pdserve.planner.sim import SimCluster, SimConfig, Split, simulate
@@ -241,12 +241,12 @@ def test_a_decode_pair_pays_its_own_fixed_work_and_a_prefill_neighbour_the_kinds
 def test_the_decode_pairs_fixed_work_is_kept_in_the_file_and_scaled_with_the_speed(tmp_path):
     from pdserve.planner.profile import load_profile
 
-    prof = Profile(**{**toy_profile().__dict__, "co_run_fixed_s_decode_pair": 0.006})
+    prof = toy_profile().with_cpu(co_run_fixed_s_decode_pair=0.006)
     prof.save(tmp_path / "p.json")
     again = load_profile(tmp_path / "p.json")
-    assert again.co_run_fixed_s_decode_pair == 0.006
-    assert again.at_speed(decode=2.0).co_run_fixed_s_decode_pair == pytest.approx(0.012)
-    assert toy_profile().at_speed(decode=2.0).co_run_fixed_s_decode_pair is None
+    assert again.cpu.co_run_fixed_s_decode_pair == 0.006
+    assert again.at_speed(decode=2.0).cpu.co_run_fixed_s_decode_pair == pytest.approx(0.012)
+    assert toy_profile().at_speed(decode=2.0).cpu.co_run_fixed_s_decode_pair is None
 
 
 def test_oversubscribed_cores_are_split_by_weight_and_fairly_without_weights():
@@ -291,9 +291,9 @@ def test_a_neighbour_costs_what_its_kind_costs(tmp_path):
     assert prefills == pytest.approx([1.0, 1.0])  # no prefill pair given: the prefill figure
     from pdserve.planner.profile import load_profile
 
-    prof = Profile(**{**toy_profile().__dict__, "co_run_slowdown_decode_pair": 1.1})
+    prof = toy_profile().with_cpu(co_run_slowdown_decode_pair=1.1)
     prof.save(tmp_path / "p.json")
-    again = load_profile(tmp_path / "p.json").co_run_pairs
+    again = load_profile(tmp_path / "p.json").cpu.co_run_pairs
     assert again == {("decode", "decode"): 1.1, ("prefill", "prefill"): None}
 
 
@@ -316,9 +316,7 @@ def test_a_prefill_beside_decodes_is_slowed_by_the_prefill_figure_only():
     cfg = SimConfig(Split(0, 2), cpu_cores=2)
 
     def run(decode: float, prefill: float):
-        prof = Profile(
-            **{**base.__dict__, "co_run_slowdown": decode, "co_run_slowdown_prefill": prefill}
-        )
+        prof = base.with_cpu(co_run_slowdown=decode, co_run_slowdown_prefill=prefill)
         return simulate(prof, trace, cfg).result
 
     slow_decode, slow_both = run(3.0, 1.0), run(3.0, 3.0)
@@ -331,9 +329,9 @@ def test_a_prefill_beside_decodes_is_slowed_by_the_prefill_figure_only():
 def test_profile_keeps_the_prefill_co_run_slowdown(tmp_path):
     from pdserve.planner.profile import load_profile
 
-    prof = Profile(**{**toy_profile().__dict__, "co_run_slowdown_prefill": 1.3})
+    prof = toy_profile().with_cpu(co_run_slowdown_prefill=1.3)
     prof.save(tmp_path / "p.json")
-    assert load_profile(tmp_path / "p.json").co_run_slowdown_prefill == 1.3
+    assert load_profile(tmp_path / "p.json").cpu.co_run_slowdown_prefill == 1.3
 
 
 @pytest.mark.parametrize("split", [Split(0, 1), Split(1, 1)], ids=["colocated", "prefill-pool"])
@@ -365,9 +363,8 @@ def test_prompts_share_only_the_prefix():
 
 
 def test_a_prefill_workers_steps_take_its_measured_live_slowdown_and_colocated_ones_do_not():
-    import dataclasses
 
-    prof = dataclasses.replace(toy_profile(router_s=0.004), prefill_worker_slowdown=1.25)
+    prof = toy_profile(router_s=0.004).with_cpu(prefill_worker_slowdown=1.25)
     n = 300
     router, prefill = prof.router_overhead_s, prof.prefill_seconds(n, 0)
     [disagg] = simulate(prof, [TraceRequest(0.0, n, 1)], Split(1, 1)).result.ttfts
@@ -377,9 +374,8 @@ def test_a_prefill_workers_steps_take_its_measured_live_slowdown_and_colocated_o
 
 
 def test_a_decode_workers_decode_steps_take_its_live_slowdown_and_its_local_prefills_do_not():
-    import dataclasses
 
-    prof = dataclasses.replace(toy_profile(router_s=0.004), decode_worker_slowdown=1.2)
+    prof = toy_profile(router_s=0.004).with_cpu(decode_worker_slowdown=1.2)
     n = 300
     run = simulate(prof, [TraceRequest(0.0, n, 3)], Split(1, 1))
     exposed = prof.exposed_transfer_s(n, prof.prefill_seconds(n, 0))
@@ -416,7 +412,7 @@ def test_a_colocated_prompt_beside_a_decode_stream_pays_the_local_fixed_work():
     base = toy_profile()
     trace = [TraceRequest(0.0, 100, 400), TraceRequest(1.0, 300, 1)]
     fixed = {"co_run_fixed_s_prefill": 0.5, "co_run_fixed_s_local_prefill": 0.05}
-    prof = Profile(**{**base.__dict__, **fixed})
+    prof = base.with_cpu(**fixed)
     [_, ttft] = simulate(prof, trace, SimConfig(Split(0, 2), cpu_cores=2)).result.ttfts
     alone = base.router_overhead_s + base.prefill_seconds(300)
     assert ttft == pytest.approx(alone + 0.05, rel=0.02)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from engine.step_trace import ENV_VAR, PlanShape, read_trace
+from pdserve.bench.fidelity.step_residuals import overlap_share, priced_steps, summarise
 from pdserve.planner.profile import Profile, Table2D
-from pdserve.planner.step_residuals import overlap_share, priced_steps, summarise
 from protos import pdserve_pb2 as pb
 from tests.conftest import tiny_llama_dir
 
@@ -96,7 +96,7 @@ def test_each_step_is_priced_as_the_simulator_prices_it_and_summarised_by_kind(t
 def test_the_co_run_fit_recovers_a_factor_and_a_per_step_cost():
     """Steps that cost 1.2 x (price + 5 ms) beside a busy neighbour give back (1.2, 5 ms); the
     steps run alone or only partly beside one are not fitted."""
-    from pdserve.planner.step_residuals import co_run_affine
+    from pdserve.bench.fidelity.step_residuals import co_run_affine
 
     rows = [
         {"kind": k, "co_run": 1.0, "priced_s": p, "real_s": 1.2 * (p + 0.005)}
@@ -111,7 +111,7 @@ def test_the_co_run_fit_recovers_a_factor_and_a_per_step_cost():
 
 
 def test_the_co_run_fit_keeps_the_factor_at_least_1_and_the_per_step_cost_at_least_0():
-    from pdserve.planner.step_residuals import affine_fit
+    from pdserve.bench.fidelity.step_residuals import affine_fit
 
     priced = np.array([0.1, 0.2, 0.4])
     # Faster than priced on long steps: slope < 1 -> slope 1, the mean excess per step.
@@ -129,7 +129,7 @@ def test_the_calibration_takes_each_roles_alone_slowdown_then_the_co_run_cost_on
     """Decode steps alone run 1.1 x price, and beside a busy prefill 1.1 x 1.3 x price: the
     decode worker's slowdown 1.1, the co-run factor 1.3 over it; the prefill worker's steps
     alone 1.05 x, beside decodes 1.05 x 1.2 x (price + 10 ms)."""
-    from pdserve.planner.step_residuals import calibrated_costs
+    from pdserve.bench.fidelity.step_residuals import calibrated_costs
 
     def row(worker, kind, co_run, priced, real):
         return {"worker": worker, "kind": kind, "co_run": co_run, "priced_s": priced,
@@ -161,7 +161,7 @@ def test_leave_one_out_calibrates_each_run_on_the_other_runs_steps_at_their_spee
     """Run x's decode steps ran 2x their price, y's and z's 1.5x, but z's probe found the
     machine 1.5x slow then: each run's costs come from the others alone, each of those read
     against its own speed."""
-    from pdserve.planner.stored_runs import leave_one_out_costs
+    from pdserve.bench.fidelity.stored_runs import leave_one_out_costs
 
     prof = flat_profile(decode_s=0.010, prefill_s=0.100)
     runs = {
@@ -178,8 +178,8 @@ def test_leave_one_out_calibrates_each_run_on_the_other_runs_steps_at_their_spee
 
 
 def test_a_run_is_resimulated_on_its_own_leave_one_out_costs():
-    from pdserve.bench.loadgen.metrics import SLO
-    from pdserve.planner.fidelity_replay import resimulate
+    from pdserve.bench.fidelity.fidelity_replay import resimulate
+    from pdserve.metrics import SLO
     from tests.test_planner_cpu_costs import _Tokenizer, toy_profile
 
     real = {"p50_ttft_ms": 100.0, "p90_ttft_ms": 200.0, "p50_tpot_ms": 50.0, "goodput": 1.0}
@@ -194,7 +194,7 @@ def test_a_run_is_resimulated_on_its_own_leave_one_out_costs():
 
 
 def test_busy_others_counts_each_other_worker_for_the_part_of_the_step_it_computed():
-    from pdserve.planner.step_residuals import busy_others
+    from pdserve.bench.fidelity.step_residuals import busy_others
 
     others = [([0.0], [4.0]), ([1.0, 3.0], [2.0, 4.0])]  # one busy throughout, one half
     assert busy_others(0.0, 4.0, others) == pytest.approx(1.5)
@@ -213,7 +213,7 @@ def test_the_cores_share_is_taken_off_before_the_fit_and_each_pair_of_kinds_fits
     1.5 (the fair share the simulator applies itself) x 1.25x. The fit reads 1.1 for
     decode-beside-prefill, 1.25 for decode-beside-decode, and the oversubscribed steps are
     not counted twice."""
-    from pdserve.planner.step_residuals import calibrated_costs
+    from pdserve.bench.fidelity.step_residuals import calibrated_costs
 
     prices = (0.01, 0.02, 0.04)
     rows = [_row("decode", p, 1.1 * p, beside_prefill=1.0) for p in prices]
@@ -231,7 +231,7 @@ def test_the_decode_pair_fits_as_fixed_work_where_it_costs_the_same_at_every_bat
     """Decode steps beside another decode worker ran their price + 6 ms at every size (Zen 4:
     1.29x at one row, 1.10x at eight): the pair reads factor 1 and 6 ms of fixed work, not one
     factor that overcharges the large batches."""
-    from pdserve.planner.step_residuals import calibrated_costs
+    from pdserve.bench.fidelity.step_residuals import calibrated_costs
 
     rows = [_row("decode", p, p + 0.006) for p in (0.02, 0.03, 0.045, 0.06)]
     costs = calibrated_costs(rows, cores=2)
@@ -243,8 +243,8 @@ def test_the_decode_pair_fits_as_fixed_work_where_it_costs_the_same_at_every_bat
 def test_the_prefill_weight_fitted_makes_the_simulators_share_what_the_prompt_steps_lost(weight):
     """Prompt steps beside two decoding workers on 2 cores ran ``CpuShare.shares``' slowdown
     at ``weight`` x their co-run cost: the fit gives ``weight`` back."""
+    from pdserve.bench.fidelity.step_residuals import prefill_share_weight
     from pdserve.planner.cpu_share import CpuShare
-    from pdserve.planner.step_residuals import prefill_share_weight
 
     share = CpuShare(cores=2, weights={"prefill": weight})
     slowdown = share.shares(["prefill", "decode", "decode"], False)[0][0]
@@ -261,7 +261,7 @@ def test_stored_runs_find_each_runs_traces_and_speed_and_pool_them_into_a_profil
     """A stored fidelity JSON's runs map to their trace folders (by run name) and probed
     speeds; a run whose folder holds no trace is named; the pooled profile carries the costs
     fitted on all of them (here: decode steps 1.5x their price -> decode_worker_slowdown 1.5)."""
-    from pdserve.planner.stored_runs import pooled_profile, traced_runs
+    from pdserve.bench.fidelity.stored_runs import pooled_profile, traced_runs
 
     rows = [
         {"split": "1P1D", "workload": "chat", "rate": r, "speed": {"used": sp}}
@@ -280,14 +280,14 @@ def test_stored_runs_find_each_runs_traces_and_speed_and_pool_them_into_a_profil
     prof = flat_profile(decode_s=0.010, prefill_s=0.100)
     pooled, costs = pooled_profile(prof, [(str(stored), str(traces))], cores=2)
     assert costs["decode_worker_slowdown"] == pytest.approx(1.5)
-    assert pooled.decode_worker_slowdown == pytest.approx(1.5)
+    assert pooled.cpu.decode_worker_slowdown == pytest.approx(1.5)
     assert len(pooled.meta["co_run"]["runs"]) == 2
 
 
 def test_leave_one_out_pools_earlier_sets_of_runs_and_scores_only_the_stored_ones(tmp_path):
     """Scoring set B's runs with set A's runs in the pool: each B run is fitted on the other B
     run and on every A run (never on itself), and A's runs are not scored."""
-    from pdserve.planner.stored_runs import leave_one_out
+    from pdserve.bench.fidelity.stored_runs import leave_one_out
 
     def stored_set(name: str, ratios: dict[float, float]):
         rows = [{"split": "1P1D", "workload": "chat", "rate": r} for r in ratios]
@@ -313,7 +313,7 @@ def test_a_prefill_workers_prompt_steps_and_a_colocated_workers_fit_their_own_fi
     """Beside decode steps, the prefill worker's prompt steps ran 1.1 x (price + 40 ms) (its
     KV frames stream out through its threads) and a decode worker's own prompt steps 1.1 x
     (price + 15 ms): each kind of worker gets its own fixed work back."""
-    from pdserve.planner.step_residuals import calibrated_costs
+    from pdserve.bench.fidelity.step_residuals import calibrated_costs
 
     rows = [_row(k, p, 1.1 * (p + 0.040), worker="prefill-a") for k, p in
             (("prefill", 0.05), ("mixed", 0.2), ("prefill", 0.6))]  # fmt: skip
@@ -330,31 +330,25 @@ def test_the_local_fixed_work_falls_back_round_trips_and_scales_with_speed():
     """A colocated (decode) worker's prompt step beside a busy neighbour pays
     co_run_fixed_s_local_prefill once, a prefill worker's the prefill figure; a profile
     without the local figure gives both the prefill one."""
-    import dataclasses
 
-    prof = dataclasses.replace(
-        flat_profile(decode_s=0.010, prefill_s=0.100),
+    prof = flat_profile(decode_s=0.010, prefill_s=0.100).with_cpu(
         co_run_fixed_s_prefill=0.040,
         co_run_fixed_s_local_prefill=0.015,
     )
-    assert prof.local_prefill_fixed_s == 0.015
-    assert (
-        dataclasses.replace(prof, co_run_fixed_s_local_prefill=None).local_prefill_fixed_s == 0.040
-    )
+    assert prof.cpu.local_prefill_fixed_s == 0.015
+    assert prof.with_cpu(co_run_fixed_s_local_prefill=None).cpu.local_prefill_fixed_s == 0.040
     again = Profile.from_dict(json.loads(json.dumps(prof.to_dict())))
-    assert again.co_run_fixed_s_local_prefill == 0.015
-    assert prof.at_speed(prefill=2.0).co_run_fixed_s_local_prefill == pytest.approx(0.030)
+    assert again.cpu.co_run_fixed_s_local_prefill == 0.015
+    assert prof.at_speed(prefill=2.0).cpu.co_run_fixed_s_local_prefill == pytest.approx(0.030)
 
 
 def test_the_runs_background_cpu_is_what_the_simulator_would_charge_over_its_span():
     """The router's CPU over a live run, as CpuShare.charge gets it: per request (a prompt
     finished: sampled past the decode rows) and per token (first and decoded), over the span."""
-    import dataclasses
 
-    from pdserve.planner.step_residuals import background_share
+    from pdserve.bench.fidelity.step_residuals import background_share
 
-    prof = dataclasses.replace(
-        flat_profile(0.01, 0.1),
+    prof = flat_profile(0.01, 0.1).with_cpu(
         router_cpu_per_request_s=0.5,
         router_cpu_per_token_s=0.01,
         stream_cpu_per_token_s=0.02,
@@ -379,7 +373,7 @@ def test_the_background_share_is_taken_off_with_the_workers_before_the_fit():
     """On 2 cores, with the router busy 20% of the time: decode steps beside one decode
     neighbour ran 1.25 x (1 + 0.2 / 2) their price, 1.1 of it the simulator's own share of the
     cores with the router in (CpuShare charges that itself), so the pair fit reads 1.25."""
-    from pdserve.planner.step_residuals import calibrated_costs, unshared
+    from pdserve.bench.fidelity.step_residuals import calibrated_costs, unshared
 
     rows = [{**_row("decode", p, 1.25 * 1.1 * p), "background": 0.2} for p in (0.01, 0.02, 0.04)]
     assert [r["real_s"] for r in unshared(rows, 2)] == pytest.approx([0.0125, 0.025, 0.05])
@@ -392,7 +386,7 @@ def test_prompt_steps_beside_a_prompt_step_fit_their_own_factor_on_top_of_the_fi
     """On 2 cores, prompt steps beside decode steps only ran 1.1 x (price + 30 ms); a second
     prefill worker's prompt steps beside another prompt step ran 1.4 x (price + 30 ms): the
     pair reads 1.4, with the fixed work held, not folded into the factor."""
-    from pdserve.planner.step_residuals import calibrated_costs
+    from pdserve.bench.fidelity.step_residuals import calibrated_costs
 
     prices = (0.05, 0.1, 0.2)
     rows = [_row("prefill", p, 1.1 * (p + 0.03), worker="prefill-a") for p in prices]

@@ -18,6 +18,20 @@ BENCH_MODULES = (
     "micro.transfer",
     "micro.engine",
     "micro.router_overhead",
+    "fidelity.cli",
+    "fidelity.cpu_costs",
+    "gpu_profile",
+    "kernels.attention",
+    "kernels.triton_quant",
+    "kernels.quant_matmul",
+    "kernels.cpu_variants",
+    "kernels.quant",
+    "kernels.isa_table",
+    "report.results",
+    "report.goodput_ratios",
+    "report.goodput_ceiling",
+    "cluster.serve_local",
+    "cluster.overload_soak",
 )
 
 
@@ -40,6 +54,27 @@ def register(subparsers, extra: Iterable[Callable] = ()) -> None:
         module.add_parser(sub)
     for add in extra:
         add(sub)
+
+
+class _Alone:
+    """Stands in for argparse's subparsers: ``add_parser`` makes the one parser itself."""
+
+    def add_parser(self, name: str, **kwargs):
+        import argparse
+
+        kwargs.pop("help", None)
+        self.parser = argparse.ArgumentParser(prog=f"pdserve bench {name}", **kwargs)
+        return self.parser
+
+
+def run_alone(add_parser: Callable, argv: list[str] | None = None) -> int:
+    """``python -m pdserve.bench.<pkg>.<module> ...``: one benchmark's subcommand without
+    importing the others, so a GPU image without the serving dependencies runs the kernel
+    benchmarks (scripts/gpu_check.sh)."""
+    alone = _Alone()
+    add_parser(alone)
+    args = alone.parser.parse_args(argv)
+    return args.func(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.bench.loadgen.metrics import ATTAINMENT_TARGET, SLO
+from pdserve.metrics import ATTAINMENT_TARGET, SLO
 from pdserve.planner.profile import Profile
 from pdserve.planner.search import Evaluator, trace_workload
 from pdserve.planner.sim import SimConfig, Split

@@ -76,19 +76,26 @@ def add_profile(sub) -> None:
     p.add_argument(
         "--cpu-costs-only",
         action="store_true",
-        help="measure only sampling and router CPU, into the existing profile at --out",
+        help="measure only the sampling cost, into the existing profile at --out (the router's "
+        "CPU on a shared machine: `pdserve bench cpu-costs`)",
+    )
+    p.add_argument(
+        "--cpu-corrections",
+        action="store_true",
+        help="on CPU, also measure how much slower a step runs beside another worker process "
+        "(workers sharing this machine's cores); default: the tables only",
     )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_profile)
 
 
 def cmd_cpu_costs(args, cfg) -> int:
-    """Re-measure a profile's CPU costs (sampling, router) and keep its tables."""
+    """Re-measure a profile's sampling cost and keep its tables."""
     import dataclasses
     import os
 
     from engine.llm_engine import build_engine
-    from pdserve.planner.measure import engine_dir, measure_cpu_costs
+    from pdserve.planner.measure import measure_sample_cost
     from pdserve.planner.profile import load_profile
 
     try:
@@ -97,8 +104,7 @@ def cmd_cpu_costs(args, cfg) -> int:
         print(f"pdserve profile: error: argument --out: {e}", file=sys.stderr)
         return 2
     engine = build_engine(dataclasses.replace(prof.engine, num_blocks=64))
-    router_dir = None if args.skip_router else str(engine_dir(cfg.model))
-    costs = measure_cpu_costs(engine, router_dir)
+    sample_s = measure_sample_cost(engine)
     meta = {
         **prof.meta,
         "cpu_costs": {
@@ -106,8 +112,8 @@ def cmd_cpu_costs(args, cfg) -> int:
             "load_average": os.getloadavg()[0],
         },
     }
-    dataclasses.replace(prof, **costs, meta=meta).save(args.out)
-    print(f"wrote {args.out}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in costs.items()))
+    dataclasses.replace(prof, sample_seconds_per_row=sample_s, meta=meta).save(args.out)
+    print(f"wrote {args.out}: sample_seconds_per_row {sample_s * 1e3:.3f} ms")
     return 0
 
 
@@ -122,8 +128,13 @@ def cmd_profile(args) -> int:
         cfg = cfg.with_overrides(load_format=args.load_format)
     if args.cpu_costs_only:
         return cmd_cpu_costs(args, cfg)
+    if args.cpu_corrections and args.device != "cpu":
+        print("pdserve profile: error: --cpu-corrections: only with --device cpu", file=sys.stderr)
+        return 2
     started = time.time()
-    prof = run_profile(cfg, args.device, args.quick, args.skip_router, not args.no_progress)
+    prof = run_profile(
+        cfg, args.device, args.quick, args.skip_router, not args.no_progress, args.cpu_corrections
+    )
     prof.save(args.out)
     e = prof.engine
     print(
@@ -237,7 +248,7 @@ def _plan_inputs(args, parser_error):
 
 
 def cmd_plan(args) -> int:
-    from pdserve.bench.loadgen.metrics import SLO
+    from pdserve.metrics import SLO
     from pdserve.planner.report import format_plan, write_report
     from pdserve.planner.search import plan
     from pdserve.planner.sim import SimConfig, Split

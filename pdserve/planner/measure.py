@@ -7,9 +7,12 @@
 - KV transfer: one request's KV pushed and committed over the configured transport, over sizes;
 - router: the time to first token through the router with instant fake workers
   (pdserve.bench.micro.router_overhead), which is what the router adds to a request's TTFT;
-- CPU beside the forward: what a row sampled at a temperature costs over a greedy one (the
-  tables are timed greedy), and the router's and its client's CPU per request and per streamed
-  token (measure_router.py), which compete with the workers for a small machine's cores.
+- sampling: what a row sampled at a temperature costs over a greedy one (the tables are timed
+  greedy);
+- with ``--cpu-corrections`` only: a step's slowdown while another worker process computes
+  beside it, for workers sharing one small machine's cores (cpu_corrections.py). The other
+  corrections are fitted from live step traces by the lab (``pdserve bench fidelity``,
+  ``pdserve bench cpu-costs``).
 
 Each table point is the median of a few repeats: the steady-state cost a simulated step
 stands for.
@@ -18,7 +21,6 @@ stands for.
 from __future__ import annotations
 
 import asyncio
-import statistics
 import subprocess
 import time
 from dataclasses import dataclass, replace
@@ -26,6 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pdserve.bench.micro.limits import median_time
+from pdserve.planner.cpu_corrections import CpuCorrections
 from pdserve.planner.machine_meta import machine_meta
 from pdserve.planner.profile import EngineSettings, Profile, Table2D, despike, monotone
 
@@ -211,7 +214,7 @@ def measure_co_run_slowdown(timer: WorkerTimer, model_dir: str, reps: int = 9) -
     (live step traces on an AMD EPYC VM: decode beside decode 1.07, beside prefill 1.35).
     Medians of ``reps`` runs on both sides: the fastest run beside a neighbour is the one it
     happened not to disturb (best-of read 1.00 on a Xeon VM, where step traces of live 1P1D
-    runs showed 1.17 and 1.3-1.4). Keys: the Profile fields they set."""
+    runs showed 1.17 and 1.3-1.4). Keys: the CpuCorrections fields they set."""
     batch, ctx = min(16, max(timer.grid.batches)), min(256, max(timer.grid.contexts))
     chunk = min(256, max(timer.grid.prefill_tokens))
     steady = WorkerTimer(timer.engine, replace(timer.grid, reps=reps))
@@ -255,31 +258,6 @@ def measure_sample_cost(engine, batch: int = 8, reps: int = 15) -> float:
     return max(0.0, (best(1.0) - best(0.0)) / batch)
 
 
-def measure_cpu_costs(engine, router_model_dir: str | None) -> dict:
-    """The profile's CPU costs beside the forward (profile.CPU_COST_FIELDS); the router's
-    only with the model folder whose tokenizer it serves (else they stay 0: not modelled)."""
-    from pdserve.planner.measure_router import measure_router_cpu
-
-    costs = {"sample_seconds_per_row": measure_sample_cost(engine)}
-    if router_model_dir is not None:
-        cpu = measure_router_cpu(router_model_dir)
-        costs.update(
-            router_cpu_per_request_s=cpu.per_request_s,
-            router_cpu_per_token_s=cpu.per_token_s,
-            stream_cpu_per_token_s=cpu.worker_per_token_s,
-        )
-    return costs
-
-
-def measure_live_prefill(cfg, timer: WorkerTimer) -> dict:
-    """{prompt tokens: (live, bare) prefill seconds} of a live prefill worker (measure_live.py)
-    and of this engine; the profile's prefill_worker_slowdown is their median ratio."""
-    from pdserve.planner.measure_live import live_prefill_seconds
-
-    live = live_prefill_seconds(cfg, torch.get_num_threads())
-    return {n: (s, timer.prefill(n, 0)) for n, s in live.items()}
-
-
 def measure_router_overhead(prompt_tokens: int = 256) -> float:
     from pdserve.bench.micro.router_overhead import _measure
 
@@ -299,8 +277,10 @@ def run_profile(
     quick: bool = False,
     skip_router: bool = False,
     progress: bool = True,
+    cpu_corrections: bool = False,
 ) -> Profile:
-    """Measure the worker ``cfg`` (a pdserve.config.ClusterConfig) describes, on ``device``."""
+    """Measure the worker ``cfg`` (a pdserve.config.ClusterConfig) describes, on ``device``;
+    ``cpu_corrections``: also the co-run slowdowns of workers sharing this machine's cores."""
     from tqdm.auto import tqdm
 
     from engine.llm_engine import build_engine
@@ -318,7 +298,7 @@ def run_profile(
     settings = replace(settings, max_model_len=engine.config.max_model_len)
     timer = WorkerTimer(engine, grid)
     total = len(grid.prefill_tokens) * len(grid.offsets) + len(grid.batches) * len(grid.contexts)
-    bar = tqdm(total=total + 5, desc="profile", unit="pt", disable=not progress)
+    bar = tqdm(total=total + 4, desc="profile", unit="pt", disable=not progress)
     prefill = []
     for n in grid.prefill_tokens:
         prefill.append(tuple(timer.prefill(n, c) for c in grid.offsets))
@@ -332,20 +312,17 @@ def run_profile(
     transfer = measure_transfer(model_cfg, settings, cfg.kv_transport, grid.transfer_tokens)
     bar.update(1)
     bar.set_postfix_str("beside another worker")
-    # A GPU worker has its device to itself: no neighbour shares its compute (slowdowns 1).
-    alone = quick or device != "cpu"
-    co_run = {} if alone else measure_co_run_slowdown(timer, str(engine_dir(cfg.model)))
+    # Only asked for: workers sharing a small machine's cores (a GPU worker has its device to
+    # itself, and a GPU profile carries no CPU corrections).
+    co_run = {}
+    if cpu_corrections and not quick:
+        co_run = measure_co_run_slowdown(timer, str(engine_dir(cfg.model)))
     bar.update(1)
     bar.set_postfix_str("router")
     router_s = QUICK_ROUTER_OVERHEAD_S if quick or skip_router else measure_router_overhead()
     bar.update(1)
-    bar.set_postfix_str("sampling, router CPU")
-    router_model = None if quick or skip_router else str(engine_dir(cfg.model))
-    cpu_costs = measure_cpu_costs(engine, router_model)
-    bar.update(1)
-    bar.set_postfix_str("a live prefill worker")
-    live = {} if quick or skip_router or device != "cpu" else measure_live_prefill(cfg, timer)
-    slowdown = statistics.median(a / b for a, b in live.values()) if live else 1.0
+    bar.set_postfix_str("sampling")
+    sample_s = measure_sample_cost(engine)
     bar.update(1)
     bar.close()
     # One token's K and V rows as the cache holds them (an int8 cache's rows carry scales).
@@ -353,7 +330,6 @@ def run_profile(
     meta = machine_meta(engine, device, torch.get_num_threads())
     meta.update(
         raw={"prefill": prefill, "decode": decode},  # before the running maximum
-        live_prefill={str(n): {"live_s": a, "bare_s": b} for n, (a, b) in live.items()},
         model=str(cfg.model),
         model_shape={
             k: getattr(model_cfg, k)
@@ -376,9 +352,8 @@ def run_profile(
         transfer_bytes=tuple(float(t * kv_per_token) for t in grid.transfer_tokens),
         transfer_seconds=tuple(transfer),
         router_overhead_s=router_s,
-        **co_run,
-        **cpu_costs,
-        prefill_worker_slowdown=slowdown,
+        sample_seconds_per_row=sample_s,
+        cpu=CpuCorrections(**co_run),
         kv_bytes_per_token=kv_per_token,
         num_layers=model_cfg.num_layers,
         engine=settings,

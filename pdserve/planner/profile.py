@@ -28,15 +28,9 @@ from pathlib import Path
 
 from engine.settings import EngineSettings  # the worker settings a profile was measured with
 from engine.step_trace import PlanShape  # a plan in the terms the tables price it
+from pdserve.planner.cpu_corrections import CpuCorrections
 
 PROFILE_VERSION = 1
-# Costs newer profiles record; an older profile without them reads 0 (not modelled).
-CPU_COST_FIELDS = (
-    "sample_seconds_per_row",
-    "router_cpu_per_request_s",
-    "router_cpu_per_token_s",
-    "stream_cpu_per_token_s",
-)
 
 
 def interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -141,79 +135,16 @@ class Profile:
     kv_bytes_per_token: int
     num_layers: int
     engine: EngineSettings = field(default_factory=EngineSettings)
-    # How much slower a step runs while another worker computes on the same machine (shared
-    # memory bandwidth and caches, or vCPUs that are hyperthreads); 1 on separate hardware.
-    co_run_slowdown: float = 1.0  # a decode step's
-    # A prefill step's, measured apart (None in older profiles: the decode step's figure).
-    co_run_slowdown_prefill: float | None = None
-    # The same-kind pairs: a decode step beside another worker's decode step, a prefill step
-    # beside another's prefill (None in older profiles: the kind's figure above).
-    co_run_slowdown_decode_pair: float | None = None
-    co_run_slowdown_prefill_pair: float | None = None
-    # Work (seconds of the step alone) a step pays once when a neighbour first computes beside
-    # it, before the slowdown above applies: each worker's own per-step Python (plan, sample,
-    # KV frames) loses its core to the neighbour's forward, which costs a short step as much
-    # as a long one. Fitted from live step traces (step_residuals.co_run_affine); 0 in older
-    # profiles and in the bare-forward measurement.
-    co_run_fixed_s: float = 0.0  # a decode step's
-    co_run_fixed_s_prefill: float = 0.0  # a prompt-computing step's (a prefill worker's)
-    # A decode (colocated) worker's own prompt step's: it streams no KV frames, and live traces
-    # read about half a prefill worker's (Zen 4: 14-22 ms against 37-45). None in older
-    # profiles: the prefill worker's figure.
-    co_run_fixed_s_local_prefill: float | None = None
-    # A decode step's beside another worker's decode step only: live, that pair costs a decode
-    # step about the same few milliseconds at every batch (Zen 4: 5-7 ms, 1.29x at one row,
-    # 1.10x at eight), not a share of it. None in older profiles: ``co_run_fixed_s``.
-    co_run_fixed_s_decode_pair: float | None = None
-    # A prompt-computing step's claim on the cores against a decode step's 1 when more threads
-    # compute than there are cores (CpuShare.shares): the kernel's scheduler may favour the
-    # decode workers, which sleep between steps, over a long CPU-bound prefill. Fitted from
-    # live step traces (step_residuals.prefill_share_weight; Zen 4 reads about 1, fair); 1 as
-    # measured.
-    oversubscribed_prefill_weight: float = 1.0
-    # A prefill step in a disaggregated prefill worker over the same step in a bare engine:
-    # the worker ships each layer's KV while the next computes (frames built and sent by its
-    # threads, on its cores), measured through a live 1P1D pair; 1 in older profiles.
-    prefill_worker_slowdown: float = 1.0
-    # A decode-only step in a live decode worker over the bare engine's, with no other worker
-    # computing: the worker streams every token out through its gRPC threads, and the router
-    # and client work beside it, on the same cores. Fitted from a live run's step traces
-    # (planner_fidelity.py --calibrated-out); 1 in older profiles.
-    decode_worker_slowdown: float = 1.0
-    # A live decode-only step over its price, one factor per row (batch size) of the decode
-    # table: the bare table, timed once, gets the batch's shape wrong by more than noise (Zen 4
-    # alone steps: 0.95x at one row, 1.12x at four to eight, every setup alike). Fitted from
-    # live step traces (step_residuals.decode_row_factors); () as measured: 1 at every batch.
-    decode_row_factors: tuple[float, ...] = ()
-    # What a disaggregated request's first token waits beyond ``router_overhead_s`` in a live
-    # cluster: the reserve and prefill calls reaching busy worker processes, and the token's
-    # way back from the prefill worker while KV frames and other streams share its threads.
-    # Fitted from stored live runs (stored_runs.run_hops, first_token_hop.py); 0 as measured.
-    disaggregated_hop_s: float = 0.0
-    # What a row sampled at a temperature costs over a greedy one (the tables are greedy).
+    # What a sampled row costs over a greedy one (the tables are timed greedy; a temperature
+    # row sorts the vocabulary for top-p): on any device, so not a CPU correction.
     sample_seconds_per_row: float = 0.0
-    # CPU the router and its client spend, beside the workers on a small machine: per request
-    # (tokenize, template, reserve, prefill call) and per streamed token (gRPC receive,
-    # detokenize, SSE); and the decode worker's gRPC threads per streamed token.
-    router_cpu_per_request_s: float = 0.0
-    router_cpu_per_token_s: float = 0.0
-    stream_cpu_per_token_s: float = 0.0
+    # Workers sharing a few CPU cores: fitted corrections, neutral by default (GPU profiles).
+    cpu: CpuCorrections = field(default_factory=CpuCorrections)
     meta: dict = field(default_factory=dict)  # hardware, model, dtype, versions, date
 
-    @property
-    def local_prefill_fixed_s(self) -> float:
-        """The once-per-step co-run work of a decode worker's own prompt step."""
-        if self.co_run_fixed_s_local_prefill is None:
-            return self.co_run_fixed_s_prefill
-        return self.co_run_fixed_s_local_prefill
-
-    @property
-    def co_run_pairs(self) -> dict[tuple[str, str], float | None]:
-        """(kind, neighbour kind) -> slowdown, for the same-kind pairs (CpuShare's ``pairs``)."""
-        return {
-            ("decode", "decode"): self.co_run_slowdown_decode_pair,
-            ("prefill", "prefill"): self.co_run_slowdown_prefill_pair,
-        }
+    def with_cpu(self, **corrections) -> Profile:
+        """This profile with some of its CPU corrections replaced."""
+        return replace(self, cpu=replace(self.cpu, **corrections))
 
     # ---- latencies -----------------------------------------------------------------------
     def prefill_seconds(self, tokens: float, offset: float = 0.0) -> float:
@@ -251,15 +182,15 @@ class Profile:
         """A step of this shape: its forward and its rows sampled at a temperature, a
         decode-only step at its batch's live factor (``decode_row_factors``)."""
         t = self.forward_seconds(shape) + shape.sampled * self.sample_seconds_per_row
-        if self.decode_row_factors and not shape.prompt_tokens and shape.decode_rows:
+        if self.cpu.decode_row_factors and not shape.prompt_tokens and shape.decode_rows:
             t *= self.decode_row_factor(shape.decode_rows)
         return t
 
     def decode_row_factor(self, rows: int) -> float:
         """``decode_row_factors`` between the table's batch sizes, flat past both ends."""
-        if not self.decode_row_factors:
+        if not self.cpu.decode_row_factors:
             return 1.0
-        return _row_factor(self.decode.rows, self.decode_row_factors, rows)
+        return _row_factor(self.decode.rows, self.cpu.decode_row_factors, rows)
 
     def forward_seconds(self, shape: PlanShape) -> float:
         """The forward (and a greedy sample per row, as the tables were timed)."""
@@ -285,10 +216,7 @@ class Profile:
             self,
             prefill=self.prefill.scaled(self._prefill_row_factors(prefill, prefill_small)),
             decode=self.decode.scaled(decode),
-            co_run_fixed_s=self.co_run_fixed_s * decode,
-            co_run_fixed_s_prefill=self.co_run_fixed_s_prefill * prefill,
-            co_run_fixed_s_local_prefill=_times(self.co_run_fixed_s_local_prefill, prefill),
-            co_run_fixed_s_decode_pair=_times(self.co_run_fixed_s_decode_pair, decode),
+            cpu=self.cpu.at_speed(decode, prefill),
         )
 
     def prefill_probe_tokens(self) -> tuple[int, int]:
@@ -309,10 +237,17 @@ class Profile:
 
     # ---- files ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
+        """The JSON form: the corrections as top-level keys, in the order profiles have
+        always been written (the sample cost among them)."""
         d = asdict(self)
         for table in ("prefill", "decode"):
             d[table].pop("_memo")
-        d["version"] = PROFILE_VERSION
+        cpu, meta, sample = d.pop("cpu"), d.pop("meta"), d.pop("sample_seconds_per_row")
+        for key, value in cpu.items():
+            if key == "router_cpu_per_request_s":
+                d["sample_seconds_per_row"] = sample
+            d[key] = value
+        d.update(meta=meta, version=PROFILE_VERSION)
         return d
 
     def save(self, path: str | Path) -> None:
@@ -331,44 +266,17 @@ class Profile:
                 kv_bytes_per_token=int(d["kv_bytes_per_token"]),
                 num_layers=int(d["num_layers"]),
                 engine=EngineSettings(**d.get("engine", {})),
-                co_run_slowdown=float(d.get("co_run_slowdown", 1.0)),
-                co_run_slowdown_prefill=_optional_float(d.get("co_run_slowdown_prefill")),
-                co_run_slowdown_decode_pair=_optional_float(d.get("co_run_slowdown_decode_pair")),
-                co_run_slowdown_prefill_pair=_optional_float(d.get("co_run_slowdown_prefill_pair")),
-                prefill_worker_slowdown=float(d.get("prefill_worker_slowdown", 1.0)),
-                decode_worker_slowdown=float(d.get("decode_worker_slowdown", 1.0)),
-                decode_row_factors=_row_factors(d.get("decode_row_factors"), d["decode"]),
-                disaggregated_hop_s=float(d.get("disaggregated_hop_s", 0.0)),
-                co_run_fixed_s=float(d.get("co_run_fixed_s", 0.0)),
-                co_run_fixed_s_prefill=float(d.get("co_run_fixed_s_prefill", 0.0)),
-                co_run_fixed_s_local_prefill=_optional_float(d.get("co_run_fixed_s_local_prefill")),
-                co_run_fixed_s_decode_pair=_optional_float(d.get("co_run_fixed_s_decode_pair")),
-                oversubscribed_prefill_weight=float(d.get("oversubscribed_prefill_weight", 1.0)),
-                **{k: float(d.get(k, 0.0)) for k in CPU_COST_FIELDS},
+                sample_seconds_per_row=float(d.get("sample_seconds_per_row", 0.0)),
+                cpu=CpuCorrections.from_dict(d, len(d["decode"]["rows"])),
                 meta=dict(d.get("meta", {})),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a valid profile: {type(e).__name__}: {e}") from None
 
 
-def _row_factors(value, decode: dict) -> tuple[float, ...]:
-    factors = tuple(float(f) for f in value or ())
-    if factors and len(factors) != len(decode["rows"]):
-        raise ValueError("decode_row_factors needs one factor per decode table row")
-    return factors
-
-
 @functools.lru_cache(maxsize=4096)
 def _row_factor(rows: tuple, factors: tuple, n: int) -> float:
     return interp(rows, factors, min(n, rows[-1]))
-
-
-def _optional_float(value) -> float | None:
-    return None if value is None else float(value)
-
-
-def _times(value: float | None, factor: float) -> float | None:
-    return None if value is None else value * factor
 
 
 def read_json(path: str | Path, what: str = ""):

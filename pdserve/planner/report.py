@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pdserve.bench.loadgen.metrics import ATTAINMENT_TARGET
+from pdserve.metrics import ATTAINMENT_TARGET
 from pdserve.planner.search import Plan, SplitResult
 
 

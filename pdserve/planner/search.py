@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from pdserve.bench.loadgen.metrics import ATTAINMENT_TARGET, SLO
+from pdserve.metrics import ATTAINMENT_TARGET, SLO
 from pdserve.planner.profile import Profile
 from pdserve.planner.sim import SimConfig, Split, simulate
 from pdserve.planner.workload import (

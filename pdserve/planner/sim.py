@@ -8,7 +8,7 @@ with its tokens appended. Colocated (no prefill workers), or prompts up to
 ``local_prefill_max_tokens``: the decode worker prefills in its own batch. The router's policies
 are router/policies.py's, called on the simulated workers.
 
-The result is a ``BenchResult`` from pdserve.bench.loadgen.metrics.compute_result over the same
+The result is a ``BenchResult`` from pdserve.metrics.compute_result over the same
 ``RequestRecord``s a real run produces, so real and simulated metrics share one definition.
 """
 
@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from engine.block_manager import blocks_for
-from pdserve.bench.loadgen.metrics import SLO, BenchResult, RequestRecord, compute_result
+from pdserve.metrics import SLO, BenchResult, RequestRecord, compute_result
 from pdserve.planner.cpu_share import CpuShare
 from pdserve.planner.profile import EngineSettings, Profile
 from pdserve.planner.sim_workers import Clock, SimDecodeWorker, SimPrefillWorker
@@ -128,21 +128,22 @@ class SimCluster:
         self.prefill_policy = get_policy("prefill", cfg.prefill_policy)
         self.decode_policy = get_policy("decode", cfg.decode_policy)
         threads = int(profile.meta.get("threads") or 1)
+        c = profile.cpu
         cpu = CpuShare(
             cfg.cpu_cores,
             threads,
-            profile.co_run_slowdown,
-            profile.co_run_slowdown_prefill,
+            c.co_run_slowdown,
+            c.co_run_slowdown_prefill,
             self.clock,
-            profile.co_run_pairs,
-            {"decode": profile.co_run_fixed_s, "prefill": profile.co_run_fixed_s_prefill},
-            {"prefill": profile.oversubscribed_prefill_weight},
-            {("decode", "decode"): profile.co_run_fixed_s_decode_pair},
+            c.co_run_pairs,
+            {"decode": c.co_run_fixed_s, "prefill": c.co_run_fixed_s_prefill},
+            {"prefill": c.oversubscribed_prefill_weight},
+            {("decode", "decode"): c.co_run_fixed_s_decode_pair},
         )
         self.cpu = cpu
         # The router's and client's CPU per streamed token, with the decode worker's gRPC
         # threads' (another process, but the same cores: one background queue for both).
-        self.cpu_per_token_s = profile.router_cpu_per_token_s + profile.stream_cpu_per_token_s
+        self.cpu_per_token_s = c.router_cpu_per_token_s + c.stream_cpu_per_token_s
         args = (self.clock, profile, self.engine)
         kw = {"temperature": cfg.temperature, "shared_prefix": cfg.shared_prefix_tokens}
         self.prefill = [
@@ -168,7 +169,7 @@ class SimCluster:
 
     # ---- arrivals and dispatch ------------------------------------------------------------
     def arrive(self, req: _Req) -> None:
-        self.cpu.charge(self.clock.now, self.profile.router_cpu_per_request_s)
+        self.cpu.charge(self.clock.now, self.profile.cpu.router_cpu_per_request_s)
         self.clock.at(self.clock.now + self.profile.router_overhead_s, self._dispatch, req)
 
     def _dispatch(self, req: _Req) -> None:
@@ -223,7 +224,7 @@ class SimCluster:
         p.inflight_tokens -= req.num_tokens
         p.inflight_requests -= 1
         first = committed_at if self.cfg.first_token_waits_for_kv else sampled_at
-        self._emit(req, first + self.profile.disaggregated_hop_s)
+        self._emit(req, first + self.profile.cpu.disaggregated_hop_s)
         self.clock.at(committed_at, self._attach, req)
 
     def _attach(self, req: _Req) -> None:

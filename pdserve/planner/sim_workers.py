@@ -169,7 +169,7 @@ class SimPrefillWorker(SimWorker):
 
     def __init__(self, *args, on_first_token: Callable, **kw):
         super().__init__(*args, **kw)
-        self.step_slowdown = self.profile.prefill_worker_slowdown
+        self.step_slowdown = self.profile.cpu.prefill_worker_slowdown
         self.on_first_token = on_first_token
         self._started: dict[str, float] = {}
 
@@ -206,13 +206,13 @@ class SimDecodeWorker(SimWorker):
 
     def __init__(self, *args, on_token: Callable, on_preempted: Callable, **kw):
         super().__init__(*args, **kw)
-        self.step_slowdown = self.profile.decode_worker_slowdown
+        self.step_slowdown = self.profile.cpu.decode_worker_slowdown
         self.on_token = on_token
         self.on_preempted = on_preempted
         self.num_preemptions = 0
 
     def prompt_fixed_s(self) -> float:
-        return self.profile.local_prefill_fixed_s  # no KV frames streamed out beside it
+        return self.profile.cpu.local_prefill_fixed_s  # no KV frames streamed out beside it
 
     def reserve(self, num_tokens: int) -> list[int] | None:
         n = self.blocks.blocks_needed(num_tokens)

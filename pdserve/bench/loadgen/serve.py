@@ -27,7 +27,7 @@ from pdserve.bench.loadgen.cold_start import (
     measure_cold_start,
     probe_prompt,
 )
-from pdserve.bench.loadgen.metrics import (
+from pdserve.metrics import (
     SLO,
     BenchResult,
     RequestRecord,

@@ -11,7 +11,7 @@ import asyncio
 import sys
 from dataclasses import dataclass
 
-from pdserve.bench.loadgen.metrics import ATTAINMENT_TARGET, BenchResult
+from pdserve.metrics import ATTAINMENT_TARGET, BenchResult
 from pdserve.bench.loadgen.serve import (
     BenchError,
     ServeConfig,

@@ -1,7 +1,7 @@
 """What the router and the client cost in CPU, per request and per streamed token.
 
 On a small machine the router and the load generator run on the cores the workers use: the
-fidelity runs (scripts/planner_fidelity.py) run ``LocalCluster``, whose router serves on an
+fidelity runs (``pdserve bench fidelity``) run ``LocalCluster``, whose router serves on an
 asyncio thread inside the load generator's own process, one GIL for both. Each streamed token
 costs that process a gRPC receive, a detokenize, an SSE write and the client's SSE parse; each
 request a tokenize, the chat template, a reservation and a prefill call. This measures both as
@@ -166,7 +166,7 @@ def measure_router_cpu(
     """Router + client CPU per request and per token (see the module's docstring)."""
     from pdserve.bench.micro.router_overhead import _spawn
 
-    fakes, (p_addr, d_addr) = _spawn(["-m", "pdserve.planner.measure_router", str(gap_s)])
+    fakes, (p_addr, d_addr) = _spawn(["-m", "pdserve.bench.fidelity.measure_router", str(gap_s)])
     router = _RouterThread(model_dir, p_addr, d_addr)
     try:
         url = f"http://{router.servers.http_address}"

@@ -1,19 +1,16 @@
-"""Write the hand-made GPU profile and the 64-GPU example trace used in docs/PLANNING.md.
+"""``pdserve bench gpu-profile``: write the hand-made GPU profile and the 64-GPU example trace
+quoted in docs/PLANNING.md.
 
 No GPU is measured here: the profile is a roofline from published figures (sources below),
 through pdserve.planner.analytic. Re-measure with ``pdserve profile --device cuda`` on the
 real hardware before trusting a plan made with it.
 
-    python scripts/planner_gpu_profile.py --out docs/results/planner
+    pdserve bench gpu-profile --out /tmp/planner
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pdserve.planner.analytic import Hardware, ModelShape, analytic_profile
 from pdserve.planner.profile import EngineSettings
@@ -75,17 +72,16 @@ def example_trace(n: int = 2000, rate: float = 40.0, seed: int = 0) -> list[Trac
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="docs/results/planner")
-    args = ap.parse_args()
+def add_parser(sub) -> None:
+    p = sub.add_parser("gpu-profile", help="the hand-made H100 profile and example trace")
+    p.add_argument("--out", required=True, help="folder for the profile and the trace")
+    p.set_defaults(func=write)
+
+
+def write(args) -> int:
     out = Path(args.out)
     meta = {"note": "hand-written from published figures; not measured"}
     analytic_profile(H100, LLAMA3_8B, ENGINE, meta).save(out / "profile_h100_llama3_8b.json")
     write_trace(out / "trace_chat_rag.jsonl", example_trace())
     print(f"wrote {out / 'profile_h100_llama3_8b.json'} and {out / 'trace_chat_rag.jsonl'}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Stored fidelity runs (scripts/planner_fidelity.py's JSON) with the step traces their
+"""Stored fidelity runs (``pdserve bench fidelity --json``) with the step traces their
 workers recorded: the live costs a planner takes from earlier runs, with no cluster running.
 
 A run's traces sit in one folder per run, named by ``fidelity_replay.run_name``, as
@@ -13,17 +13,17 @@ import json
 import time
 from pathlib import Path
 
-from pdserve.planner.fidelity_replay import METRICS, resimulate, run_name, stored_requests
-from pdserve.planner.first_token_hop import hop_beyond_router, request_hops
-from pdserve.planner.profile import Profile
-from pdserve.planner.sim import Split
-from pdserve.planner.step_residuals import (
+from pdserve.bench.fidelity.fidelity_replay import METRICS, resimulate, run_name, stored_requests
+from pdserve.bench.fidelity.first_token_hop import hop_beyond_router, request_hops
+from pdserve.bench.fidelity.step_residuals import (
     calibrated_costs,
     decode_row_factors,
     load_steps,
     priced_steps,
     with_row_factors,
 )
+from pdserve.planner.profile import Profile
+from pdserve.planner.sim import Split
 
 
 def traced_runs(stored: dict, traces: str | Path) -> dict[str, tuple]:
@@ -51,7 +51,7 @@ def pooled_costs(profile: Profile, runs: list[tuple], cores: int | None = None) 
     its steps are priced at its own speed (``Profile.at_speed``), and the fixed work comes back
     at the profile's speed (weighted by each run's priced seconds), as ``at_speed`` scales it."""
     rows, weights = [], {"decode": [], "prefill": []}
-    profile = dataclasses.replace(profile, decode_row_factors=())  # fitted anew below
+    profile = profile.with_cpu(decode_row_factors=())  # fitted anew below
     for folder, decode, prefill, *small in runs:
         priced = priced_steps(profile.at_speed(decode, prefill, *small), load_steps(folder))
         rows += priced
@@ -59,7 +59,7 @@ def pooled_costs(profile: Profile, runs: list[tuple], cores: int | None = None) 
         weights["decode"].append((seconds, decode))
         weights["prefill"].append((seconds, prefill))
     factors = decode_row_factors(rows, profile.decode.rows)
-    rows = with_row_factors(rows, dataclasses.replace(profile, decode_row_factors=factors))
+    rows = with_row_factors(rows, profile.with_cpu(decode_row_factors=factors))
     costs = {**calibrated_costs(rows, cores), "decode_row_factors": factors}
     fields = (
         ("co_run_fixed_s", "decode"),
@@ -180,7 +180,7 @@ def pooled_profile(
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         },
     }
-    return dataclasses.replace(profile, **costs, meta=meta), costs
+    return dataclasses.replace(profile.with_cpu(**costs), meta=meta), costs
 
 
 def format_mape(mape: dict, label: str = "MAPE") -> str:

@@ -77,8 +77,9 @@ def background_share(profile: Profile, steps_by_worker: dict[str, list[dict]]) -
     span = max(s["t"] + s["s"] for s in steps) - min(s["t"] for s in steps)
     first = sum(max(0, s.get("sampled", 0) - s["decode_rows"]) for s in steps)  # prompts done
     decoded = sum(s["decode_rows"] for s in steps)
-    per_token = profile.router_cpu_per_token_s + profile.stream_cpu_per_token_s
-    cpu = first * profile.router_cpu_per_request_s + (first + decoded) * per_token
+    c = profile.cpu
+    per_token = c.router_cpu_per_token_s + c.stream_cpu_per_token_s
+    cpu = first * c.router_cpu_per_request_s + (first + decoded) * per_token
     return cpu / span if span > 0 else 0.0
 
 
@@ -384,7 +385,7 @@ def decode_row_factors(rows: list[dict], batches: Sequence[float]) -> tuple[floa
 
 def with_row_factors(rows: list[dict], profile: Profile) -> list[dict]:
     """Rows priced without ``decode_row_factors``, priced as ``profile`` prices them."""
-    if not profile.decode_row_factors:
+    if not profile.cpu.decode_row_factors:
         return rows
     return [
         {**r, "priced_s": r["priced_s"] * profile.decode_row_factor(r["rows"])}

@@ -1,4 +1,4 @@
-"""scripts/planner_fidelity.py's modes on stored runs, with no cluster: ``--resimulate``
+"""``pdserve bench fidelity``'s modes on stored runs, with no cluster: ``--resimulate``
 (a stored run re-scored on another profile, optionally each run fitted on the others),
 ``--repeat`` (two runs of one seed against each other) and ``--calibrate-from`` (a profile
 fitted on the step traces of stored runs)."""
@@ -9,9 +9,14 @@ import json
 import time
 from pathlib import Path
 
-from pdserve.planner import stored_runs
-from pdserve.planner.fidelity_replay import format_spread, load_report, repeat_spread, run_name
-from pdserve.planner.stored_runs import format_mape, format_row
+from pdserve.bench.fidelity import stored_runs
+from pdserve.bench.fidelity.fidelity_replay import (
+    format_spread,
+    load_report,
+    repeat_spread,
+    run_name,
+)
+from pdserve.bench.fidelity.stored_runs import format_mape, format_row
 
 
 def rescore(args, profile, slos: dict, tokenizer) -> int:

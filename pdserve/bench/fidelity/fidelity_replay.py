@@ -1,4 +1,4 @@
-"""Re-simulate stored fidelity runs (scripts/planner_fidelity.py's JSON) on a profile.
+"""Re-simulate stored fidelity runs (``pdserve bench fidelity --json``) on a profile.
 
 A stored run keeps its measured summary and each completed request's prompt and output tokens
 as the server counted them; the send times come from the seeded Poisson schedule, and where a
@@ -11,12 +11,11 @@ same requests the live simulation replayed, without running a cluster again.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from collections import Counter
 from pathlib import Path
 
-from pdserve.bench.loadgen.metrics import SLO, BenchResult
+from pdserve.metrics import SLO, BenchResult
 from pdserve.planner.profile import Profile, read_json
 from pdserve.planner.sim import SimConfig, Split, simulate
 from pdserve.planner.workload import TraceRequest
@@ -193,7 +192,7 @@ def resimulate(
         trace, shared = stored_requests(row, seed, tokenizer)
         split, slo = Split.parse(row["split"]), slos[row["workload"]]
         speed = (row.get("speed") or {}).get("used")  # the run's probed speed, if it had one
-        own = dataclasses.replace(profile, **costs[run_name(row)]) if costs else profile
+        own = profile.with_cpu(**costs[run_name(row)]) if costs else profile
         now = own.at_speed(**speed) if speed else own
         sim = replay(now, split, trace, slo, cores, shared)
         new = {**row, "sim": summary(sim)}
@@ -205,8 +204,8 @@ def resimulate(
 
 
 def load_report(path: str | Path) -> dict:
-    """A stored fidelity report (planner_fidelity.py --json); ValueError naming the file if it
-    cannot be read or holds no runs."""
+    """A stored fidelity report (``pdserve bench fidelity --json``); ValueError naming the
+    file if it cannot be read or holds no runs."""
     report = read_json(path)
     if not isinstance(report, dict) or "fidelity" not in report:
         raise ValueError(f"{path} is not a fidelity report (no runs)")

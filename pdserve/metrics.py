@@ -8,7 +8,7 @@ Over a run: throughputs divide by the run's duration; a request is *good* when i
 meets every SLO given (TTFT <= slo_ttft, TPOT <= slo_tpot; one-token outputs have TPOT 0);
 ``request_goodput`` = good requests / duration, ``slo_attainment`` = good / all requests sent
 (a failed request misses its SLOs). DistServe's goodput of a *system* is the highest Poisson
-rate at which attainment >= 90% (see sweep.py).
+rate at which attainment >= 90% (pdserve/bench/loadgen/sweep.py).
 """
 
 from __future__ import annotations

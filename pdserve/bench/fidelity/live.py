@@ -1,44 +1,28 @@
-"""The planner's simulator against real clusters on this machine (docs/PLANNING.md).
+"""``pdserve bench fidelity`` on real clusters on this machine (docs/PLANNING.md).
 
 Part 1, fidelity: for each setup (1P1D, 1P2D, colocated; embedded model, one torch thread per
 worker, each worker its own process, as ``cluster_configs/local.yaml``) and two Poisson rates
 (one low, one near the simulated saturation), a real cluster serves ``pdserve bench serve``'s
 workload over HTTP with ``ignore_eos``; the simulator then replays the *same* requests (each
-one's send time, prompt tokens from usage, output tokens) on the profile. Prints simulated vs
+one's send time, prompt tokens from usage, output tokens) on the profile. Reports simulated vs
 measured p50/p90 TTFT, p50 TPOT and goodput with their errors, and the MAPE per metric.
 
 Part 2, the recommendation: for a long-prompt workload (longdoc) and a short-prompt,
 long-answer one (chat), ``plan`` recommends a split up to ``--max-workers``; each candidate
 split of that size is then run for real at the same rate, and the recommended split's measured
 goodput is compared with the best measured one.
-
-    python scripts/planner_fidelity.py --profile docs/results/planner/profile_cpu_smollm2.json \
-        --json docs/results/planner/fidelity.json
-
-``--resimulate FILE`` re-scores a stored run (its measured side kept, its requests rebuilt from
-the seeded workload: pdserve/planner/fidelity_replay.py) on ``--profile``, with no cluster.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import functools
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import planner_fidelity_stored as stored_modes
-
 from engine.step_trace import ENV_VAR as STEP_TRACE_ENV
-from pdserve.bench.loadgen.metrics import SLO
-from pdserve.bench.loadgen.serve import ServeConfig, run_benchmark
-from pdserve.cluster.local import ClusterSpec, LocalCluster
-from pdserve.planner.fidelity_replay import (
+from pdserve.bench.fidelity.fidelity_replay import (
     METRICS,
     NONCE,
     err,
@@ -48,32 +32,30 @@ from pdserve.planner.fidelity_replay import (
     replay,
     run_name,
     sent_requests,
-    shared_prefix_tokens,
     summary,
 )
-from pdserve.planner.profile import load_profile
-from pdserve.planner.sim import SimConfig, Split
-from pdserve.planner.speed_probe import Speed
-from pdserve.planner.step_residuals import (
+from pdserve.bench.fidelity.setups import (
+    CALIBRATION,
+    FALLBACK_RATE,
+    LOW,
+    NEAR,
+    RECOMMEND,
+    SETUPS,
+    shared_prefix,
+)
+from pdserve.bench.fidelity.speed_probe import Speed
+from pdserve.bench.fidelity.step_residuals import (
     format_residuals,
     load_steps,
     priced_steps,
     step_residuals,
     summarise,
 )
-from pdserve.planner.stored_runs import format_mape, format_row, pooled_costs
-
-# (split, workload, SLO). Rates: LOW and NEAR x the simulated capacity (highest rate at 90%).
-# SLOs suit this VM: a 1,300-token document alone takes 2-4 s to prefill on one thread.
-SETUPS = [
-    ("1P1D", "mixed", SLO(10.0, 0.2)),
-    ("1P2D", "chat", SLO(2.0, 0.15)),
-    ("colo2", "mixed", SLO(10.0, 0.2)),
-]
-LOW, NEAR = 0.4, 0.85
-# (workload, SLO, share of the recommended split's simulated capacity to run at)
-RECOMMEND = [("longdoc", SLO(12.0, 0.2), 0.9), ("chat", SLO(2.0, 0.15), 0.9)]
-FALLBACK_RATE = 0.1  # when the simulation holds no rate at 90%
+from pdserve.bench.fidelity.stored_runs import format_mape, format_row, pooled_costs
+from pdserve.bench.loadgen.serve import ServeConfig, run_benchmark
+from pdserve.cluster.local import ClusterSpec, LocalCluster
+from pdserve.metrics import SLO
+from pdserve.planner.sim import SimConfig, Split
 
 
 def run_real(split: Split, workload: str, rate: float, n: int, slo: SLO, seed: int, trace=None):
@@ -109,22 +91,6 @@ def _run_real(split: Split, workload: str, rate: float, n: int, slo: SLO, seed: 
             progress=False,
         )
         return asyncio.run(run_benchmark(cfg))
-
-
-@functools.cache
-def embedded_tokenizer():
-    """The router's tokenizer for the embedded model: the runs' prompt lengths come from it."""
-    from engine.tokenizer import Tokenizer
-    from pdserve.planner.measure import engine_dir
-
-    return Tokenizer(engine_dir("embedded"))
-
-
-@functools.cache
-def shared_prefix(workload: str, nonce: str = NONCE) -> int:
-    """The leading tokens a run's prompts share (its chat preamble and its nonce line), which
-    the live workers' prefix caches serve after the first request."""
-    return shared_prefix_tokens(workload, embedded_tokenizer(), nonce)
 
 
 def sim_config(split: Split, workload: str, cores: int) -> SimConfig:
@@ -242,10 +208,6 @@ def recommendation(
     return out
 
 
-# A live run apart from the scored ones (another seed and rate) to measure the co-run slowdowns.
-CALIBRATION = ("1P1D", "mixed", 0.5, 45, 7)  # split, workload, rate, requests, seed
-
-
 def calibrate(args, profile) -> int:
     """Set the profile's live costs from the step traces of one live 1P1D run
     (stored_runs.pooled_costs over that one run: each role's alone slowdown, then a co-run factor and a
@@ -271,12 +233,12 @@ def calibrate(args, profile) -> int:
             "speed": speed,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "load_average": os.getloadavg()[0],
-            "bare_forwards": [profile.co_run_slowdown, profile.co_run_slowdown_prefill],
-            "quiet_prefill_worker_slowdown": profile.prefill_worker_slowdown,
+            "bare_forwards": [profile.cpu.co_run_slowdown, profile.cpu.co_run_slowdown_prefill],
+            "quiet_prefill_worker_slowdown": profile.cpu.prefill_worker_slowdown,
             "fit": "real = factor x (price + fixed_s), steps with a neighbour busy throughout",
         },
     }
-    out = dataclasses.replace(profile, **costs, meta=meta)
+    out = dataclasses.replace(profile.with_cpu(**costs), meta=meta)
     out.save(args.calibrated_out)
     print(f"wrote {args.calibrated_out}: {json.dumps(costs)}")
     return 0
@@ -284,92 +246,9 @@ def calibrate(args, profile) -> int:
 
 def speed_probe(args, profile):
     """The probe the real runs are bracketed by, or None with ``--no-speed-probe``."""
-    from pdserve.planner.speed_probe import SpeedProbe
+    from pdserve.bench.fidelity.speed_probe import SpeedProbe
 
     return None if args.no_speed_probe else SpeedProbe(profile)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--profile", default=None, help="the profile (every mode but --repeat)")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scale", type=float, default=1.0, help="x the requests per run")
-    ap.add_argument("--part", choices=("fidelity", "recommend", "all"), default="all")
-    ap.add_argument("--max-workers", type=int, default=2, help="part 2's pool size")
-    ap.add_argument("--cpu-cores", type=int, default=os.cpu_count(), help="cores the workers share")
-    ap.add_argument("--resimulate", default=None, help="a stored fidelity JSON to re-score")
-    ap.add_argument(
-        "--calibrated-out",
-        default=None,
-        help="run the live calibration only and write the profile with its co-run slowdowns",
-    )
-    ap.add_argument(
-        "--calibrate-from",
-        nargs=2,
-        action="append",
-        default=None,
-        metavar=("STORED", "TRACES"),
-        help="with --calibrated-out: fit the live costs on every run of a stored fidelity JSON "
-        "(and its step traces) instead of running a calibration run; repeat to pool several. "
-        "With --leave-one-out: these runs join the other runs each scored run is fitted on",
-    )
-    ap.add_argument(
-        "--workloads", nargs="+", default=None, help="part 2: only these of longdoc, chat"
-    )
-    ap.add_argument(
-        "--step-trace", default=None, help="folder for the real workers' step traces (part 1)"
-    )
-    ap.add_argument(
-        "--no-speed-probe",
-        action="store_true",
-        help="simulate on the profile as measured, not rescaled by a bare-engine probe of the "
-        "machine's speed just before and after each real run",
-    )
-    ap.add_argument(
-        "--repeat",
-        nargs=2,
-        default=None,
-        metavar=("FIRST", "SECOND"),
-        help="two stored runs of the same requests (same --seed, one after the other): print "
-        "how far the real cluster lands from itself, the floor a run's MAPE is read against",
-    )
-    ap.add_argument(
-        "--leave-one-out",
-        default=None,
-        metavar="TRACES",
-        help="with --resimulate: simulate each run on live costs calibrated from the step "
-        "traces (this folder, as --step-trace wrote it) of the other runs",
-    )
-    return ap
-
-
-def main() -> int:
-    ap = build_parser()
-    args = ap.parse_args()
-    if args.repeat:
-        try:
-            return stored_modes.compare_repeat(args)
-        except ValueError as e:
-            ap.error(f"--repeat: {e}")
-    if not args.profile:
-        ap.error("--profile is required")
-    if args.leave_one_out and not args.resimulate:
-        ap.error("--leave-one-out needs --resimulate (a stored run and its step traces)")
-    profile = load_profile(args.profile)
-    if args.calibrate_from and not (args.calibrated_out or args.leave_one_out):
-        ap.error("--calibrate-from needs --calibrated-out (where to write the profile)")
-    try:
-        if args.resimulate:
-            slos = {workload: slo for _, workload, slo in SETUPS}
-            return stored_modes.rescore(args, profile, slos, embedded_tokenizer())
-        if args.calibrated_out and args.calibrate_from:
-            return stored_modes.calibrate_from_runs(args, profile, embedded_tokenizer())
-    except FileNotFoundError as e:  # a traces folder without the stored runs' traces
-        ap.error(f"--leave-one-out / --calibrate-from: {e}")
-    if args.calibrated_out:
-        return calibrate(args, profile)
-    return live_report(args, profile)
 
 
 def live_report(args, profile) -> int:
@@ -400,7 +279,3 @@ def live_report(args, profile) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
