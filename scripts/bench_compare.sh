@@ -49,10 +49,10 @@ PIDS=()
 # vLLM runs in its own process group (its engine is a child process): the group is stopped.
 trap 'kill -- "${PIDS[@]}" 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 
-start_cluster() {  # name, bench_cluster args...
+start_cluster() {  # name, `bench cluster` args...
   local name=$1
   shift
-  python scripts/bench_cluster.py --model embedded "$@" >"$OUT/$name.out" 2>"$OUT/$name.log" &
+  python -m pdserve.bench cluster --model embedded "$@" >"$OUT/$name.out" 2>"$OUT/$name.log" &
   PIDS+=($!)
 }
 
@@ -122,7 +122,8 @@ PEER_ARGS=()
 if [ -n "${PEER_URL:-}" ]; then
   PEER_ARGS=(--peer vllm)
 fi
-python scripts/goodput_ratios.py "$OUT/compare.json" --base disaggregated "${PEER_ARGS[@]}"
+python -m pdserve.bench goodput-ratios "$OUT/compare.json" --base disaggregated "${PEER_ARGS[@]}"
 # The machine's compute ceiling for these prompts (GEMM peak on every core, measured now) and
 # each system's goodput against it; with a peer, where issue 22's 2x target lands.
-python scripts/goodput_ceiling.py "$OUT/compare.json" "${PEER_ARGS[@]}" --json "$OUT/ceiling.json"
+python -m pdserve.bench goodput-ceiling "$OUT/compare.json" "${PEER_ARGS[@]}" \
+  --json "$OUT/ceiling.json"

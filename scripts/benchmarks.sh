@@ -64,7 +64,7 @@ trap stop_cluster EXIT
 
 if [ -z "$URL" ]; then
   echo "== starting a local cluster (1 prefill + 1 decode, $MODEL) with the HTTP API"
-  python scripts/bench_cluster.py --model "$MODEL" >"$OUT/cluster.out" 2>"$OUT/cluster.log" &
+  bench cluster --model "$MODEL" >"$OUT/cluster.out" 2>"$OUT/cluster.log" &
   CLUSTER_PID=$!
   for _ in $(seq 900); do  # the first use of the embedded model converts it (minutes)
     if grep -q '^URL ' "$OUT/cluster.out"; then
@@ -91,5 +91,5 @@ if [ -n "$URL" ]; then
 fi
 stop_cluster
 
-python scripts/bench_report.py "$OUT" docs/BENCHMARKS.md
+bench report "$OUT" docs/BENCHMARKS.md
 echo "results: $OUT (latency CDFs: $OUT/serve_cdf.png)"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the llama.cpp baseline that scripts/bench_quant.py runs side by side with pdserve:
+# Builds the llama.cpp baseline that `pdserve bench quant` runs side by side with pdserve:
 # llama-bench and llama-batched-bench from the vendored sources of the llama-cpp-python sdist
 # (PyPI is the only source reachable here), one build per instruction set.
 #

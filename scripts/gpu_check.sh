@@ -31,8 +31,9 @@ if [ "${GPU_PROFILE:-0}" = 1 ]; then
     --device cuda --skip-router --out "$results/profile_gpu_llama8b.json" || rc=$?
 fi
 # Weight-only matmuls (kernels/triton_quant.py), decode rows; each variant compiles on its
-# first call.
-timeout 60 python scripts/bench_triton_quant.py --dtypes bfloat16,float32 --rows 1,8,32,64 \
-  --reps 30 --json "$results/triton_quant.json" || rc=$?
-timeout 45 python scripts/bench_kernels.py --dtype bfloat16 --block-size 16 || rc=$?
+# first call. Each benchmark runs as its own module (`pdserve bench triton-quant` / `attention`
+# alone), which imports no serving package.
+timeout 60 python -m pdserve.bench.kernels.triton_quant --dtypes bfloat16,float32 \
+  --rows 1,8,32,64 --reps 30 --json "$results/triton_quant.json" || rc=$?
+timeout 45 python -m pdserve.bench.kernels.attention --dtype bfloat16 --block-size 16 || rc=$?
 exit $rc

@@ -1,23 +1,14 @@
-"""`scripts/bench_report.py`: the regenerated section of docs/BENCHMARKS.md (layout, never speed)."""
+"""`pdserve bench report`: the regenerated results section of a benchmarks page (layout, never
+speed), on pages the tests build themselves."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def report():
-    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "scripts/bench_report.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
+from pdserve.bench.report import results as report
 
 TRANSFER = {
     "shape": {"tokens": 1024, "num_layers": 30, "dtype": "float32", "bytes_per_push": 47185920},
@@ -64,19 +55,20 @@ ROUTER = {
 }  # fmt: skip
 
 
-def _doc(tmp_path: Path) -> Path:
+PAGE = "# head\n\n## Current results\n\n<!-- results:start -->\nold\n<!-- results:end -->\n\ntail\n"
+
+
+def _doc(tmp_path: Path, text: str = PAGE) -> Path:
     doc = tmp_path / "BENCHMARKS.md"
-    doc.write_text(
-        "# head\n\n## Current results\n\n<!-- results:start -->\nold\n<!-- results:end -->\n\ntail\n"
-    )
+    doc.write_text(text)
     return doc
 
 
-def test_section_names_the_cpu_the_limits_and_the_targets(report, tmp_path):
+def test_section_names_the_cpu_the_limits_and_the_targets(tmp_path):
     for name, data in (("transfer", TRANSFER), ("engine", ENGINE), ("router", ROUTER)):
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
     doc = _doc(tmp_path)
-    assert report.main([str(tmp_path), str(doc)]) == 0
+    assert report.rewrite(tmp_path, doc) == 0
     text = doc.read_text()
     assert text.startswith("# head\n") and text.endswith("<!-- results:end -->\n\ntail\n")
     assert "old" not in text
@@ -93,26 +85,51 @@ def test_section_names_the_cpu_the_limits_and_the_targets(report, tmp_path):
     assert "| router adds < 2 ms to TTFT at p50 | 1.90 ms | yes |" in targets
     for section in ("### KV transfer", "### Engine", "### Router"):
         assert section in text
-    # Regenerating from the same files gives the same page.
-    report.main([str(tmp_path), str(doc)])
+    # Regenerating from the same files gives the same page, and the page keeps its layout.
+    report.rewrite(tmp_path, doc)
     assert doc.read_text() == text
+    assert report.layout_error(text) is None
 
 
-def test_no_files_leaves_a_note_and_missing_markers_fail(report, tmp_path):
+def test_no_files_leaves_a_note_and_missing_markers_fail(tmp_path):
     doc = _doc(tmp_path)
-    assert report.main([str(tmp_path), str(doc)]) == 0
+    assert report.rewrite(tmp_path, doc) == 0
     assert "_No results yet" in doc.read_text()
     doc.write_text("no markers\n")
-    assert report.main([str(tmp_path), str(doc)]) == 1
+    assert report.rewrite(tmp_path, doc) == 1
 
 
-def test_the_project_page_has_the_markers():
-    text = (ROOT / "docs/BENCHMARKS.md").read_text()
-    assert text.count("<!-- results:start -->") == 1 and text.count("<!-- results:end -->") == 1
-    assert text.index("## Current results") < text.index("<!-- results:start -->")
+@pytest.mark.parametrize(
+    "page",
+    [
+        PAGE.replace("<!-- results:end -->", "<!-- results:end --><!-- results:start -->"),
+        PAGE + "<!-- results:end -->\n",
+        PAGE.replace("## Current results\n\n", "") + "## Current results\n",
+        "## Current results\n<!-- results:end -->\n<!-- results:start -->\n",
+    ],
+    ids=["two starts", "two ends", "not under the heading", "end before start"],
+)
+def test_a_page_without_one_marker_pair_under_the_heading_is_refused_unchanged(tmp_path, page):
+    # The page needs each marker once, the start under "## Current results", or the section
+    # would land in the wrong place; the refusal leaves the page as it was.
+    doc = _doc(tmp_path, page)
+    assert report.layout_error(page) is not None
+    assert report.rewrite(tmp_path, doc) == 1
+    assert doc.read_text() == page
 
 
-def test_the_cold_start_ratio_is_a_target_row(report):
+def test_the_report_subcommand_takes_the_page_as_an_argument(tmp_path, capsys):
+    from pdserve.bench import main as bench_main
+
+    doc = _doc(tmp_path)
+    assert bench_main(["report", str(tmp_path), str(doc)]) == 0
+    assert "_No results yet" in doc.read_text() and "updated" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:  # no default page: the path is required
+        bench_main(["report", str(tmp_path)])
+    assert exit_info.value.code == 2
+
+
+def test_the_cold_start_ratio_is_a_target_row():
     cold = {"first_ttft_s": 0.3, "median_next_ttft_s": 0.12, "ratio": 2.5, "target": 1.5}
     text = "\n".join(report.targets_section({"serve": {"cold_start": cold}}))
     assert "first request after ready" in text and "2.50x (300 vs 120 ms) | no" in text

@@ -1,28 +1,31 @@
-"""scripts/goodput_ratios.py: each system's goodput from a ``bench compare`` JSON, divided by
-the base system's and the peer's (what scripts/bench_compare.sh prints last)."""
+"""`pdserve bench goodput-ratios`: each system's goodput from a ``bench compare`` JSON, divided
+by the base system's and the peer's (what scripts/bench_compare.sh prints last)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
+from types import SimpleNamespace
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "goodput_ratios.py"
+import pytest
 
-
-def run(tmp_path, result: dict, *args: str) -> subprocess.CompletedProcess:
-    path = tmp_path / "compare.json"
-    path.write_text(json.dumps(result))
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), str(path), *args],
-        check=False,
-        capture_output=True,
-        text=True,
-    )
+from pdserve.bench import main as bench_main
 
 
-def test_ratios_to_the_base_and_the_peer(tmp_path):
+@pytest.fixture
+def run(capsys):
+    """Runs the subcommand in this process; its exit status, stdout and stderr."""
+
+    def run(tmp_path, result: dict, *args: str) -> SimpleNamespace:
+        path = tmp_path / "compare.json"
+        path.write_text(json.dumps(result))
+        code = bench_main(["goodput-ratios", str(path), *args])
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+    return run
+
+
+def test_ratios_to_the_base_and_the_peer(tmp_path, run):
     result = {
         "disaggregated": {"goodput": 2.0},
         "disaggregated_q4": {"goodput": 3.0},
@@ -37,7 +40,7 @@ def test_ratios_to_the_base_and_the_peer(tmp_path):
     assert rows["disaggregated_int8"] == ["0/s", "0.00x", "0.00x"]
 
 
-def test_a_base_of_zero_gives_no_ratio_and_a_missing_base_is_an_error(tmp_path):
+def test_a_base_of_zero_gives_no_ratio_and_a_missing_base_is_an_error(tmp_path, run):
     out = run(tmp_path, {"disaggregated": {"goodput": 0.0}, "q4": {"goodput": 1.0}})
     assert out.returncode == 0 and out.stdout.splitlines()[2].split() == ["q4", "1/s", "-"]
     out = run(tmp_path, {"q4": {"goodput": 1.0}}, "--base", "disaggregated")

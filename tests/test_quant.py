@@ -265,15 +265,10 @@ def test_bench_engine_counts_the_bytes_each_format_reads(tmp_path, monkeypatch):
 
 
 def test_bench_quant_compares_each_build_with_llama_cpp_of_its_instruction_set():
-    """scripts/bench_quant.py: a pdserve build's ratios are against the llama.cpp build of the
+    """`pdserve bench quant`: a pdserve build's ratios are against the llama.cpp build of the
     same instruction set (its same batch and its best batched figure), never the other one."""
-    import importlib.util
-    from pathlib import Path
+    from pdserve.bench.kernels import quant as bench
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_quant.py"
-    spec = importlib.util.spec_from_file_location("bench_quant", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     best = {
         "llama.cpp avx512": {1: 100.0, 8: 200.0, 32: 250.0},
         "llama.cpp avx2": {1: 80.0, 8: 160.0, 32: 200.0},

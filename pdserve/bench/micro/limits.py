@@ -2,34 +2,20 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
+
+from pdserve.bench.timing import timed
 
 
 def best_time(fn, reps: int = 5, warmup: int = 2) -> float:
     """Fastest of ``reps`` runs: on a shared machine the minimum is the least disturbed."""
-    for _ in range(warmup):
-        fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+    return timed(fn, reps, best=True, warmup=warmup)
 
 
 def median_time(fn, reps: int = 7, warmup: int = 1) -> float:
     """Median of ``reps`` runs: what a step costs in steady state, where the fastest run is
     the one a neighbour happened not to disturb."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+    return timed(fn, reps, warmup=warmup)
 
 
 def read_bandwidth(num_bytes: int = 2 * 2**30) -> float:

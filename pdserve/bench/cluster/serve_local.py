@@ -1,29 +1,30 @@
-"""Serve a local (Ray-less) cluster's OpenAI HTTP API until killed; for scripts/benchmarks.sh.
+"""Serve a local (Ray-less) cluster's OpenAI HTTP API until killed; for scripts/benchmarks.sh
+and scripts/bench_compare.sh.
 
 Prints ``URL http://127.0.0.1:PORT`` once ready, or exits with status 3 when this checkout's
 router has no HTTP API (the serve benchmarks are then skipped).
 
-    python scripts/bench_cluster.py --model embedded --transport grpc            # 1P + 1D
-    python scripts/bench_cluster.py --num-prefill 0 --threads 2                  # colocated
-    python scripts/bench_cluster.py --weights q4 --prefill-gemm auto             # quantized
+    python -m pdserve.bench cluster --model embedded --transport grpc            # 1P + 1D
+    python -m pdserve.bench cluster --num-prefill 0 --threads 2                  # colocated
+    python -m pdserve.bench cluster --weights q4 --prefill-gemm auto             # quantized
 """
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 import threading
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pdserve.cluster.local import ClusterSpec, LocalCluster
 from router.warmup import warm_up_router
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "cluster",
+        help="serve a local cluster's HTTP API until killed (for the shell drivers)",
+        description=__doc__.splitlines()[0],
+    )
     p.add_argument("--model", default="embedded")
     p.add_argument("--transport", default="grpc")
     p.add_argument("--num-prefill", type=int, default=1)
@@ -49,7 +50,10 @@ def main() -> int:
         "--kv-dtype", default="fp32", help="the KV cache: fp32 | int8 | fp8 (engine.config)"
     )
     p.add_argument("--in-process", action="store_true", help="workers as threads of this process")
-    args = p.parse_args()
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
     spec = ClusterSpec(
         model=args.model,
         kv_transport=args.transport,
@@ -80,7 +84,3 @@ def main() -> int:
         print(f"URL {url}", flush=True)
         stop.wait()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

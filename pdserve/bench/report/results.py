@@ -1,11 +1,13 @@
-"""Rewrite the "Current results" section of docs/BENCHMARKS.md from benchmark JSON files.
+"""Rewrite the "Current results" section of a benchmarks page from benchmark JSON files.
 
-    python scripts/bench_report.py OUT_DIR [docs/BENCHMARKS.md]
+    pdserve bench report OUT_DIR DOC        # scripts/benchmarks.sh: DOC is docs/BENCHMARKS.md
 
 Reads whichever of OUT_DIR/{transfer,engine,router,serve,sweep}.json exist and replaces the
 text between the ``<!-- results:start -->`` and ``<!-- results:end -->`` markers with: the
 machine (CPU model), the limits measured in the same run, the targets that these files can
-decide, and one table per benchmark. Everything else in the page is left alone.
+decide, and one table per benchmark. Everything else in the page is left alone. The page must
+hold each marker once, the start marker under a ``## Current results`` heading; a page that
+does not is refused, unchanged.
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-# The tables of each benchmark live next to this file (run as a script or loaded by path).
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_report_sections import (
+from kernels.cpu_extension import cpu_flags
+from kernels.cpu_extension import cpu_model as cpu_name
+from pdserve.bench.report.sections import (
     engine_section,
     markdown_table,
     router_section,
@@ -30,29 +31,19 @@ from bench_report_sections import (
 )
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+HEADING = "## Current results"
 NAMES = ("transfer", "engine", "router", "serve", "sweep")
 
 
 def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere) and the
-    vector extensions the kernels care about."""
-    name, flags = "", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and not name:
-                name = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    name = name or platform.processor() or platform.machine()
+    """The CPU's model name and the vector extensions the kernels care about."""
+    flags = cpu_flags()
     isa = [
         label
         for label, flag in (("AVX2", "avx2"), ("AVX-512", "avx512f"), ("AMX", "amx_tile"))
         if flag in flags
     ]
-    return name + (f" ({', '.join(isa)})" if isa else "")
+    return cpu_name() + (f" ({', '.join(isa)})" if isa else "")
 
 
 def limits_section(data: dict) -> list[str]:
@@ -112,58 +103,70 @@ def _engine_row(e: dict, kind: str, batch: int, tokens: int) -> dict | None:
     return (exact or sorted(rows, key=lambda r: abs(r["tokens"] - tokens)) or [None])[0]
 
 
-def targets_section(data: dict) -> list[str]:
-    """The targets these files decide, each with its figure from this run."""
+def _target(target: str, figure: str, met: bool) -> list[str]:
+    return [target, figure, "yes" if met else "no"]
+
+
+def _engine_targets(e: dict) -> list[list[str]]:
     rows = []
-
-    def add(target: str, figure: str, met: bool) -> None:
-        rows.append([target, figure, "yes" if met else "no"])
-
-    if e := data.get("engine"):
-        if r := _engine_row(e, "decode", 1, 256):
-            add(
-                "decode, batch 1: MBU >= 0.8",
-                f"{r['ratio']:.2f} at context {r['tokens']} (transformers {r['hf_ratio']:.2f})",
-                r["ratio"] >= 0.8,
-            )
-        if r := _engine_row(e, "decode", 32, 256):
-            add(
+    if r := _engine_row(e, "decode", 1, 256):
+        figure = f"{r['ratio']:.2f} at context {r['tokens']} (transformers {r['hf_ratio']:.2f})"
+        rows.append(_target("decode, batch 1: MBU >= 0.8", figure, r["ratio"] >= 0.8))
+    if r := _engine_row(e, "decode", 32, 256):
+        rows.append(
+            _target(
                 "decode, batch 32, context 256: >= 1.5x transformers",
                 f"{r['speedup']:.2f}x at context {r['tokens']}",
                 r["speedup"] >= 1.5,
             )
-        if r := _engine_row(e, "prefill", 1, 1024):
-            add(
-                "prefill of 1,024 tokens: MFU >= 0.7",
-                f"{r['ratio']:.2f} at {r['tokens']} tokens (transformers {r['hf_ratio']:.2f})",
-                r["ratio"] >= 0.7,
-            )
-    if t := data.get("transfer"):
-        grpc_like = [x for x in t["transports"] if x["transport"] in ("grpc", "flight")]
-        if grpc_like:
-            best = max(x["ratio_to_loopback"] for x in grpc_like)
-            add(
+        )
+    if r := _engine_row(e, "prefill", 1, 1024):
+        figure = f"{r['ratio']:.2f} at {r['tokens']} tokens (transformers {r['hf_ratio']:.2f})"
+        rows.append(_target("prefill of 1,024 tokens: MFU >= 0.7", figure, r["ratio"] >= 0.7))
+    return rows
+
+
+def _transfer_targets(t: dict) -> list[list[str]]:
+    rows = []
+    grpc_like = [x for x in t["transports"] if x["transport"] in ("grpc", "flight")]
+    if grpc_like:
+        best = max(x["ratio_to_loopback"] for x in grpc_like)
+        rows.append(
+            _target(
                 "gRPC KV transfer >= 0.5x loopback",
                 ", ".join(f"{x['transport']} {x['ratio_to_loopback']:.2f}x" for x in grpc_like),
                 best >= 0.5,
             )
-        if t.get("ttft"):
-            worst = max(x["share_of_ttft"] for x in t["ttft"])
-            add(
+        )
+    if t.get("ttft"):
+        worst = max(x["share_of_ttft"] for x in t["ttft"])
+        rows.append(
+            _target(
                 f"exposed KV transfer < 5% of TTFT ({t['ttft'][0]['prompt_tokens']} tokens)",
                 ", ".join(f"{x['transport']} {x['share_of_ttft']:.1%}" for x in t["ttft"]),
                 worst < 0.05,
             )
+        )
+    return rows
+
+
+def targets_section(data: dict) -> list[str]:
+    """The targets these files decide, each with its figure from this run."""
+    rows = _engine_targets(data["engine"]) if data.get("engine") else []
+    rows += _transfer_targets(data["transfer"]) if data.get("transfer") else []
     if (cold := (data.get("serve") or {}).get("cold_start")) is not None:
-        add(
-            "first request after ready: TTFT <= 1.5x the median of the next ten",
-            f"{cold['ratio']:.2f}x ({cold['first_ttft_s'] * 1e3:.0f} vs "
-            f"{cold['median_next_ttft_s'] * 1e3:.0f} ms)",
-            cold["ratio"] <= cold.get("target", 1.5),
+        rows.append(
+            _target(
+                "first request after ready: TTFT <= 1.5x the median of the next ten",
+                f"{cold['ratio']:.2f}x ({cold['first_ttft_s'] * 1e3:.0f} vs "
+                f"{cold['median_next_ttft_s'] * 1e3:.0f} ms)",
+                cold["ratio"] <= cold.get("target", 1.5),
+            )
         )
     if r := data.get("router"):
         added = r["router_added_p50_ms"]
-        add("router adds < 2 ms to TTFT at p50", f"{added:.2f} ms", added < r.get("target_ms", 2.0))
+        met = added < r.get("target_ms", 2.0)
+        rows.append(_target("router adds < 2 ms to TTFT at p50", f"{added:.2f} ms", met))
     if not rows:
         return []
     return [
@@ -228,12 +231,24 @@ def render(out_dir: Path) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def main(argv: list[str]) -> int:
-    out_dir = Path(argv[0])
-    doc = Path(argv[1] if len(argv) > 1 else Path(__file__).parent.parent / "docs/BENCHMARKS.md")
+def layout_error(text: str) -> str | None:
+    """Why ``text`` cannot take the results section (None when it can): each marker once, the
+    start marker before the end one and under the ``## Current results`` heading."""
+    if text.count(START) != 1 or text.count(END) != 1:
+        return f"markers {START} / {END} not found exactly once"
+    if text.index(START) > text.index(END):
+        return f"{END} comes before {START}"
+    if HEADING not in text or text.index(HEADING) > text.index(START):
+        return f"{START} is not under a '{HEADING}' heading"
+    return None
+
+
+def rewrite(out_dir: Path, doc: Path) -> int:
+    """Replace the section of ``doc`` between the markers; 1 (and ``doc`` untouched) when its
+    layout is wrong."""
     text = doc.read_text()
-    if START not in text or END not in text:
-        print(f"{doc}: markers {START} / {END} not found", file=sys.stderr)
+    if error := layout_error(text):
+        print(f"{doc}: {error}", file=sys.stderr)
         return 1
     head, rest = text.split(START, 1)
     tail = rest.split(END, 1)[1]
@@ -242,5 +257,12 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "report",
+        help="rewrite a page's results section from benchmark JSON",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument("out_dir", type=Path, help="the folder of {transfer,engine,...}.json")
+    p.add_argument("doc", type=Path, help="the page to rewrite (docs/BENCHMARKS.md)")
+    p.set_defaults(func=lambda args: rewrite(args.out_dir, args.doc))

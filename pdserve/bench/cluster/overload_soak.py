@@ -8,8 +8,8 @@ The sustainable rate is measured first, in the same run: a closed loop of ``--co
 clients, completed requests per second. The soak then sends Poisson arrivals at
 ``--factor`` times that rate (open loop: arrivals do not wait for answers).
 
-    python scripts/overload_soak.py                 # 2x for 180 s, JSON report on stdout
-    python scripts/overload_soak.py --seconds 30 --out /tmp/soak.json
+    pdserve bench overload-soak                 # 2x for 180 s, JSON report on stdout
+    pdserve bench overload-soak --seconds 30 --out /tmp/soak.json
 """
 
 from __future__ import annotations
@@ -18,18 +18,15 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import re
-import sys
 import time
 from pathlib import Path
 
 import grpc
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from kernels.cpu_extension import cpu_model
 from pdserve.cluster.local import ClusterSpec, LocalCluster
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
@@ -41,13 +38,6 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def memory(cluster: LocalCluster) -> dict[str, float]:
@@ -212,8 +202,17 @@ async def soak(cluster: LocalCluster, args) -> dict:
     }
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+# What the CLI adds to the parsed flags: the report keeps only the soak's own arguments.
+_NOT_FLAGS = ("func", "command", "bench_command")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "overload-soak",
+        help="a local cluster at twice its sustainable rate: every request done or a quick 429",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--model", default="embedded")
     p.add_argument("--seconds", type=float, default=180.0, help="soak length")
     p.add_argument("--factor", type=float, default=2.0, help="offered load / sustainable rate")
@@ -230,11 +229,10 @@ def parse_args(argv=None):
     p.add_argument("--num-decode", type=int, default=1)
     p.add_argument("--in-process", action="store_true", help="workers as threads of this process")
     p.add_argument("--out", help="also write the JSON report here")
-    return p.parse_args(argv)
+    p.set_defaults(func=run)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def run(args) -> int:
     spec = ClusterSpec(
         model=args.model,
         num_decode=args.num_decode,
@@ -245,17 +243,13 @@ def main(argv=None) -> int:
     with LocalCluster(spec) as cluster:
         report = asyncio.run(soak(cluster, args))
     report["machine"] = {
-        "cpu": cpu_name(),
+        "cpu": cpu_model(),
         "cpus": os.cpu_count(),
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }
-    report["args"] = vars(args)
+    report["args"] = {k: v for k, v in vars(args).items() if k not in _NOT_FLAGS}
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
     return 0 if report["soak"]["http_5xx"] == 0 and report["all_blocks_free"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

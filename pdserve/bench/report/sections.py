@@ -1,4 +1,4 @@
-"""The per-benchmark tables of the "Current results" section (scripts/bench_report.py).
+"""The per-benchmark tables of the "Current results" section (pdserve/bench/report/results.py).
 
 One function per benchmark JSON file: ``transfer_section``, ``serve_section``,
 ``sweep_section``, ``engine_section``, ``router_section``; each returns the section's lines.
@@ -56,31 +56,25 @@ def transfer_section(d: dict) -> list[str]:
         ["transport", "best MB/s", "median MB/s", "x loopback", "x own bare stack", "bytes ok"],
         rows,
     )
-    if d.get("ttft"):
-        rows = [
-            [
-                t["transport"],
-                t["prompt_tokens"],
-                f"{t['prefill_s']:.3f}",
-                f"{t['kv_transfer_s']:.4f}",
-                f"{t['ttft_s']:.3f}",
-                f"{t['share_of_ttft']:.1%}",
-            ]
-            for t in d["ttft"]
+    return out + (_ttft_share(d["ttft"]) if d.get("ttft") else [])
+
+
+def _ttft_share(ttft: list[dict]) -> list[str]:
+    rows = [
+        [
+            t["transport"],
+            t["prompt_tokens"],
+            f"{t['prefill_s']:.3f}",
+            f"{t['kv_transfer_s']:.4f}",
+            f"{t['ttft_s']:.3f}",
+            f"{t['share_of_ttft']:.1%}",
         ]
-        out += ["", "Share of TTFT (layer-wise streaming; median of runs):", ""]
-        out += markdown_table(
-            [
-                "transport",
-                "prompt tokens",
-                "prefill s",
-                "exposed KV s",
-                "TTFT s",
-                "KV share of TTFT",
-            ],
-            rows,
-        )
-    return out
+        for t in ttft
+    ]
+    header = ["transport", "prompt tokens", "prefill s", "exposed KV s", "TTFT s"]
+    return ["", "Share of TTFT (layer-wise streaming; median of runs):", ""] + markdown_table(
+        header + ["KV share of TTFT"], rows
+    )
 
 
 def serve_section(d: dict) -> list[str]:

@@ -4,23 +4,19 @@ decode step would spend in them (30 layers x qkv, o, gate_up, down + the LM head
 LM head is int8, as the engine runs it). A format ending in ``a8`` (``int8a8``, ``q4a8``) is
 the same weights with int8 activations (kernels/csrc/quant_dot_cpu.cpp).
 
-    python scripts/bench_quant_matmul.py --cpu-kernels avx512,avx2 --rows 1,8,32 --threads 1,2
+    pdserve bench quant-matmul --cpu-kernels avx512,avx2 --rows 1,8,32 --threads 1,2
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
-import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
 from kernels import cpu_extension, quant
+from pdserve.bench.timing import timed
 
 LAYERS = 30
 SHAPES = {  # name: (N, K); SmolLM2-135M: hidden 576, 9 + 2 x 3 heads of 64, MLP 1536, vocab 49152
@@ -43,16 +39,6 @@ def packed_weight(module, fmt: str, name: str, weight: torch.Tensor) -> torch.Te
     return quant.pack(quant.quantize(weight, fmt, 32), activations)
 
 
-def best_ms(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
-
-
 def time_matmuls(linear, pack, formats, rows, threads, repeats) -> list[dict]:
     """One record per (format, threads, rows): ms per shape and the decode step's sum.
     ``linear(x, packed, n)`` is the kernel; ``pack(fmt, name, weight)`` its packing."""
@@ -69,7 +55,7 @@ def time_matmuls(linear, pack, formats, rows, threads, repeats) -> list[dict]:
                     x = torch.randn(m, k)
                     reps = max(3, repeats // 10) if name == "lm_head" else repeats
                     call = lambda x=x, w=packed[name], n=n: linear(x, w, n)
-                    ms[name] = best_ms(call, reps)
+                    ms[name] = timed(call, reps, best=True) * 1e3
                 step = LAYERS * sum(ms[s] for s in ("qkv", "o", "gate_up", "down")) + ms["lm_head"]
                 out.append({"format": fmt, "threads": t, "rows": m, "ms": ms, "step_ms": step})
     return out
@@ -90,15 +76,20 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",")]
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_parser(sub) -> None:
+    doc = __doc__.splitlines()[0]
+    p = sub.add_parser("quant-matmul", help="ms per quantized skinny matmul, per build and threads",
+                       description=doc)  # fmt: skip
     p.add_argument("--cpu-kernels", default="", help="builds, e.g. avx512,avx2 (default: chosen)")
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--rows", default="1,8,32")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
     variants = [v for v in args.cpu_kernels.split(",") if v] or [cpu_extension.selected_variant()]
     load_before = os.getloadavg()
     results = {}
@@ -123,7 +114,3 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

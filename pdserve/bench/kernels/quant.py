@@ -8,7 +8,7 @@ token prompt, ``--batches`` sequences at once; pdserve's figure is the mean step
 ``--gen`` steps at that context (each step: the forward and the LM head, as llama.cpp's
 decode); rounds alternate between the two so a shared machine's slow spells fall on both.
 
-    python scripts/bench_quant.py --threads 2 --cpu-kernels avx512,avx2 \\
+    pdserve bench quant --threads 2 --cpu-kernels avx512,avx2 \\
         --llama-bin avx512=/work/llama-build/cbuild/bin \\
         --llama-bin avx2=/work/llama-build/cbuild-avx2/bin
 
@@ -21,25 +21,18 @@ activations (the exact kernel) instead of the default int8 ones (kernels/csrc/qu
 
 Each round measures pdserve in a fresh process (``--child``), as each llama.cpp run is one, so
 both engines are measured the same way, round by round, while a VM's speed moves 15-30% from
-minute to minute. The child asks for huge pages before torch loads, as pdserve's own processes
-do (engine/hugepages.py).
+minute to minute. The child is ``python -m pdserve.bench quant --child``, whose entry point asks
+for huge pages before torch loads, as pdserve's own processes do (engine/hugepages.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import hugepages
-
-hugepages.request()  # before torch loads: its allocator reads the variable once
 
 import torch
 
@@ -101,9 +94,10 @@ def measure_round(llama_bins, gguf, args, batches) -> dict:
 
 
 def pdserve_in_child(args) -> dict[str, dict[int, float]]:
-    """One round of every pdserve row, measured by a fresh process of this script."""
-    cmd = [sys.executable, __file__, "--child", "--threads", str(args.threads),
-           "--batches", args.batches, "--context", str(args.context), "--gen", str(args.gen),
+    """One round of every pdserve row, measured by a fresh process of this subcommand."""
+    cmd = [sys.executable, "-m", "pdserve.bench", "quant", "--child",
+           "--threads", str(args.threads), "--batches", args.batches,
+           "--context", str(args.context), "--gen", str(args.gen),
            "--weights", args.weights, "--cpu-kernels", args.cpu_kernels,
            "--kv-dtype", args.kv_dtype]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=True).stdout
@@ -174,8 +168,10 @@ def report(best: dict, batches, meta: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_parser(sub) -> None:
+    doc = __doc__.splitlines()[0]
+    p = sub.add_parser("quant", help="decode tokens/s of fp32 / int8 / q4 weights vs llama.cpp",
+                       description=doc)  # fmt: skip
     p.add_argument("--llama-bin", action="append", default=[],
                    help="NAME=FOLDER (or FOLDER) of llama.cpp binaries; repeatable")  # fmt: skip
     p.add_argument("--threads", type=int, default=2)
@@ -191,7 +187,10 @@ def main(argv=None) -> int:
                         "conversion compares fp32 with fp32")  # fmt: skip
     p.add_argument("--json", default=None)
     p.add_argument("--child", action="store_true", help="measure pdserve once; print JSON")
-    args = p.parse_args(argv)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
     torch.set_num_threads(args.threads)
     batches = tuple(int(b) for b in args.batches.split(","))
     if args.child:
@@ -217,7 +216,3 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "rounds": rounds}, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -7,21 +7,17 @@ So the weights of all 30 layers are distinct tensors (~425 MB, beyond the caches
 result is a fraction of the read bandwidth measured in the same run (MBU); the variants are
 timed in turn within each repetition, so a shared machine's slow spells fall on all alike.
 
-    python scripts/bench_cpu_variants.py [--threads 2] [--rows 1,8,32] [--json out.json]
+    pdserve bench cpu-variants [--threads 2] [--rows 1,8,32] [--json out.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch.nn import functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import cpu_extension
 from pdserve.bench.micro.limits import read_bandwidth
@@ -74,13 +70,18 @@ def measure(impls, weights, rows: int, reps: int) -> dict[str, float]:
     return best
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--rows", default="1,8,32")
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+def add_parser(sub) -> None:
+    doc = __doc__.splitlines()[0]
+    p = sub.add_parser("cpu-variants", help="decode matmuls per CPU kernel build vs oneDNN, MKL",
+                       description=doc)  # fmt: skip
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--rows", default="1,8,32")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     weights = make_weights()
@@ -104,7 +105,4 @@ def main() -> None:
                       f"{nbytes / t / bandwidth:>7.2f}{flops / t / 1e9:>9.1f}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({**info, "results": results}, indent=2) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,7 +1,7 @@
 """The compute ceiling of a ``bench compare`` run: the highest request rate at which this
 machine's cores could even do the prompts' arithmetic, and each system's goodput against it.
 
-    python scripts/goodput_ceiling.py /tmp/pdserve-bench/compare.json --peer vllm --factor 2
+    pdserve bench goodput-ceiling /tmp/pdserve-bench/compare.json --peer vllm --factor 2
 
 Every engine has to prefill each prompt: its matmuls (2 x non-embedding parameters a token),
 its causal attention (QK^T and PV) and one LM-head row, ``prefill_flops`` in
@@ -23,8 +23,6 @@ import json
 import os
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
@@ -80,19 +78,34 @@ def report(rows: list[dict], peaks: dict[str, float], threads: int, peer: str | 
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def _threads(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return n
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "goodput-ceiling",
+        help="the compute ceiling of a `bench compare` run, each goodput against it",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("compare_json")
     p.add_argument("--model", default="embedded", help="the model the systems served")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="cores for the peak")
+    p.add_argument(
+        "--threads", type=_threads, default=os.cpu_count() or 1, help="cores for the peak"
+    )
     p.add_argument("--peer", default=None, help="the system a target is a multiple of")
     p.add_argument("--factor", type=float, default=2.0, help="the target's multiple of the peer")
     p.add_argument("--peak-gflops", type=float, default=None,
                    help="use this GEMM peak instead of measuring one (GFLOP/s)")  # fmt: skip
     p.add_argument("--json", default=None, help="write the rows and peaks here")
-    args = p.parse_args(argv)
-    if args.threads is None or args.threads < 1:
-        p.error("--threads must be at least 1")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
     result = json.loads(Path(args.compare_json).read_text())
     from engine.loader import load_config
     from engine.model_files import resolve_model_dir
@@ -110,7 +123,3 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({"peaks": peaks, "threads": args.threads,
                                                "rows": rows}, indent=1))  # fmt: skip
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,54 +5,35 @@ shapes; on CPU only the torch path (the production CPU path), at smaller shapes.
 design asks, each result is reported against a limit measured here in the same run:
 decode against copy bandwidth (MBU), prefill against matmul throughput (MFU).
 
-    python scripts/bench_kernels.py [--dtype bfloat16] [--block-size 16]
+    pdserve bench attention [--dtype bfloat16] [--block-size 16]
+    python -m pdserve.bench.kernels.attention ...     # the same, importing no other benchmark
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import sys
-import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.block_manager import blocks_for
 from kernels import ops
 from kernels.metadata import AttentionMetadata
+from pdserve.bench.timing import timed
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
-
-
-def timeit(fn, device: str, reps: int, best: bool = False) -> float:
-    """Median (or best, for the limits) seconds per call after a warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return min(times) if best else sorted(times)[len(times) // 2]
 
 
 def copy_bandwidth(device: str, dtype: torch.dtype) -> float:
     """Bytes/s of a large device copy (read + write): the practical bandwidth ceiling."""
     src = torch.empty(2**30 if device == "cuda" else 2**28, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() / timeit(lambda: dst.copy_(src), device, 10, best=True)
+    return 2 * src.numel() / timed(lambda: dst.copy_(src), 10, best=True, device=device)
 
 
 def matmul_flops(device: str, dtype: torch.dtype) -> float:
     n = 4096 if device == "cuda" else 1024
     a = torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n**3 / timeit(lambda: a @ a, device, 10, best=True)
+    return 2 * n**3 / timed(lambda: a @ a, 10, best=True, device=device)
 
 
 def make_batch(query_lens, seq_lens, block_size, device, dtype):
@@ -96,12 +77,12 @@ def bench_prefill(device, dtype, block_size, backends, peak_flops, reps):
         flops = 4 * pairs * NUM_HEADS * HEAD_DIM
         for label, backend, min_rows in _prefill_variants(device, dtype, backends):
             ops.CPU_PREFILL_KERNEL_MIN_ROWS = min_rows
-            secs = timeit(
+            secs = timed(
                 functools.partial(
                     ops.prefill_attention, q, kc, vc, meta, HEAD_DIM**-0.5, backend=backend
                 ),
-                device,
                 reps,
+                device=device,
             )
             ops.CPU_PREFILL_KERNEL_MIN_ROWS = DEFAULT_MIN_ROWS
             print(
@@ -115,12 +96,12 @@ def bench_decode(device, dtype, block_size, backends, bandwidth, reps):
     q, kc, vc, meta = make_batch([1] * batch, [context] * batch, block_size, device, dtype)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * kc.element_size()
     for backend in backends:
-        secs = timeit(
+        secs = timed(
             functools.partial(
                 ops.decode_attention, q, kc, vc, meta, HEAD_DIM**-0.5, backend=backend
             ),
-            device,
             reps,
+            device=device,
         )
         print(
             f"decode  b{batch}x{context} {backend:6s} {secs * 1e3:8.3f} ms "
@@ -128,13 +109,18 @@ def bench_decode(device, dtype, block_size, backends, bandwidth, reps):
         )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
-    args = parser.parse_args()
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "attention", help=__doc__.splitlines()[0], description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -150,7 +136,10 @@ def main() -> None:
     print(f"measured limits: copy {bandwidth / 1e9:.1f} GB/s, matmul {peak / 1e12:.2f} TFLOP/s")
     bench_prefill(device, dtype, args.block_size, backends, peak, args.reps)
     bench_decode(device, dtype, args.block_size, backends, bandwidth, args.reps)
+    return 0
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # alone, for GPU images without the serving dependencies
+    from pdserve.bench import run_alone
+
+    raise SystemExit(run_alone(add_parser))

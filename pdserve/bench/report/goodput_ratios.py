@@ -1,7 +1,7 @@
 """Goodput of each system in a ``bench compare`` JSON, and its ratio to a base system and to a
 peer (scripts/bench_compare.sh prints this after its sweep).
 
-    python scripts/goodput_ratios.py /tmp/pdserve-bench/compare.json --base disaggregated \
+    pdserve bench goodput-ratios /tmp/pdserve-bench/compare.json --base disaggregated \
         --peer vllm
 
 Goodput is ``bench compare``'s: the highest rate of the sweep whose SLO attainment reaches the
@@ -11,7 +11,6 @@ against 0 is printed as "-").
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -38,12 +37,19 @@ def goodput_table(result: dict, base: str, peer: str | None) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "goodput-ratios",
+        help="each system's goodput in a `bench compare` JSON and its ratios",
+        description=__doc__.splitlines()[0],
+    )
     p.add_argument("compare_json")
     p.add_argument("--base", default="disaggregated", help="the system others are divided by")
     p.add_argument("--peer", default=None, help="a second system to divide by (e.g. vllm)")
-    args = p.parse_args(argv)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
     with open(args.compare_json) as f:
         result = json.load(f)
     if args.base not in result:
@@ -52,7 +58,3 @@ def main(argv: list[str] | None = None) -> int:
     peer = args.peer if args.peer in result else None
     print("\n".join(goodput_table(result, args.base, peer)))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,13 +5,12 @@ setting (same CPU and ISA caps) are merged by taking each row's fastest time acr
 shared machine the fastest is the least disturbed, as within a run. The transformers column
 is merged the same way; MBU and MFU are recomputed against the best limits of the runs.
 
-    python scripts/isa_variants_table.py docs/results/isa_variants/*.json
+    pdserve bench isa-table RUN.json [RUN.json ...]
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from collections import defaultdict
 
 
@@ -63,14 +62,19 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(paths: list[str]) -> None:
+def add_parser(sub) -> None:
+    doc = __doc__.splitlines()[0]
+    p = sub.add_parser("isa-table", help="merge `bench engine` runs into the ISA variants table",
+                       description=doc)  # fmt: skip
+    p.add_argument("paths", nargs="+", metavar="RUN.json", help="`bench engine --json` files")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
     groups: dict[str, list[dict]] = defaultdict(list)
-    for path in paths:
+    for path in args.paths:
         with open(path) as f:
             result = json.load(f)
         groups[setting(result) + "/" + ",".join(result["cpu_kernels"])].append(result)
     print("\n\n".join(table(runs) for runs in groups.values()))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+    return 0

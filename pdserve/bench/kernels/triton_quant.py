@@ -7,8 +7,9 @@ As the design asks, each kernel is reported against a limit measured here in the
 the bytes it must read (codes + scales, or the dequantized weight for cuBLAS) over its time,
 as a fraction of the device's copy bandwidth (MBU).
 
-    python scripts/bench_triton_quant.py [--dtypes bfloat16,float32] [--rows 1,8,32,64]
+    pdserve bench triton-quant [--dtypes bfloat16,float32] [--rows 1,8,32,64]
         [--json out.json]
+    python -m pdserve.bench.kernels.triton_quant ...  # the same, importing no other benchmark
 
 ``--device cpu`` (with TRITON_INTERPRET=1) runs one tiny shape under the interpreter: a check
 that the script runs, not a timing.
@@ -16,18 +17,14 @@ that the script runs, not a timing.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels import quant, triton_quant
+from kernels import quant
+from pdserve.bench.timing import timed
 
 SHAPES = {  # name: (K, N)
     "smollm2.qkv": (576, 1728),
@@ -40,27 +37,11 @@ SHAPES = {  # name: (K, N)
 }
 
 
-def timeit(fn, device: str, reps: int, best: bool = False) -> float:
-    """Median (or best, for the limit) seconds per call after a warm-up call (as
-    scripts/bench_kernels.py times)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return min(times) if best else sorted(times)[len(times) // 2]
-
-
 def copy_bandwidth(device: str) -> float:
     """Bytes/s of a 1 GiB device copy (read + write): the practical bandwidth ceiling."""
     src = torch.empty(2**30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() / timeit(lambda: dst.copy_(src), device, 10, best=True)
+    return 2 * src.numel() / timed(lambda: dst.copy_(src), 10, best=True, device=device)
 
 
 def torch_int8pack(x: torch.Tensor, qw: quant.QuantizedWeight):
@@ -75,12 +56,14 @@ def torch_int8pack(x: torch.Tensor, qw: quant.QuantizedWeight):
 
 
 def bench_shape(name, k, n, rows, dtype, device, reps, bandwidth) -> list[dict]:
+    from kernels import triton_quant  # needs Triton: imported when a benchmark runs, not at --help
+
     w = torch.randn(n, k, device=device)
     x = torch.randn(rows, k, device=device, dtype=dtype)
     results = []
 
     def row(kernel, fn, nbytes):
-        seconds = timeit(fn, device, reps)
+        seconds = timed(fn, reps, device=device)
         results.append(
             {
                 "shape": name,
@@ -108,15 +91,20 @@ def bench_shape(name, k, n, rows, dtype, device, reps, bandwidth) -> list[dict]:
     return results
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_parser(sub) -> None:
+    doc = __doc__.splitlines()[0]
+    p = sub.add_parser("triton-quant", help="the Triton int8 / q4 matmuls vs cuBLAS (CUDA)",
+                       description=doc)  # fmt: skip
     p.add_argument("--dtypes", default="bfloat16,float16,float32")
     p.add_argument("--rows", default="1,8,32,64")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", type=Path)
-    a = p.parse_args(argv)
+    p.set_defaults(func=run)
+
+
+def run(a) -> int:
     if a.device == "cpu":  # the interpreter: one tiny shape
         shapes, rows_list, reps, bandwidth = {"tiny": (64, 32)}, [1], 1, 1.0
     else:
@@ -142,5 +130,7 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # alone, for GPU images without the serving dependencies
+    from pdserve.bench import run_alone
+
+    raise SystemExit(run_alone(add_parser))
