@@ -3,7 +3,7 @@ requests through prefill -> KV transfer -> decode, and a table of where each one
 
 The same launch path as ``pdserve serve`` (cluster_configs/local.yaml), on free ports, stopped
 again at the end. Right after ready it measures the first request's TTFT against the median of
-the next ten (pdserve/bench/loadgen/cold_start.py: the workers warm up before they report ready). TTFT
+the next ten (pdserve/measure/cold_start.py: the workers warm up before they report ready). TTFT
 is split into prefill queue, prefill, KV transfer (the part not hidden behind prefill compute)
 and decode queue, as the router measured them.
 """
@@ -63,13 +63,13 @@ def run_demo(cfg: ClusterConfig, max_tokens: int = 48) -> int:
 async def _cold_start(address: str):
     """Eleven same-size greedy requests, one at a time, before anything else reaches the
     cluster."""
-    from pdserve.bench.loadgen.cold_start import (
+    from pdserve.client import AsyncClient
+    from pdserve.measure.cold_start import (
         PROBE_MAX_TOKENS,
         Stopwatch,
         measure_cold_start,
         probe_prompt,
     )
-    from pdserve.client import AsyncClient
 
     client = AsyncClient(address)
 

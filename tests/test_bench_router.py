@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.bench.micro.router_overhead import PATTERNS, _measure
+from pdserve.measure.router_overhead import PATTERNS, measure
 
 
 def test_router_overhead_benchmark_reports_its_fields():
-    result = asyncio.run(_measure(n=20, prompt_tokens=64))
+    result = asyncio.run(measure(n=20, prompt_tokens=64))
     assert result["prompt_tokens"] == 64 and result["separate_processes"]
     assert [r["pattern"] for r in result["rows"]] == list(PATTERNS)
     for r in result["rows"]:
@@ -27,12 +27,12 @@ def test_bare_relay_answers_with_the_prefill_workers_first_token():
     """The floor is a real hop: a Generate through the relay returns the fake's first token."""
     import grpc
 
-    from pdserve.bench.micro.router_overhead import _spawn
+    from pdserve.measure.router_overhead import _spawn
     from protos import pdserve_pb2 as pb
     from protos import pdserve_pb2_grpc as pb_grpc
 
-    fakes, (p_addr, _) = _spawn(["-m", "pdserve.bench.micro.router_overhead"])
-    relay, (relay_addr,) = _spawn(["-m", "pdserve.bench.micro.router_overhead", "--relay", p_addr])
+    fakes, (p_addr, _) = _spawn(["-m", "pdserve.measure.router_overhead"])
+    relay, (relay_addr,) = _spawn(["-m", "pdserve.measure.router_overhead", "--relay", p_addr])
     try:
         with grpc.insecure_channel(relay_addr) as ch:
             req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.bench import main as bench_main
-from pdserve.bench.timing import timed
+from pdserve.measure.timing import timed
 
 SUBCOMMANDS = [
     "attention",
@@ -48,7 +48,7 @@ def test_flags_each_script_had_are_kept():
 
 
 def test_timed_warms_up_then_takes_the_median_or_the_fastest(monkeypatch):
-    from pdserve.bench import timing
+    from pdserve.measure import timing
 
     ticks = iter([0.0, 3.0, 10.0, 11.0, 20.0, 22.0])  # three calls: 3 s, 1 s, 2 s
     monkeypatch.setattr(timing.time, "perf_counter", lambda: next(ticks))

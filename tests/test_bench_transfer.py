@@ -10,7 +10,6 @@ import torch
 from pdserve.bench import main as bench_main
 from pdserve.bench.micro.transfer import (
     TRANSPORT_NAMES,
-    KVShape,
     format_report,
     measure_ttft_share,
     run_transfer_bench,
@@ -21,6 +20,7 @@ from pdserve.bench.micro.transfer_limits import (
     grpc_stack_seconds,
     loopback_seconds,
 )
+from pdserve.measure.kv_push import KVShape
 from tests.conftest import tiny_llama_dir
 
 SMALL = KVShape(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, tokens=30)

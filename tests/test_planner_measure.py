@@ -15,7 +15,7 @@ def test_the_transfer_is_timed_on_the_cache_format_the_engine_stores(
 ):
     """An int8 or fp8 cache ships a quarter of fp32's bytes: the profile's transfer times must
     be of those bytes, not of an fp32 cache of the same shape."""
-    from pdserve.bench.micro import transfer
+    from pdserve.measure import kv_push as transfer
     from pdserve.planner import measure
     from pdserve.planner.profile import EngineSettings as ProfileSettings
 

@@ -6,7 +6,7 @@
   and context per sequence, so the scheduler's own cost per step is in the figure;
 - KV transfer: one request's KV pushed and committed over the configured transport, over sizes;
 - router: the time to first token through the router with instant fake workers
-  (pdserve.bench.micro.router_overhead), which is what the router adds to a request's TTFT;
+  (pdserve.measure.router_overhead), which is what the router adds to a request's TTFT;
 - sampling: what a row sampled at a temperature costs over a greedy one (the tables are timed
   greedy);
 - with ``--cpu-corrections`` only: a step's slowdown while another worker process computes
@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pdserve.bench.micro.limits import median_time
+from pdserve.measure.timing import median_time
 from pdserve.planner.cpu_corrections import CpuCorrections
 from pdserve.planner.machine_meta import machine_meta
 from pdserve.planner.profile import EngineSettings, Profile, Table2D, despike, monotone
@@ -155,7 +155,7 @@ class WorkerTimer:
 
 
 def measure_transfer(model_cfg, engine: EngineSettings, transport: str, tokens) -> list[float]:
-    from pdserve.bench.micro.transfer import KVShape, measure_transport
+    from pdserve.measure.kv_push import KVShape, measure_transport
 
     out = []
     for n in tokens:
@@ -259,9 +259,9 @@ def measure_sample_cost(engine, batch: int = 8, reps: int = 15) -> float:
 
 
 def measure_router_overhead(prompt_tokens: int = 256) -> float:
-    from pdserve.bench.micro.router_overhead import _measure
+    from pdserve.measure.router_overhead import measure
 
-    summary = asyncio.run(_measure(40, prompt_tokens))
+    summary = asyncio.run(measure(40, prompt_tokens))
     return max(r["routed_p50_ms"] for r in summary["rows"]) / 1e3
 
 

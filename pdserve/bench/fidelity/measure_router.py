@@ -42,7 +42,7 @@ class RouterCpu:
 
 
 def _decode_servicer(gap_s: float):
-    from pdserve.bench.micro.router_overhead import InstantDecode
+    from pdserve.measure.router_overhead import InstantDecode
 
     class PacedDecode(InstantDecode):
         """Streams the request's remaining tokens one chunk each, ``gap_s`` apart."""
@@ -60,7 +60,7 @@ def _decode_servicer(gap_s: float):
 
 def serve_fakes(gap_s: float) -> None:
     """The fake workers' process: print the addresses, serve until stdin closes."""
-    from pdserve.bench.micro.router_overhead import InstantPrefill, _serve
+    from pdserve.measure.router_overhead import InstantPrefill, _serve
 
     prefill, p_addr = _serve(InstantPrefill(), pb_grpc.add_PrefillWorkerServicer_to_server)
     decode, d_addr = _serve(_decode_servicer(gap_s), pb_grpc.add_DecodeWorkerServicer_to_server)
@@ -164,7 +164,7 @@ def measure_router_cpu(
     model_dir: str, requests: int = 64, tokens: int = 64, gap_s: float = 0.02, concurrency: int = 8
 ) -> RouterCpu:
     """Router + client CPU per request and per token (see the module's docstring)."""
-    from pdserve.bench.micro.router_overhead import _spawn
+    from pdserve.measure.router_overhead import _spawn
 
     fakes, (p_addr, d_addr) = _spawn(["-m", "pdserve.bench.fidelity.measure_router", str(gap_s)])
     router = _RouterThread(model_dir, p_addr, d_addr)

@@ -18,7 +18,7 @@ import torch
 from engine.block_manager import blocks_for
 from kernels import ops
 from kernels.metadata import AttentionMetadata
-from pdserve.bench.timing import timed
+from pdserve.measure.timing import timed
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 

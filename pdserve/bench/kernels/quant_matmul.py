@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kernels import cpu_extension, quant
-from pdserve.bench.timing import timed
+from pdserve.measure.timing import timed
 
 LAYERS = 30
 SHAPES = {  # name: (N, K); SmolLM2-135M: hidden 576, 9 + 2 x 3 heads of 64, MLP 1536, vocab 49152

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import quant
-from pdserve.bench.timing import timed
+from pdserve.measure.timing import timed
 
 SHAPES = {  # name: (K, N)
     "smollm2.qkv": (576, 1728),

@@ -20,7 +20,8 @@ import httpx
 import numpy as np
 
 from kernels import cpu_extension
-from pdserve.bench.loadgen.cold_start import (
+from pdserve.bench.loadgen.workloads import BenchRequest, Workload, get_workload, warmup_requests
+from pdserve.measure.cold_start import (
     DEFAULT_FOLLOWERS,
     PROBE_MAX_TOKENS,
     ColdStart,
@@ -34,7 +35,6 @@ from pdserve.metrics import (
     compute_result,
     format_result,
 )
-from pdserve.bench.loadgen.workloads import BenchRequest, Workload, get_workload, warmup_requests
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 

@@ -11,7 +11,6 @@ import asyncio
 import sys
 from dataclasses import dataclass
 
-from pdserve.metrics import ATTAINMENT_TARGET, BenchResult
 from pdserve.bench.loadgen.serve import (
     BenchError,
     ServeConfig,
@@ -22,6 +21,7 @@ from pdserve.bench.loadgen.serve import (
     write_json,
 )
 from pdserve.bench.loadgen.workloads import new_nonce
+from pdserve.metrics import ATTAINMENT_TARGET, BenchResult
 
 
 @dataclass

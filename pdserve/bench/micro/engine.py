@@ -25,7 +25,8 @@ import torch
 
 from engine import hugepages
 from kernels import cpu_extension
-from pdserve.bench.micro.limits import best_time, gemm_peak, read_bandwidth
+from pdserve.bench.micro.limits import gemm_peak, read_bandwidth
+from pdserve.measure.timing import best_time
 
 
 @dataclass

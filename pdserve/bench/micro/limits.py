@@ -4,18 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.bench.timing import timed
-
-
-def best_time(fn, reps: int = 5, warmup: int = 2) -> float:
-    """Fastest of ``reps`` runs: on a shared machine the minimum is the least disturbed."""
-    return timed(fn, reps, best=True, warmup=warmup)
-
-
-def median_time(fn, reps: int = 7, warmup: int = 1) -> float:
-    """Median of ``reps`` runs: what a step costs in steady state, where the fastest run is
-    the one a neighbour happened not to disturb."""
-    return timed(fn, reps, warmup=warmup)
+from pdserve.measure.timing import best_time
 
 
 def read_bandwidth(num_bytes: int = 2 * 2**30) -> float:
