@@ -167,7 +167,7 @@ def _prefill_torch(query, k_cache, v_cache, meta, scale, bf16=False):
 
 # Sequences with at least this many query rows go to the CPU extension's causal kernel (GQA
 # group stacked per KV head, two GEMMs per query tile): it was as fast as torch's flash
-# attention or faster from 128 tokens on (not measured below). scripts/bench_kernels.py raises
+# attention or faster from 128 tokens on (not measured below). `pdserve bench attention` raises
 # it to time torch's kernel on the same inputs.
 CPU_PREFILL_KERNEL_MIN_ROWS = 2
 
