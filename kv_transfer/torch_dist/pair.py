@@ -1,10 +1,12 @@
 """torch.distributed transport: point-to-point send/recv over a 2-rank group per sender.
 
-Pairs form dynamically, so there is no global ``init_process_group``. The receiver hosts a
-TCPStore at host:port as the rendezvous; each new sender takes a pair number with
-``store.add("pairs", 1)`` and both sides build ``ProcessGroupGloo(PrefixStore("pair/<n>"),
-rank, 2)`` directly (sender rank 0, receiver rank 1), bound to the given host. The backend
-follows the cache device ("nccl" for CUDA, else "gloo"); the receiver publishes it in the store.
+Pairs form dynamically, so there is no global ``init_process_group``. The receiver listens on
+host:port, a plain TCP pairing port (kv_transfer.torch_dist.acceptor). A sender connects, both
+prove the cluster token to each other (kv_transfer.torch_dist.handshake), and both build
+``ProcessGroupGloo(store, rank, 2)`` directly (sender rank 0, receiver rank 1), bound to the
+given host, on a store that is the pairing connection itself (kv_transfer.torch_dist.pairstore:
+every frame MACed with a key from the handshake). The backend follows the cache device ("nccl"
+for CUDA, else "gloo"); the receiver names it in the pair's parameters, its first frame.
 
 Messages (all tensors, no pickle) from sender to receiver, in order on tag 0:
     int64 [op, stream_tag, header_len, payload_len], then uint8 header, then uint8 payload.
@@ -15,31 +17,25 @@ A gloo recv that times out closes the pair, so an idle sender sends PING every
 idle_timeout/4 and the receiver drops a pair silent for idle_timeout (a dead sender).
 Only the sender thread talks on a pair, so each message is sent whole under one lock.
 
-Security. With a cluster token the rendezvous is authenticated: for pair n the receiver
-writes a random nonce under ``pair/<n>/nonce``, the sender answers HMAC-SHA256(token, nonce)
-under ``pair/<n>/proof``, and the receiver builds the pair's group only for a right answer
-(``pair/<n>/verdict``), so a sender without the token never gets a pair. The store, gloo and
-NCCL themselves carry no authentication or encryption, though: anyone on the network can
-reach the store's port. So the receiver refuses to listen off loopback unless the operator
-declares the network private (``private_network=True``, config ``kv_private_network``).
+Security. With a cluster token, neither side pairs with a peer that cannot prove it, and a
+pair's thread, slot and gloo sockets exist only after both proofs: a client without the token
+reaches the handshake only (one thread runs all of them; deadlines, caps, a guarded loop:
+see the acceptor). Nothing a pair reads before its group is up (backend, timeouts, the gloo
+addresses) comes from anywhere an outsider can write. gloo and NCCL themselves carry no
+authentication or encryption, though: anyone on the network can reach their sockets once a
+pair is up. So the receiver refuses to listen off loopback unless the operator declares the
+network private (``private_network=True``, config ``kv_private_network``).
 """
 
 from __future__ import annotations
 
 import datetime
-import hashlib
-import hmac
 
 import torch
 import torch.distributed as dist
 
 OP_FRAME, OP_COMMIT, OP_ABORT, OP_PING, OP_CLOSE = 1, 2, 3, 4, 5
 TAG_DATA, TAG_ACK = 0, 1
-VERDICT_OK, VERDICT_REFUSED = b"ok", b"refused"
-
-
-def token_proof(token: str, nonce: bytes) -> bytes:
-    return hmac.new(token.encode(), nonce, hashlib.sha256).hexdigest().encode()
 
 
 def backend_for(device: torch.device) -> str:

@@ -1,22 +1,20 @@
-"""torch_dist transport, receiver side: a TCPStore rendezvous bound to the configured host,
-one thread per sender pair (the protocol and its security are in kv_transfer.torch_dist.pair)."""
+"""torch_dist transport, receiver side: a pairing port bound to the configured host (one
+thread runs every handshake, kv_transfer.torch_dist.acceptor), one thread per authenticated
+sender pair, capped (the protocol and its security are in kv_transfer.torch_dist.pair)."""
 
 from __future__ import annotations
 
-import datetime
-import hmac
 import logging
-import secrets
 import socket
 import threading
 
 import torch
-import torch.distributed as dist
 
 from grpc_plumbing.auth import OpenBindError, is_loopback
 from kv_transfer.errors import FrameError
 from kv_transfer.frame import MAX_FRAME_BYTES, MAX_HEADER_BYTES
 from kv_transfer.interfaces import ReceiverServer
+from kv_transfer.torch_dist.acceptor import PairAcceptor
 from kv_transfer.torch_dist.pair import (
     OP_ABORT,
     OP_CLOSE,
@@ -25,19 +23,21 @@ from kv_transfer.torch_dist.pair import (
     OP_PING,
     TAG_ACK,
     TAG_DATA,
-    VERDICT_OK,
-    VERDICT_REFUSED,
     Pair,
     as_tensor,
     backend_for,
     make_pair_group,
-    token_proof,
 )
+from kv_transfer.torch_dist.pairstore import PairStore
 
 log = logging.getLogger("pdserve.kv")
 
 MAX_REASON_BYTES = 16 * 1024  # of the rejection reasons a commit ack carries
-POLL_S = 0.05  # how often the receiver looks for new pairs
+# Pairs: one per prefill worker (rank) sending here, plus a reconnect's old pair until its
+# idle timeout drops it. Pending handshakes: a real one takes milliseconds.
+DEFAULT_MAX_PAIRS = 64
+DEFAULT_MAX_PENDING = 64
+DEFAULT_HANDSHAKE_TIMEOUT_S = 3.0
 
 
 class _StreamTally:
@@ -50,7 +50,7 @@ class _StreamTally:
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    # TCPStore alone listens on every interface; a socket we bind keeps it on ``host``.
+    # The pairing port, on ``host`` only (gloo then binds its own sockets there too).
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -62,7 +62,7 @@ def _listen(host: str, port: int) -> socket.socket:
 def _check_exposure(host: str, private_network: bool) -> None:
     if not private_network and not is_loopback(host):
         raise OpenBindError(
-            f"refusing to serve torch_dist KV on {host}: its store, gloo and NCCL traffic is "
+            f"refusing to serve torch_dist KV on {host}: its gloo and NCCL traffic is "
             "neither authenticated nor encrypted past the rendezvous. Bind 127.0.0.1, or set "
             "kv_private_network (--kv-private-network) if only the cluster can reach that network."
         )
@@ -77,77 +77,74 @@ class DistReceiverServer(ReceiverServer):
         idle_timeout_s: float = 30.0,
         token: str | None = None,
         private_network: bool = False,
+        max_pairs: int = DEFAULT_MAX_PAIRS,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
     ):
         _check_exposure(host, private_network)
         self._token = token
         sock = _listen(host, port)
         real_port = sock.getsockname()[1]
-        self._store = dist.TCPStore(
-            host,
-            real_port,
-            is_master=True,
-            wait_for_workers=False,
-            master_listen_fd=sock.detach(),
-            timeout=datetime.timedelta(seconds=idle_timeout_s),
-        )
         self.endpoint = f"[{host}]:{real_port}" if ":" in host else f"{host}:{real_port}"
         self._receiver, self._host = receiver, host
         cache_device = receiver.kv_caches[0][0].device
         self._backend = backend_for(cache_device)
         self._device = cache_device if self._backend == "nccl" else torch.device("cpu")
         self._idle_timeout_s = idle_timeout_s
-        self._store.set("backend", self._backend)
-        self._store.set("idle_timeout_ms", str(int(idle_timeout_s * 1000)))
-        self._store.add("pairs", 0)
         self._stopping = threading.Event()
         self._pair_threads: list[threading.Thread] = []
-        self._acceptor = threading.Thread(target=self._accept_pairs, name="kv-pairs", daemon=True)
+        self._threads_lock = threading.Lock()
+        self._acceptor = PairAcceptor(
+            sock, token, self._start_pair, max_pairs, max_pending, handshake_timeout_s
+        )
         self._acceptor.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.problem() is None
+
+    def problem(self) -> str | None:
+        """Why this server takes no new pairs (None: it does)."""
+        return self._acceptor.problem()
+
+    @property
+    def active_pairs(self) -> int:
+        return self._acceptor.active_pairs
 
     def stop(self, join_s: float = 1.0) -> None:
         """Stop taking pairs. Pair threads end when their sender closes, sends anything, or
         stays silent past idle_timeout (a blocked gloo recv cannot be interrupted)."""
         self._stopping.set()
-        self._acceptor.join()
-        for t in self._pair_threads:
+        self._acceptor.stop()
+        with self._threads_lock:
+            threads = list(self._pair_threads)
+        for t in threads:
             t.join(join_s)
 
-    def _accept_pairs(self) -> None:
-        seen = 0
-        while not self._stopping.wait(POLL_S):
-            count = self._store.add("pairs", 0)
-            for n in range(seen + 1, count + 1):
-                t = threading.Thread(target=self._serve_pair, args=(n,), daemon=True)
-                t.name = f"kv-pair-{n}"
-                t.start()
-                self._pair_threads.append(t)
-            seen = count
-            self._pair_threads = [t for t in self._pair_threads if t.is_alive()]
+    def _start_pair(self, sock: socket.socket, key: bytes, n: int) -> None:
+        """The acceptor's hand-over: an authenticated sender, with a pair slot taken."""
+        t = threading.Thread(target=self._serve_pair, args=(sock, key, n), daemon=True)
+        t.name = f"kv-pair-{n}"
+        with self._threads_lock:
+            self._pair_threads = [p for p in self._pair_threads if p.is_alive()]
+            self._pair_threads.append(t)
+        t.start()
 
-    def _serve_pair(self, n: int) -> None:
+    def _serve_pair(self, sock: socket.socket, key: bytes, n: int) -> None:
         try:
-            store = dist.PrefixStore(f"pair/{n}", self._store)
-            if not self._challenge(store, n):
-                return
+            store = PairStore(sock, key, rank=1, timeout_s=self._idle_timeout_s)
+            store.send_params(
+                {"backend": self._backend, "idle_timeout_ms": int(self._idle_timeout_s * 1000)}
+            )
             group = make_pair_group(self._backend, store, 1, self._idle_timeout_s, self._host)
-            pair = Pair(group, peer=0, device=self._device)
-            self._pair_loop(pair)
+            self._pair_loop(Pair(group, peer=0, device=self._device))
         # The sender died or broke the protocol: drop this pair, keep serving the others.
         except Exception as e:  # noqa: BLE001
             if not self._stopping.is_set():
                 log.warning("torch_dist pair %d closed: %s", n, str(e)[:200])
-
-    def _challenge(self, store, n: int) -> bool:
-        """Ask pair n's sender for the token's proof; tell it the verdict. Without a token
-        (loopback only) every pair is welcome."""
-        nonce = secrets.token_hex(16).encode()
-        store.set("nonce", nonce)
-        proof = store.get("proof")  # blocks until the sender answers, up to the store timeout
-        ok = self._token is None or hmac.compare_digest(proof, token_proof(self._token, nonce))
-        store.set("verdict", VERDICT_OK if ok else VERDICT_REFUSED)
-        if not ok:
-            log.warning("torch_dist pair %d refused: missing or bad cluster token", n)
-        return ok
+        finally:
+            sock.close()  # the sender's watch on this connection sees the pair end
+            self._acceptor.release()
 
     def _pair_loop(self, pair: Pair) -> None:
         streams: dict[int, _StreamTally] = {}

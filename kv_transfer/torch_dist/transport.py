@@ -1,18 +1,17 @@
-"""torch_dist transport, sender side: a link is one pair group to one receiver (the
-protocol and its security are described in kv_transfer.torch_dist.pair)."""
+"""torch_dist transport, sender side: a link is one pair group to one receiver, over one
+authenticated pairing connection (the protocol and its security: kv_transfer.torch_dist.pair)."""
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import logging
 import socket
 import threading
 
 import torch
-import torch.distributed as dist
 
 from kv_transfer.interfaces import Channel, Link, ReceiverServer
+from kv_transfer.torch_dist.handshake import pair_as_sender
 from kv_transfer.torch_dist.pair import (
     OP_ABORT,
     OP_CLOSE,
@@ -21,12 +20,11 @@ from kv_transfer.torch_dist.pair import (
     OP_PING,
     TAG_ACK,
     TAG_DATA,
-    VERDICT_OK,
     Pair,
     as_tensor,
     make_pair_group,
-    token_proof,
 )
+from kv_transfer.torch_dist.pairstore import PairStore
 from kv_transfer.torch_dist.receiver import DistReceiverServer
 
 log = logging.getLogger("pdserve.kv")
@@ -62,34 +60,34 @@ class _DistLink(Link):
     ):
         host, _, port = endpoint.rpartition(":")
         host = host.strip("[]")
-        # A peer that is gone fails here at once (connection refused), not after TCPStore's
-        # connect retries; that is what a sender reconnecting a broken link meets first. The
-        # connection stays open, idle, as a watch on the receiver's process (_check_peer).
-        self._watch = socket.create_connection((host, int(port)), timeout=connect_timeout_s)
-        self._watch.setblocking(False)
+        # A peer that is gone fails here at once (connection refused); that is what a sender
+        # reconnecting a broken link meets first. The pairing connection stays open, idle, as
+        # a watch on the receiver's pair (_check_peer).
+        sock = socket.create_connection((host, int(port)), timeout=connect_timeout_s)
         try:
-            group, device = self._join(host, int(port), timeout_s, bind_host, token,
-                                       connect_timeout_s)  # fmt: skip
+            group, device = self._join(sock, host, timeout_s, bind_host, token)
         except BaseException:
-            self._watch.close()
+            sock.close()
             raise
         self._pair = Pair(group, peer=1, device=device)
         self._tags = itertools.count()
         self._lock = threading.Lock()
         self.broken = False
 
-    def _join(self, host, port, timeout_s, bind_host, token, connect_timeout_s):
-        """Take a pair number from the receiver's store, prove the token, build the group."""
-        connect = datetime.timedelta(seconds=connect_timeout_s)
-        self._store = dist.TCPStore(host, port, is_master=False, timeout=connect)
-        self._store.set_timeout(datetime.timedelta(seconds=timeout_s))
-        backend = self._store.get("backend").decode()
-        self.idle_interval_s = int(self._store.get("idle_timeout_ms").decode()) / 4000
+    def _join(self, sock, host, timeout_s, bind_host, token):
+        """Prove the token to each other (every read bounded by the connect timeout), then
+        build the pair group over the authenticated connection (kv_transfer.torch_dist.pair)."""
+        key = pair_as_sender(sock, token)
+        self._store = PairStore(sock, key, rank=0, timeout_s=timeout_s)
+        self._store.set_timeout(sock.gettimeout())  # the receiver's params come at once
+        params = self._store.read_params()
+        self._store.set_timeout(timeout_s)
+        backend = params.get("backend")
+        if backend not in ("gloo", "nccl"):
+            raise ConnectionError(f"torch_dist receiver named backend {backend!r}")
+        self.idle_interval_s = int(params["idle_timeout_ms"]) / 4000
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
-        n = self._store.add("pairs", 1)
-        prefixed = dist.PrefixStore(f"pair/{n}", self._store)
-        _answer_challenge(prefixed, token)
-        group = make_pair_group(backend, prefixed, 0, timeout_s, bind_host or _local_ip(host))
+        group = make_pair_group(backend, self._store, 0, timeout_s, bind_host or _local_ip(host))
         return group, device or torch.device("cpu")
 
     def open_channel(self, request_id: str, lease_id: str) -> Channel:
@@ -99,21 +97,15 @@ class _DistLink(Link):
         return _DistChannel(self, next(self._tags))
 
     def _check_peer(self) -> None:
-        """Whether the receiver's process is still there, without a round trip: the idle watch
-        connection to its store reads end-of-file (or a reset) once the process is gone. A
-        receiver killed while this link sat idle is not always noticed by gloo: the next send
-        can wait out the pair's whole timeout on the dead peer (seen under load). A receiver
-        that hangs instead keeps the connection open; its streams fail at their commit's
-        timeout. (Not a store request: one to a hung receiver would block without a bound.)"""
-        try:
-            alive = self._watch.recv(1, socket.MSG_PEEK) != b""
-        except BlockingIOError:
-            return  # nothing to read: the connection is open
-        except OSError:
-            alive = False
-        if not alive:
+        """Whether the receiver's pair is still there, without a round trip: the idle pairing
+        connection reads end-of-file (or a reset) once its process is gone or it dropped the
+        pair. A receiver killed while this link sat idle is not always noticed by gloo: the
+        next send can wait out the pair's whole timeout on the dead peer (seen under load). A
+        receiver that hangs instead keeps the connection open; its streams fail at their
+        commit's timeout. (Not a request: one to a hung receiver would block without a bound.)"""
+        if self._store.peer_closed():
             self.broken = True
-            raise ConnectionError("torch_dist receiver is gone: its store connection closed")
+            raise ConnectionError("torch_dist receiver is gone: its pairing connection closed")
 
     def abort_stream(self, tag: int) -> None:
         """Tell the receiver to drop stream ``tag``. A commit that timed out calls this while
@@ -174,16 +166,7 @@ class _DistLink(Link):
                 log.info("torch_dist close: %s", e)
         self.broken = True
         self._pair = None
-        self._watch.close()
-
-
-def _answer_challenge(store, token: str | None) -> None:
-    """Prove the cluster token for this pair (the nonce's key blocks until the receiver wrote
-    it); ConnectionError when the receiver refuses the pair."""
-    nonce = store.get("nonce")
-    store.set("proof", token_proof(token, nonce) if token else b"")
-    if store.get("verdict") != VERDICT_OK:
-        raise ConnectionError("torch_dist receiver refused the pair: missing or bad cluster token")
+        self._store.sock.close()
 
 
 def _local_ip(remote_host: str) -> str:
