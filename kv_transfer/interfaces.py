@@ -59,6 +59,15 @@ class ReceiverServer(ABC):
     @abstractmethod
     def stop(self) -> None: ...
 
+    def problem(self) -> str | None:
+        """Why this server takes no KV now (None: it does); the decode worker's health
+        reports it (torch_dist: its pairing port's acceptor died)."""
+        return None
+
+    @property
+    def healthy(self) -> bool:
+        return self.problem() is None
+
 
 class FrameSink(Protocol):
     """Where a receiver server delivers frames (kv_transfer.receiver.KVReceiver; torch_dist

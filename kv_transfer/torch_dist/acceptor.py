@@ -127,10 +127,9 @@ class PairAcceptor:
         try:
             while not self._stopping.is_set():
                 self._tick()
-        except BaseException as e:  # the port is dead: say so (health), do not hide it
+        except Exception as e:  # the port is dead: say so (problem, health), do not hide it
             self.death = f"{type(e).__name__}: {e}"
             log.exception("torch_dist pair acceptor died")
-            raise
         finally:
             for sock in list(self._pending):
                 self._drop(sock)

@@ -104,8 +104,8 @@ def pair_as_sender(sock: socket.socket, token: str | None) -> bytes:
     n_r, proof = reply[len(MAGIC) : -MAC_LEN], reply[-MAC_LEN:]
     if token is not None and not hmac.compare_digest(proof, receiver_proof(token, n_s, n_r)):
         raise HandshakeError(
-            "torch_dist receiver failed to prove the cluster token (a wrong token, or not a "
-            "pdserve receiver): not pairing with it"
+            "torch_dist receiver failed to prove the cluster token (its token or this "
+            "sender's is wrong, or it is no pdserve receiver): not pairing with it"
         )
     sock.sendall(sender_proof(token, n_s, n_r))
     verdict = recv_exact(sock, 1)

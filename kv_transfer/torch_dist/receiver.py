@@ -99,10 +99,6 @@ class DistReceiverServer(ReceiverServer):
         )
         self._acceptor.start()
 
-    @property
-    def healthy(self) -> bool:
-        return self.problem() is None
-
     def problem(self) -> str | None:
         """Why this server takes no new pairs (None: it does)."""
         return self._acceptor.problem()
