@@ -42,6 +42,7 @@ def start_decode_worker(s: DecodeSettings, loaded: LoadedModel | None = None):
         cluster_token=srv.cluster_token,
         kv_private_network=s.kv_private_network,
         tls=srv.cluster_tls,
+        stall_timeout_s=srv.stall_timeout_s,
     )
     return process.RunningWorker(worker, address, server, (kv_server.stop,) if kv_server else ())
 

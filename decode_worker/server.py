@@ -14,7 +14,12 @@ from decode_worker.worker import CallerLeft, DecodeWorker, ReservationError
 from engine.errors import EngineError, InvalidRequestError
 from engine.wire import logprob_message, logprob_messages
 from grpc_plumbing.auth import resolve_cluster_token
-from grpc_plumbing.health import add_worker_health
+from grpc_plumbing.health import (
+    DEFAULT_STALL_TIMEOUT_S,
+    CallerGone,
+    add_worker_health,
+    bounded_get,
+)
 from grpc_plumbing.server import worker_server
 from kv_transfer.errors import FrameError
 from kv_transfer.sender import start_receiver_server
@@ -81,6 +86,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         self.kv_endpoint = kv_endpoint
         self.kv_transport = kv_transport
         self.budget = budget
+        self.liveness = None  # grpc_plumbing.health.Liveness, once the server is up
 
     def Reserve(self, request, context):
         if not self.budget.has_room(len(self.worker.leases)):
@@ -167,7 +173,10 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         req = stream.req
         first, running = True, stream.n
         while running:
-            chunks, error = _drain(stream.items)
+            try:
+                chunks, error = _drain(stream.items, context, self.liveness)
+            except CallerGone:
+                return  # its callback aborts the request
             for chunk in chunks:
                 if first and "scheduled" in req.events:
                     ready = req.events.get("kv_ready", req.events["arrived"])
@@ -180,6 +189,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 context.abort(grpc.StatusCode[error.status_code], str(error))
 
     def Status(self, request, context):
+        if self.liveness is not None:
+            self.liveness.check(context)  # UNAVAILABLE: the router routes around it
         st = self.worker.status()
         return pb.WorkerStatus(
             kv_endpoint=self.kv_endpoint,
@@ -190,12 +201,13 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         )
 
 
-def _drain(items: queue.Queue) -> tuple[list[pb.TokenChunk], EngineError | None]:
-    """Block for one item, then take whatever else is ready (a slow reader gets bigger
-    chunks): one chunk per run of items of the same sequence, a finish reason ending it.
-    An error item ends the call: the chunks before it, and the error."""
+def _drain(items: queue.Queue, context, liveness) -> tuple[list[pb.TokenChunk], EngineError | None]:
+    """Wait for one item (in slices: grpc_plumbing.health.bounded_get), then take whatever
+    else is ready (a slow reader gets bigger chunks): one chunk per run of items of the same
+    sequence, a finish reason ending it. An error item ends the call: the chunks before it,
+    and the error."""
     chunks: list[pb.TokenChunk] = []
-    item = items.get()
+    item = bounded_get(items, context, liveness)
     while True:
         index, token_or_reason, logprob = item
         if isinstance(token_or_reason, EngineError):
@@ -224,13 +236,15 @@ def serve_decode_worker(
     cluster_token: str | None = None,
     kv_private_network: bool = False,
     tls=None,
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Start the worker's engine thread and gRPC server; returns (server, address, kv server).
     With a cluster token (argument or PDSERVE_CLUSTER_TOKEN), every call, KV streams included,
     must carry it; without one the worker binds loopback only. torch_dist KV listens off
     loopback only with ``kv_private_network`` (its data path is not authenticated). ``tls``
     (grpc_plumbing.tls.ClusterTls): mutual TLS on the worker API and gRPC/Flight KV.
-    ``max_streams``: concurrent Decode streams (StreamBudget; default from max_num_seqs)."""
+    ``max_streams``: concurrent Decode streams (StreamBudget; default from max_num_seqs).
+    ``stall_timeout_s``: the watchdog's bound on one engine step (grpc_plumbing/health.py)."""
     token = resolve_cluster_token(cluster_token)
     budget = StreamBudget(max_streams or default_max_streams(worker))
     server, address = worker_server(host, port, token, budget.server_threads, tls)
@@ -246,11 +260,11 @@ def serve_decode_worker(
             opts["tls"] = tls
         kv_server = start_receiver_server(kv_transport, worker.receiver, host=host, **opts)
         kv_endpoint = kv_server.endpoint
-    add_worker_health(server, worker, pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name)
-    pb_grpc.add_DecodeWorkerServicer_to_server(
-        DecodeServicer(worker, kv_endpoint, kv_transport, budget), server
-    )
+    servicer = DecodeServicer(worker, kv_endpoint, kv_transport, budget)
+    pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     worker.start()
+    name = pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+    servicer.liveness = add_worker_health(server, worker, name, stall_timeout_s)
     server.start()
     log.info(
         "decode worker %s serving on %s (KV %s at %s)",

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from grpc_plumbing.health import DEFAULT_STALL_TIMEOUT_S
 from grpc_plumbing.tls import ClusterTls, add_cluster_tls_args, cluster_tls_from_args
 
 log = logging.getLogger("pdserve.worker")
@@ -27,6 +28,9 @@ class ServerSettings:
     cluster_token: str | None = None
     cluster_tls: ClusterTls | None = None  # mutual TLS on the worker API and on KV
     worker_id: str | None = None  # what it reports in Status and logs; None: it makes one
+    # The watchdog: an engine step running longer than this turns health NOT_SERVING and
+    # Status UNAVAILABLE (grpc_plumbing/health.py); the router then routes around the worker.
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -34,17 +38,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=d.host)
     parser.add_argument("--port", type=int, default=d.port)
     parser.add_argument("--worker-id", default=d.worker_id)
+    parser.add_argument("--stall-timeout-s", type=float, default=d.stall_timeout_s)
     add_cluster_tls_args(parser)
 
 
 def server_settings_from_args(args: argparse.Namespace) -> ServerSettings:
     tls = cluster_tls_from_args(args)
-    return ServerSettings(args.host, args.port, None, tls, args.worker_id)
+    return ServerSettings(args.host, args.port, None, tls, args.worker_id, args.stall_timeout_s)
 
 
 def server_args(s: ServerSettings) -> list[str]:
     """The flags ``server_settings_from_args`` reads back as ``s``, less the cluster token."""
-    out = ["--host", s.host, "--port", str(s.port)]
+    out = ["--host", s.host, "--port", str(s.port), "--stall-timeout-s", str(s.stall_timeout_s)]
     if s.worker_id is not None:
         out += ["--worker-id", s.worker_id]
     tls = s.cluster_tls
@@ -67,7 +72,7 @@ class RunningWorker:
     closers: tuple[Callable[[], None], ...] = ()  # the KV sender pool or receiver server
 
     def stop(self, grace: float | None = 2.0) -> None:
-        self.server.stop(grace).wait()
+        self.server.stop(grace).wait((grace or 0.0) + 5.0)
         for close in self.closers:
             try:
                 close()
@@ -84,5 +89,6 @@ def serve_until_signalled(start: Callable[[], RunningWorker]) -> None:
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
-    done.wait()
+    while not done.wait(1.0):  # bounded: the signal handlers run between waits
+        pass
     running.stop()

@@ -26,6 +26,7 @@ from engine.config import (
 )
 from engine.errors import PdserveError
 from engine.settings import EngineSettings
+from grpc_plumbing.worker_process import ServerSettings
 from kv_transfer.lease import MAX_LEASE_TTL_S
 from kv_transfer.transports import WORKER_TRANSPORTS
 from router.limits import RequestLimits
@@ -41,6 +42,7 @@ _ENGINE = EngineSettings()
 _DECODE = DecodeSettings()
 _ROUTER = RouterSettings(model_dir="")
 _LIMITS = RequestLimits()
+_SERVER = ServerSettings()
 
 
 class ConfigError(PdserveError):
@@ -92,6 +94,10 @@ class RouterSection(_Strict):
     default_max_tokens: int = Field(_ROUTER.default_max_tokens, ge=1)
     local_prefill_max_tokens: int = Field(_ROUTER.local_prefill_max_tokens, ge=0)
     concurrent_reserve_headroom: float = Field(_ROUTER.concurrent_reserve_headroom, ge=-1, le=1)
+    # Liveness: past these a worker is taken as hung and the request migrates.
+    first_token_timeout_s: float = Field(_ROUTER.first_token_timeout_s, gt=0)
+    first_token_s_per_token: float = Field(_ROUTER.first_token_s_per_token, ge=0)
+    token_timeout_s: float = Field(_ROUTER.token_timeout_s, gt=0)
 
 
 class AutoscalerConfig(_Strict):
@@ -116,7 +122,9 @@ class AutoscalerConfig(_Strict):
         "window's finished requests on every split the bounds allow (pdserve/planner/"
         "autoscale.py) instead of one signal per pool",
     )
-    planner_headroom: float = Field(1.2, ge=1, description="the window's rate is planned times this")
+    planner_headroom: float = Field(
+        1.2, ge=1, description="the window's rate is planned times this"
+    )
     planner_min_requests: int = Field(
         8, ge=1, description="fewer finished requests in the window: hold the pools as they are"
     )
@@ -202,6 +210,11 @@ class ClusterConfig(_Strict):
     unreachable_after_s: float = Field(10.0, gt=0)
     worker_start_timeout_s: float = Field(600.0, gt=0)
     drain_timeout_s: float = Field(120.0, gt=0)
+    # The workers' watchdog: an engine step running longer than this turns the worker's health
+    # NOT_SERVING and its Status UNAVAILABLE, so the router routes around it (and the Ray
+    # controller replaces it after unreachable_after_s). Generous: a slow CPU's longest step is
+    # seconds.
+    step_stall_timeout_s: float = Field(_SERVER.stall_timeout_s, gt=0)
     api_key: str | None = None
     cluster_token: str | None = None  # null: the controller makes a random one per cluster
     security: SecuritySection = SecuritySection()

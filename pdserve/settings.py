@@ -51,7 +51,12 @@ def settings_from_config(cfg: ClusterConfig, host: str, model_dir: str | None = 
         same = {k: getattr(cfg, k) for k in ENGINE_FIELDS if k in ClusterConfig.model_fields}
         return EngineSettings(**same, model=model, threads=cfg.pools[role].threads)
 
-    server = ServerSettings(host=host, cluster_token=cfg.cluster_token, cluster_tls=tls)
+    server = ServerSettings(
+        host=host,
+        cluster_token=cfg.cluster_token,
+        cluster_tls=tls,
+        stall_timeout_s=cfg.step_stall_timeout_s,
+    )
     return ClusterSettings(
         router=_router_settings(cfg, model, tls),
         prefill=PrefillSettings(engine=worker_engine("prefill"), server=server),
@@ -83,6 +88,9 @@ def _router_settings(cfg: ClusterConfig, model_dir: str, tls) -> RouterSettings:
         default_max_tokens=r.default_max_tokens,
         local_prefill_max_tokens=r.local_prefill_max_tokens,
         concurrent_reserve_headroom=r.concurrent_reserve_headroom,
+        first_token_timeout_s=r.first_token_timeout_s,
+        first_token_s_per_token=r.first_token_s_per_token,
+        token_timeout_s=r.token_timeout_s,
         api_key=cfg.api_key,
         cluster_token=cfg.cluster_token,
         cluster_tls=tls,

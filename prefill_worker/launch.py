@@ -26,7 +26,12 @@ def start_prefill_worker(s: PrefillSettings, loaded: LoadedModel | None = None):
     srv = s.server
     worker = PrefillWorker(build_engine(s.engine, loaded), srv.worker_id)
     server, address, senders = serve_prefill_worker(
-        worker, srv.host, srv.port, cluster_token=srv.cluster_token, tls=srv.cluster_tls
+        worker,
+        srv.host,
+        srv.port,
+        cluster_token=srv.cluster_token,
+        tls=srv.cluster_tls,
+        stall_timeout_s=srv.stall_timeout_s,
     )
     return process.RunningWorker(worker, address, server, (senders.close,))
 

@@ -11,7 +11,12 @@ from engine.errors import EngineError, InvalidRequestError
 from engine.request import sampling_from_message
 from engine.wire import logprob_message, logprob_messages
 from grpc_plumbing.auth import resolve_cluster_token
-from grpc_plumbing.health import add_worker_health
+from grpc_plumbing.health import (
+    DEFAULT_STALL_TIMEOUT_S,
+    CallerGone,
+    add_worker_health,
+    bounded_get,
+)
 from grpc_plumbing.server import worker_server
 from kv_transfer.sender import TransferError
 from kv_transfer.sender_pool import SenderPool
@@ -26,6 +31,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker, senders: SenderPool):
         self.worker = worker
         self.senders = senders
+        self.liveness = None  # grpc_plumbing.health.Liveness, once the server is up
 
     def Prefill(self, request, context):
         dest = request.destination
@@ -56,7 +62,10 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"KV destination {dest.endpoint}: {e}")
         context.add_callback(lambda: self.worker.abort(request.request_id))
         try:
-            item = job.events.get()
+            try:
+                item = bounded_get(job.events, context, self.liveness)
+            except CallerGone:
+                return  # its callback aborts the request
             if isinstance(item, EngineError):  # INTERNAL, or UNAVAILABLE for a WorkerError
                 context.abort(grpc.StatusCode[item.status_code], str(item))
             if isinstance(item, BaseException):
@@ -78,6 +87,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             self.worker.finish_transfer(job)
 
     def Status(self, request, context):
+        if self.liveness is not None:
+            self.liveness.check(context)  # UNAVAILABLE: the router routes around it
         return pb.WorkerStatus(**self.worker.status())
 
 
@@ -92,8 +103,8 @@ def _first_token(req, token: int) -> pb.FirstToken:
     )
     if req.output_logprobs:
         msg.logprobs.CopyFrom(logprob_message(req.output_logprobs[-1]))
-    for token, logprob in req.fork_first:  # n > 1: the other sequences' first tokens
-        msg.fork_token_ids.append(token)
+    for fork_token, logprob in req.fork_first:  # n > 1: the other sequences' first tokens
+        msg.fork_token_ids.append(fork_token)
         if logprob is not None:
             msg.fork_logprobs.append(logprob_message(logprob))
     return msg
@@ -106,17 +117,21 @@ def serve_prefill_worker(
     max_workers: int = 64,
     cluster_token: str | None = None,
     tls=None,
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Start the worker's engine thread and gRPC server; returns (server, address, senders).
     With a cluster token (argument or PDSERVE_CLUSTER_TOKEN), callers must send it, and KV
     streams carry it; without one the worker binds loopback only. ``tls``
-    (grpc_plumbing.tls.ClusterTls): mutual TLS on the worker API and on gRPC/Flight KV."""
+    (grpc_plumbing.tls.ClusterTls): mutual TLS on the worker API and on gRPC/Flight KV.
+    ``stall_timeout_s``: the watchdog's bound on one engine step (grpc_plumbing/health.py)."""
     token = resolve_cluster_token(cluster_token)
     server, address = worker_server(host, port, token, max_workers, tls)
     senders = SenderPool(token, tls)
-    pb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker, senders), server)
-    add_worker_health(server, worker, pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name)
+    servicer = PrefillServicer(worker, senders)
+    pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     worker.start()
+    name = pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
+    servicer.liveness = add_worker_health(server, worker, name, stall_timeout_s)
     server.start()
     log.info("prefill worker %s serving on %s", worker.worker_id, address)
     return server, address, senders

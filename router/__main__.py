@@ -28,6 +28,9 @@ async def _serve(args) -> None:
         decode_policy=args.decode_policy,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         concurrent_reserve_headroom=args.concurrent_reserve_headroom,
+        first_token_timeout_s=args.first_token_timeout_s,
+        first_token_s_per_token=args.first_token_s_per_token,
+        token_timeout_s=args.token_timeout_s,
         cluster_tls=cluster_tls_from_args(args),
         limits=RequestLimits(
             max_request_bytes=args.max_request_bytes,
@@ -56,6 +59,17 @@ async def _serve(args) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await servers.stop()
+
+
+def _add_liveness_args(parser: argparse.ArgumentParser, d: RouterSettings) -> None:
+    """A worker that stops answering is taken as hung, and its requests migrate."""
+    add = parser.add_argument
+    first = "seconds a worker may take to a first token, plus --first-token-s-per-token x "
+    first += "the prompt tokens it prefills before it"
+    add("--first-token-timeout-s", type=float, default=d.first_token_timeout_s, help=first)
+    add("--first-token-s-per-token", type=float, default=d.first_token_s_per_token)
+    gap = "seconds a Decode stream may go without a token"
+    add("--token-timeout-s", type=float, default=d.token_timeout_s, help=gap)
 
 
 def _add_security_args(parser: argparse.ArgumentParser) -> None:
@@ -110,6 +124,7 @@ def main() -> None:
         help="reserve and prefill at once while a decode worker keeps this share of its "
         "blocks free; -1: always reserve first",
     )
+    _add_liveness_args(parser, d)
     _add_security_args(parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

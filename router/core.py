@@ -70,6 +70,9 @@ class Router:
             reserve_timeout_s=cfg.reserve_timeout_s,
             local_prefill_max_tokens=cfg.local_prefill_max_tokens,
             concurrent_reserve_headroom=cfg.concurrent_reserve_headroom,
+            first_token_timeout_s=cfg.first_token_timeout_s,
+            first_token_s_per_token=cfg.first_token_s_per_token,
+            token_timeout_s=cfg.token_timeout_s,
         )
         self.flow = RequestFlow(self.prefill, self.decode, flow_cfg)
         self.inflight = 0

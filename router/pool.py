@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from grpc_plumbing.auth import TOKEN_KEY
-from grpc_plumbing.server import message_options
+from grpc_plumbing.server import client_keepalive_options, message_options
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 
@@ -39,7 +39,10 @@ class BreakerSettings:
 
 BREAKER = BreakerSettings()
 
-CHANNEL_OPTIONS = message_options()  # the workers' limits (grpc_plumbing.server)
+# The workers' message limits, and keepalive pings: a worker that stops answering (frozen,
+# partitioned) fails its calls within KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS even when no
+# deadline would (grpc_plumbing.server; the workers' servers permit the pings).
+CHANNEL_OPTIONS = message_options() + client_keepalive_options()
 
 
 @dataclass

@@ -38,3 +38,15 @@ class RouterSettings:
     cluster_token: str | None = None  # sent to workers as x-pdserve-token when set
     cluster_tls: ClusterTls | None = None  # mutual TLS to the workers
     limits: RequestLimits = field(default_factory=RequestLimits)  # caps, named in their 400s
+    # Liveness: a worker that stops answering is treated as a dead one (its attempt ends HUNG
+    # and the request migrates with its tokens). A first token (a Prefill's, or a Decode's
+    # first chunk) may take first_token_timeout_s + first_token_s_per_token x the prompt tokens
+    # the worker has to prefill before it (its queue at this router, and the prompt itself):
+    # 60 s + 20 s for a 2,000-token queue, far past any healthy worker's, also a slow CPU's
+    # (a 135M model prefills thousands of tokens a second on one core; at 0.01 s per token
+    # the budget allows 100 tokens/s). Each later Decode chunk may take token_timeout_s: a
+    # running sequence gets a token every step, and a step, even with a prefill chunk mixed
+    # in, takes well under a second on a CPU; 20 s tolerates a 20x stall.
+    first_token_timeout_s: float = 60.0
+    first_token_s_per_token: float = 0.01
+    token_timeout_s: float = 20.0

@@ -91,23 +91,51 @@ async def transfer_done(call, request: FlowRequest, prefill: WorkerHandle) -> No
         prefill.mark_succeeded()  # prefilled and delivered: its circuit breaker closes
 
 
-async def wait_first_chunk_or_lost_transfer(call, attempt: Attempt) -> None:
+async def wait_first_chunk_or_lost_transfer(call, attempt: Attempt, budget: float) -> None:
     """Until its first chunk the decode worker waits for the lease's KV: a prefill worker
     that dies after its first token fails the attempt now, not at the lease's deadline.
-    (The decode worker's initial metadata comes with its first chunk, or with its error.)"""
+    (The decode worker's initial metadata comes with its first chunk, or with its error.)
+    Neither within ``budget`` seconds: the attempt ends HUNG, charged to the prefill worker
+    while its transfer is unfinished (the KV never came), else to the decode worker."""
     transfer = attempt.transfer
     if transfer is not None and not transfer.done():
         first_chunk = asyncio.ensure_future(call.initial_metadata())
         attempt.waiters.append(first_chunk)  # cancelled with the attempt if still waiting
-        await asyncio.wait([first_chunk, transfer], return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            [first_chunk, transfer], timeout=budget, return_when=asyncio.FIRST_COMPLETED
+        )
+        if not done:
+            raise AttemptEnded(
+                AttemptOutcome.HUNG,
+                attempt.prefill,
+                f"the KV transfer did not finish within {budget:.1f} s (worker hung?)",
+            )
     raise_if_transfer_lost(attempt)
 
 
-async def stream_tokens(call, request: FlowRequest, transfer=None):
+async def read_within(call, budget: float, worker: WorkerHandle, what: str):
+    """The next message of a streaming call, or grpc.aio.EOF; AttemptEnded HUNG charged to
+    ``worker`` when none comes within ``budget`` seconds (a worker frozen, its engine stuck,
+    or the network cut without a reset: the call itself would wait forever)."""
+    try:
+        return await asyncio.wait_for(call.read(), budget)
+    except TimeoutError:
+        call.cancel()
+        raise AttemptEnded(
+            AttemptOutcome.HUNG, worker, f"no {what} within {budget:.1f} s (worker hung?)"
+        ) from None
+
+
+async def stream_tokens(call, request: FlowRequest, budgets, worker, transfer=None):
     """The Decode call's tokens as ``Tokens``; sequence 0's go onto the request's outputs
-    (the other sequences' are kept by RequestFlow._run_n)."""
+    (the other sequences' are kept by RequestFlow._run_n). ``budgets``: (seconds for the
+    first chunk, seconds for each next one), past which the attempt ends HUNG (read_within)."""
     first = True
-    async for chunk in call:
+    while True:
+        budget = budgets[0] if first else budgets[1]
+        chunk = await read_within(call, budget, worker, "token" if not first else "first token")
+        if chunk is grpc.aio.EOF:
+            return
         if first:
             request.timings.decode_queue_s += chunk.decode_queue_s
             first = False

@@ -39,6 +39,7 @@ from protos import pdserve_pb2 as pb
 from router.flow.attempt import (
     Attempt,
     raise_if_transfer_lost,
+    read_within,
     stream_tokens,
     transfer_done,
     wait_first_chunk_or_lost_transfer,
@@ -57,11 +58,14 @@ from router.flow.types import (
     lease_destination,
     sequence_sampling,
 )
-from router.pool import WorkerPool
+from router.pool import SUSPECT_S, WorkerPool
 
 log = logging.getLogger("pdserve.router")
 
 RESERVE_CALL_TIMEOUT_S = 5.0  # one Reserve call; the reservation as a whole has its own limit
+# A worker that hung an attempt stays out of routing this long (a lost one: SUSPECT_S): time
+# for its status polls to time out (router.pool.MAX_SLOW_POLLS) or its watchdog to answer.
+HUNG_SUSPECT_S = 10.0
 Outcome = AttemptOutcome
 
 
@@ -155,7 +159,8 @@ class RequestFlow:
         """Count a lost attempt and keep new work off its worker until the next polls (the
         tokens streamed so far stay: the next attempt prefills prompt + outputs elsewhere, and
         the client's stream goes on); WorkerFailure once migrations are used up."""
-        lost.worker.mark_failed()
+        hung = lost.outcome is Outcome.HUNG  # out until its polls show it back, not for 1 s
+        lost.worker.mark_failed(HUNG_SUSPECT_S if hung else SUSPECT_S)
         request.timings.migrations += 1
         if request.timings.migrations > self.cfg.max_migrations:
             raise WorkerFailure(
@@ -201,10 +206,12 @@ class RequestFlow:
         num_blocks = blocks_for(request.num_tokens, self.cfg.block_size)
         for w in self.cfg.decode_policy(self.decode.routable(), num_blocks):
             attempt.decode = w
+            # The decode worker prefills here: the first token's budget counts the prompt.
+            budgets = (self.cfg.first_token_budget(request.num_tokens), self.cfg.token_timeout_s)
             with w.load():
                 call = w.stub.Decode(request.decode_message(attempt.attempt_id))
                 try:
-                    async for tokens in stream_tokens(call, request):
+                    async for tokens in stream_tokens(call, request, budgets, w):
                         yield tokens
                     w.mark_succeeded()
                     return
@@ -326,6 +333,8 @@ class RequestFlow:
             raise Overloaded("no prefill worker is available")
         p = candidates[0]
         msg = request.prefill_message(attempt.attempt_id, attempt.destination)
+        # Its budget: the prompt tokens the router has queued there before it, and its own.
+        budget = self.cfg.first_token_budget(p.inflight_tokens + request.num_tokens)
         with p.load(request.num_tokens):
             try:
                 call = p.stub.Prefill(msg)
@@ -333,7 +342,7 @@ class RequestFlow:
                 attempt.prefill = p
                 if after_send is not None:
                     after_send()
-                event = await call.read()
+                event = await read_within(call, budget, p, "first token")
             except grpc.aio.AioRpcError as e:
                 raise ended_by(p, e) from e
         if event is grpc.aio.EOF or not event.HasField("first_token"):
@@ -349,9 +358,14 @@ class RequestFlow:
         msg = request.decode_message(attempt.attempt_id, attempt.lease_id, forks)
         call = attempt.decode.stub.Decode(msg)
         attempt.calls.append(call)
+        # The first chunk waits for the KV and a place in the decode batch: a first token's
+        # budget (the prompt is in the KV already); then each chunk within token_timeout_s.
+        budgets = (self.cfg.first_token_budget(0), self.cfg.token_timeout_s)
         try:
-            await wait_first_chunk_or_lost_transfer(call, attempt)
-            async for tokens in stream_tokens(call, request, attempt.transfer):
+            await wait_first_chunk_or_lost_transfer(call, attempt, budgets[0])
+            async for tokens in stream_tokens(
+                call, request, budgets, attempt.decode, attempt.transfer
+            ):
                 # A chunk proves the decode worker took the lease's blocks; a Decode cancelled
                 # before one may never have reached it, so cleanup releases (a no-op if it did).
                 attempt.attached = True

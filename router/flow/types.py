@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from engine.request import fork_seed
 from protos import pdserve_pb2 as pb
 from router.limits import RETRY_AFTER_S
 
@@ -48,12 +49,16 @@ class AttemptOutcome(enum.Enum):
     LEASE_EXPIRED = "lease expired"  # the decode worker lost the lease before the attach: again
     TRANSFER_FAILED = "transfer failed"  # the KV transfer broke after the first token: migrate
     WORKER_LOST = "worker lost"  # a worker died, was cut off or drained mid-way: migrate
+    # A worker stopped answering: no first token, or no next token, within the request's
+    # budget (FlowConfig); handled as a lost worker (migrate), and kept out of routing longer.
+    HUNG = "hung"
     FAILED = "failed"  # an engine error of this request: the client gets it, no retry
 
     @property
     def migrates(self) -> bool:
         """Counted as a migration: the worker it is charged to leaves routing for a while."""
-        return self in (AttemptOutcome.TRANSFER_FAILED, AttemptOutcome.WORKER_LOST)
+        lost = (AttemptOutcome.TRANSFER_FAILED, AttemptOutcome.WORKER_LOST, AttemptOutcome.HUNG)
+        return self in lost
 
 
 @dataclass
@@ -160,6 +165,17 @@ class FlowConfig:
     # Attempts lost to a failed worker (killed, drained, transfer broken) that are retried
     # elsewhere, with the tokens streamed so far; past it the client gets an error.
     max_migrations: int = 3
+    # Liveness (router.settings.RouterSettings explains each): a first token is awaited
+    # first_token_timeout_s + first_token_s_per_token x the prompt tokens ahead of it and its
+    # own; each later Decode chunk token_timeout_s. Past either, the attempt ends HUNG.
+    first_token_timeout_s: float = 60.0
+    first_token_s_per_token: float = 0.01
+    token_timeout_s: float = 20.0
+
+    def first_token_budget(self, tokens: int) -> float:
+        """Seconds a worker may take to answer with the first token of a prompt, ``tokens``
+        the prompt tokens it has to prefill before (its queue at the router, and this one)."""
+        return self.first_token_timeout_s + self.first_token_s_per_token * max(tokens, 0)
 
 
 def without_prompt_logprobs(sampling: pb.SamplingParams) -> pb.SamplingParams:
@@ -174,5 +190,5 @@ def sequence_sampling(sampling: pb.SamplingParams, i: int) -> pb.SamplingParams:
     out = without_prompt_logprobs(sampling)
     out.n = 1
     if out.HasField("seed"):
-        out.seed = sampling.seed + i
+        out.seed = fork_seed(sampling.seed, i)  # wraps in int64, as the worker's forks
     return out
