@@ -39,10 +39,16 @@ class Liveness:
         self._serving: bool | None = None
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._watch, name="liveness", daemon=True)
+        # More parts the worker cannot serve without, each a () -> problem or None: the decode
+        # worker adds its KV receiver server's (a dead torch_dist pair acceptor).
+        self.checks: list = []
 
     def problem(self) -> str | None:
-        """Why the worker's engine cannot serve now (None: it can)."""
-        return self.worker.loop.problem(self.stall_timeout_s)
+        """Why the worker cannot serve now (None: it can): its engine, then ``checks``."""
+        problem = self.worker.loop.problem(self.stall_timeout_s)
+        for check in self.checks:
+            problem = problem or check()
+        return problem
 
     def check(self, context) -> None:
         """For a Status call: UNAVAILABLE naming the problem while the engine cannot serve."""
