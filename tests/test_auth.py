@@ -9,12 +9,14 @@ import asyncio
 import grpc
 import openai
 import pytest
+from google.protobuf.descriptor_pb2 import FileDescriptorProto
 from google.protobuf.descriptor_pool import DescriptorPool
 from google.protobuf.message_factory import GetMessageClass
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from grpc_plumbing.reflection import v1_message_classes
 from pdserve.client import AsyncClient, Client
 from pdserve.cluster.local import ClusterSpec, LocalCluster
 from protos import pdserve_pb2 as pb
@@ -149,6 +151,34 @@ def test_grpc_works_through_reflection(cluster):
         request = request_cls(prompt="w5 w6", sampling={"max_tokens": 3, "ignore_eos": True})
         chunks = list(call(request, metadata=(("authorization", f"Bearer {KEY}"),)))
     assert sum(len(c.token_ids) for c in chunks) == 3 and chunks[-1].finish_reason == "length"
+
+
+def test_a_reflection_v1_client_lists_the_services_and_fetches_the_schema(cluster):
+    """Current grpcurl and grpc-java/go clients ask for grpc.reflection.v1 first."""
+    request_cls, response_cls = v1_message_classes()
+    assert request_cls.DESCRIPTOR.full_name == "grpc.reflection.v1.ServerReflectionRequest"
+    with grpc.insecure_channel(cluster.address) as plain:
+        call = grpc.intercept_channel(plain, _WithKey()).stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=request_cls.SerializeToString,
+            response_deserializer=response_cls.FromString,
+        )
+        asked = ("pdserve.v1.Generation", "grpc.reflection.v1.ServerReflection")
+        requests = [request_cls(list_services="")]
+        requests += [request_cls(file_containing_symbol=s) for s in asked]
+        listing, *schemas = list(call(iter(requests)))
+    listed = {s.name for s in listing.list_services_response.service}
+    assert {"pdserve.v1.Generation", "grpc.health.v1.Health"} <= listed
+    assert {"grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"} <= (
+        listed
+    )
+    for symbol, response in zip(asked, schemas, strict=True):
+        files = [
+            FileDescriptorProto.FromString(b)
+            for b in response.file_descriptor_response.file_descriptor_proto
+        ]
+        package, service = symbol.rsplit(".", 1)
+        assert any(f.package == package and service in [s.name for s in f.service] for f in files)
 
 
 @pytest.fixture(scope="module")
