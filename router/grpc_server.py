@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 
 import grpc
-from grpc_reflection.v1alpha import reflection
 
 from engine.errors import InvalidRequestError
+from grpc_plumbing.reflection import enable_reflection
 from grpc_plumbing.server import EXCLUSIVE_PORT, bind
 from grpc_plumbing.tls import TlsFiles
 from protos import pdserve_pb2 as pb
@@ -136,8 +136,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 async def start_grpc_server(
     router: Router, host: str = "127.0.0.1", port: int = 0, tls: TlsFiles | None = None
 ):
-    """Start the async gRPC server for ``router``, with server reflection (grpcurl, grpcui
-    and Postman can call it without the .proto), the API key check when one is configured,
+    """Start the async gRPC server for ``router``, with server reflection v1 and v1alpha
+    (grpcurl, grpcui and Postman can call it without the .proto), the API key check when one is configured,
     requests capped at the router's max_request_bytes and TLS with ``tls``; returns
     (server, address)."""
     api_key = router.cfg.api_key
@@ -149,8 +149,7 @@ async def start_grpc_server(
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(router), server)
     health = RouterHealth(router)
     health.add_to(server)
-    services = (GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(services, server)
+    enable_reflection((GENERATION_SERVICE, HEALTH_SERVICE), server)
     bound = bind(server, f"{host}:{port}", tls)
     await server.start()
     await health.start()
