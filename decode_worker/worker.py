@@ -26,7 +26,7 @@ from engine.scheduler import SchedulerOutput
 from engine.worker_base import EngineWorker
 from kv_transfer.errors import FrameError
 from kv_transfer.frame import MAX_ID_LEN
-from kv_transfer.lease import DEFAULT_LEASE_TTL_S, LeaseTable
+from kv_transfer.lease import DEFAULT_LEASE_TTL_S, LeaseStateError, LeaseTable
 from kv_transfer.receiver import KVReceiver
 
 log = logging.getLogger("pdserve.decode")
@@ -68,7 +68,8 @@ class DecodeWorker(EngineWorker):
     ):
         super().__init__(engine, worker_id)
         self.scheduler.requeue_preempted = False  # preempted requests go back through the router
-        self.leases = LeaseTable(lease_ttl_s)
+        # Each lease promises KV for every layer x block: a commit must cover them all.
+        self.leases = LeaseTable(lease_ttl_s, num_layers=len(engine.runner.kv_caches))
         self.receiver = KVReceiver(engine.runner.kv_caches, self.leases)
         self._streams: dict[str, _Stream] = {}
         self.stop_strings = StopStrings(engine.tokenizer)
@@ -92,8 +93,9 @@ class DecodeWorker(EngineWorker):
             raise
 
     def _reserve(self, request_id, num_tokens, ttl_s, lease_id):
-        if lease_id is not None and not 0 < len(lease_id) <= MAX_ID_LEN:
-            raise InvalidRequestError("lease_id", f"must be 1-{MAX_ID_LEN} characters")
+        for param, value in (("request_id", request_id), ("lease_id", lease_id or "-")):
+            if not 0 < len(value) <= MAX_ID_LEN:  # a frame could never name it
+                raise InvalidRequestError(param, f"must be 1-{MAX_ID_LEN} characters")
         if num_tokens < 1:
             raise InvalidRequestError("num_tokens", "must be >= 1")
         if ttl_s is not None and (problem := self.leases.ttl_problem(ttl_s)):
@@ -108,7 +110,7 @@ class DecodeWorker(EngineWorker):
                 raise ReservationError(f"{self.worker_id} is draining")
             if not self.blocks.can_allocate(n_blocks):
                 raise ReservationError(f"need {n_blocks} blocks, {self.blocks.num_free} free")
-            if lease_id and lease_id in self.leases:
+            if lease_id and self.leases.in_use(lease_id):  # open, or attached recently
                 raise InvalidRequestError("lease_id", f"{lease_id[:64]} is already in use")
             blocks = tuple(self.blocks.allocate(n_blocks))
             return self.leases.open(request_id, blocks, ttl_s, lease_id)
@@ -147,7 +149,30 @@ class DecodeWorker(EngineWorker):
         ``forks``: with n > 1, the first tokens the prefill sampled for sequences 1..n-1.
         ``caller_left``: set (with ``leave``) when the Decode call ends; the wait for the KV
         then ends at once (CallerLeft) and the lease is released, instead of holding the
-        call's thread and a stream of the budget until the lease's deadline."""
+        call's thread and a stream of the budget until the lease's deadline.
+
+        Everything is checked before the lease closes (tokens, lengths against the lease's
+        blocks, forks), and every way this call fails gives the lease's blocks back:
+        FrameError (unknown or expired lease), LeaseStateError (a Decode attached the lease
+        already, its commit was refused), InvalidRequestError (bad input), TimeoutError,
+        CallerLeft. Several Decodes may wait on one lease: the first to attach takes it."""
+        lease, attached = self.leases.claim(lease_id), False
+        try:
+            stream = self._prepare(request_id, lease, prompt, outputs, sampling_msg, forks)
+            self._wait_for_commit(lease, caller_left)
+            self._take_lease(lease, stream, forks)
+            attached = True
+        finally:
+            # Failed: the lease's blocks go back, unless another Decode still waits on it
+            # (a no-op once a Decode took them).
+            if self.leases.unclaim(lease) == 0 and not attached:
+                self.release(lease_id)
+        self.loop.wake()
+        return stream
+
+    def _prepare(self, request_id, lease, prompt, outputs, sampling_msg, forks) -> _Stream:
+        """The request's stream with sequence 0, after every check an attach can make before
+        its KV is in (raises InvalidRequestError)."""
         sampling = sampling_from_message(sampling_msg)
         if not prompt or not outputs:
             raise InvalidRequestError("output_token_ids", "prompt and the first token are required")
@@ -155,31 +180,66 @@ class DecodeWorker(EngineWorker):
             raise InvalidRequestError(
                 "fork_token_ids", f"must hold n - 1 = {sampling.n - 1} tokens"
             )
-        lease = self.leases.get(lease_id)
-        if not lease.committed.wait(max(0.0, lease.deadline - time.monotonic()), caller_left):
-            self.release(lease_id)
-            if caller_left is not None and caller_left.is_set():
-                raise CallerLeft(f"the Decode call on lease {lease_id} ended before its KV")
-            raise TimeoutError(f"KV for lease {lease_id} did not arrive before its deadline")
+        vocab = self.engine.config.model.vocab_size
+        if any(not 0 <= t < vocab for t in forks):
+            raise InvalidRequestError("fork_token_ids", f"must be in the vocabulary [0, {vocab})")
+        total, context = len(prompt) + len(outputs), self.engine.config.max_model_len
+        if total > context:
+            raise InvalidRequestError(
+                "prompt_token_ids", f"{total} tokens exceed the context of {context}"
+            )
+        need, held = self.blocks.blocks_needed(total - 1), len(lease.block_ids)
+        if need != held:
+            raise InvalidRequestError(
+                "prompt_token_ids",
+                f"KV for {total - 1} tokens fills {need} blocks, lease {lease.lease_id[:64]} "
+                f"holds {held}",
+            )
         req = self.new_request(request_id, prompt, outputs, sampling.for_sequence(0))
         req.num_computed_tokens = req.num_tokens - 1
+        return _Stream(req, sampling.n)
+
+    def _wait_for_commit(self, lease, caller_left: threading.Event | None) -> None:
+        """Until every frame of the lease is in and its commit accepted. A refused commit
+        does not end the wait early: the sender's failed transfer tells the router, which
+        ends this call (a Decode failing first would race that report). Past the lease's
+        deadline: LeaseStateError after a refused commit, TimeoutError otherwise."""
+        if lease.committed.wait(max(0.0, lease.deadline - time.monotonic()), caller_left):
+            return
+        if caller_left is not None and caller_left.is_set():
+            raise CallerLeft(f"the Decode call on lease {lease.lease_id} ended before its KV")
+        if lease.commit_refused is not None:
+            raise LeaseStateError(f"lease {lease.lease_id[:64]}: {lease.commit_refused}")
+        raise TimeoutError(f"KV for lease {lease.lease_id} did not arrive before its deadline")
+
+    def _take_lease(self, lease, stream: _Stream, forks) -> None:
+        """Close the lease and hand its blocks to the request (and its forks). Past the close
+        the scheduler owns them: whatever fails then finishes every sequence, which frees
+        them."""
+        req = stream.req
         req.mark("kv_ready")
-        stream = _Stream(req, sampling.n)
         with self.loop.lock:
-            lease = self.leases.close(lease_id)
-            if lease is None:  # expired between the commit and now
-                raise TimeoutError(f"lease {lease_id} expired")
+            names = [req.request_id, *(f"{req.request_id}#n{i}" for i in range(1, stream.n))]
+            if any(name in self._streams for name in names):
+                raise LeaseStateError(f"request {req.request_id[:64]} is decoding already")
+            if self.leases.close(lease.lease_id, attached=True) is None:
+                if lease.attached:  # by another Decode, waiting on it beside this one
+                    raise LeaseStateError(f"lease {lease.lease_id[:64]} is attached already")
+                raise TimeoutError(f"lease {lease.lease_id} expired")  # since the commit
             req.block_table = list(lease.block_ids)
-            self._streams[request_id] = stream
-            for seq in [req, *self._fork(stream, req, forks)]:
-                # A prefill's token may end it already.
-                status = self.scheduler.check_stop(seq) or self._stop_string(stream, seq)
-                if status is not None:
-                    self._finish(seq, status)
-                else:
-                    self.scheduler.attach_prefilled(seq)
-        self.loop.wake()
-        return stream
+            self._streams[req.request_id] = stream
+            try:
+                for seq in [req, *self._fork(stream, req, forks)]:
+                    # A prefill's token may end it already.
+                    status = self.scheduler.check_stop(seq) or self._stop_string(stream, seq)
+                    if status is not None:
+                        self._finish(seq, status)
+                    else:
+                        self.scheduler.attach_prefilled(seq)
+            except Exception as e:
+                error = e if isinstance(e, EngineError) else WorkerError(e)
+                self._fail_stream(stream, error)
+                raise error from e
 
     def leave(self, lease_id: str, caller_left: threading.Event) -> None:
         """The Decode call on ``lease_id`` ended: set ``caller_left`` and wake its ``attach``
@@ -207,11 +267,11 @@ class DecodeWorker(EngineWorker):
             except NoFreeBlocksError:
                 stream.items.put((i, PREEMPTED, None))
                 continue
+            self._streams[seq.request_id] = stream  # its blocks are the stream's to free now
+            seq.num_computed_tokens = kv_tokens
+            forks.append(seq)
             if fresh is not None:
                 self.engine.runner.copy_block(parent.block_table[len(seq.block_table) - 1], fresh)
-            seq.num_computed_tokens = kv_tokens
-            self._streams[seq.request_id] = stream
-            forks.append(seq)
         return forks
 
     def submit_local(

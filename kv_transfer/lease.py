@@ -6,6 +6,13 @@ the router can send the prefill toward a lease whose reservation is still in fli
 that arrives first waits for the lease (``wait_for``), and fails at once if the reservation
 is refused. A lease that is not committed by its deadline is popped so the worker can free
 its blocks.
+
+A lease opened by a table that knows its cache's layers (``LeaseTable(num_layers=...)``, as a
+decode worker's does) promises KV for every layer x every block: the receiver records which
+(layer, block) cells its frames filled, and a commit that leaves one empty is refused (the
+Decode must never run on stale KV). A refused commit is final: later frames are refused too,
+and the lease's blocks stay its own until it is released or expires. Decode calls ``claim``
+the lease while they wait for its KV; once one attached it, any other is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +40,11 @@ def lease_ttl_problem(ttl_s, max_ttl_s: float = MAX_LEASE_TTL_S) -> str | None:
     if not math.isfinite(ttl_s) or ttl_s <= 0 or ttl_s > max_ttl_s:
         return f"must be finite and in (0, {max_ttl_s:g}] seconds (limit max_lease_seconds)"
     return None
+
+
+class LeaseStateError(Exception):
+    """The lease is not in the state the call needs (gRPC FAILED_PRECONDITION): a Decode on
+    a lease another Decode attached already, or on one whose commit was refused."""
 
 
 class CommitSignal:
@@ -80,10 +92,43 @@ class Lease:
     committed: CommitSignal = field(default_factory=CommitSignal)
     first_frame_at: float | None = None  # monotonic time of the first accepted kv frame
     committed_at: float | None = None  # monotonic time the commit frame was accepted
+    # Layers whose every block the commit must cover (None: the frame count alone decides).
+    num_layers: int | None = None
+    covered: bytearray = field(default_factory=bytearray)  # [layer * blocks + block] filled
+    num_covered: int = 0
+    commit_refused: str | None = None  # why the commit was refused (final)
+    decodes: int = 0  # Decode calls on the lease now (waiting for its KV, or attaching)
+    attached: bool = False  # a Decode took its blocks (closed with attached=True)
 
     @property
     def is_committed(self) -> bool:
         return self.committed.is_set()
+
+    def cover(self, layer: int, positions) -> None:
+        """Frames filled ``positions`` (in the lease) of ``layer``."""
+        if self.num_layers is None:
+            return
+        n = len(self.block_ids)
+        if not self.covered:
+            self.covered = bytearray(self.num_layers * n)
+        for b in positions:
+            cell = layer * n + b
+            self.num_covered += not self.covered[cell]
+            self.covered[cell] = 1
+
+    def missing(self) -> str | None:
+        """What a commit now would leave without KV (None: every promised cell is filled)."""
+        n = len(self.block_ids)
+        if self.num_layers is None or self.num_covered == self.num_layers * n:
+            return None
+        empty = self.num_layers * n - self.num_covered
+        covered = self.covered or bytearray(self.num_layers * n)
+        layer = next(i for i in range(self.num_layers) if not all(covered[i * n : (i + 1) * n]))
+        blocks = [b for b in range(n) if not covered[layer * n + b]]
+        return (
+            f"{empty} of {self.num_layers} x {n} (layer x block) cells have no KV "
+            f"(first: layer {layer}, blocks {blocks[:8]})"
+        )
 
     def is_expired(self, now: float) -> bool:
         return now > self.deadline
@@ -99,13 +144,23 @@ class LeaseTable:
     """Thread-safe map lease_id -> Lease; the receiver reads it, the worker opens/closes."""
 
     MAX_REFUSED = 1024  # refused ids remembered for frames still on their way
+    MAX_ATTACHED = 4096  # attached ids remembered, so a second Decode is told why
 
-    def __init__(self, default_ttl_s: float = DEFAULT_LEASE_TTL_S, max_ttl_s: float | None = None):
+    def __init__(
+        self,
+        default_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        max_ttl_s: float | None = None,
+        num_layers: int | None = None,
+    ):
+        """``num_layers``: the cache's layers, every one of which each lease's commit must
+        cover (None: the frame count alone decides, for tables without a cache behind)."""
         self.max_ttl_s = max(MAX_LEASE_TTL_S, default_ttl_s) if max_ttl_s is None else max_ttl_s
         self._check_ttl(default_ttl_s)
         self.default_ttl_s = default_ttl_s
+        self.num_layers = num_layers
         self._leases: dict[str, Lease] = {}
         self._refused: OrderedDict[str, str] = OrderedDict()
+        self._attached: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
 
@@ -121,6 +176,7 @@ class LeaseTable:
             block_ids=tuple(int(b) for b in block_ids),
             deadline=time.monotonic() + ttl,
             ttl_s=ttl,
+            num_layers=self.num_layers,
         )
         with self._changed:
             if lease.lease_id in self._leases:
@@ -131,8 +187,13 @@ class LeaseTable:
 
     def refuse(self, lease_id: str, reason: str) -> None:
         """The reservation for ``lease_id`` failed: frames waiting for it fail now."""
+        self._remember_ended(lease_id, f"was refused: {reason}")
+
+    def _remember_ended(self, lease_id: str, why: str) -> None:
+        """Frames for ``lease_id`` from now on fail at once with ``why`` (released, expired,
+        refused), instead of waiting pending_lease_wait_s for a lease that will not come."""
         with self._changed:
-            self._refused[lease_id] = reason
+            self._refused[lease_id] = why
             while len(self._refused) > self.MAX_REFUSED:
                 self._refused.popitem(last=False)
             self._changed.notify_all()
@@ -144,8 +205,9 @@ class LeaseTable:
         with self._changed:
             while lease_id not in self._leases:
                 if lease_id in self._refused:
-                    reason = self._refused[lease_id]
-                    raise FrameError(f"lease {lease_id[:64]} was refused: {reason}")
+                    raise FrameError(f"lease {lease_id[:64]} {self._refused[lease_id]}")
+                if lease_id in self._attached:
+                    raise FrameError(f"lease {lease_id[:64]} is attached already")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise FrameError(f"unknown lease {lease_id[:64]}")
@@ -164,9 +226,41 @@ class LeaseTable:
             raise FrameError(f"lease {lease_id} expired")
         return lease
 
-    def close(self, lease_id: str) -> Lease | None:
+    def claim(self, lease_id: str) -> Lease:
+        """The live lease ``lease_id``, for one more Decode call (``unclaim`` when it ends).
+        FrameError when it is unknown or expired; LeaseStateError when a Decode attached it."""
         with self._lock:
-            return self._leases.pop(lease_id, None)
+            if lease_id in self._attached:
+                raise LeaseStateError(f"lease {lease_id[:64]} is attached already")
+        lease = self.get(lease_id)
+        with self._lock:
+            lease.decodes += 1
+        return lease
+
+    def unclaim(self, lease: Lease) -> int:
+        """A Decode call on ``lease`` ended; how many still are on it."""
+        with self._lock:
+            lease.decodes -= 1
+            return lease.decodes
+
+    def close(self, lease_id: str, attached: bool = False) -> Lease | None:
+        """Remove the lease (its blocks are the caller's now); ``attached``: a Decode took
+        them, and a later claim of the id is told so; else later frames fail at once."""
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+            if lease is not None and attached:
+                lease.attached = True
+                self._attached[lease_id] = None
+                while len(self._attached) > self.MAX_ATTACHED:
+                    self._attached.popitem(last=False)
+        if lease is not None and not attached:
+            self._remember_ended(lease_id, "was released")
+        return lease
+
+    def in_use(self, lease_id: str) -> bool:
+        """Open now, or attached recently: a new reservation may not take the id."""
+        with self._lock:
+            return lease_id in self._leases or lease_id in self._attached
 
     def ttl_problem(self, ttl_s) -> str | None:
         return lease_ttl_problem(ttl_s, self.max_ttl_s)
@@ -192,6 +286,8 @@ class LeaseTable:
             dead = [lease for lease in self._leases.values() if lease.is_expired(now)]
             for lease in dead:
                 del self._leases[lease.lease_id]
+        for lease in dead:
+            self._remember_ended(lease.lease_id, "expired")
         return dead
 
     def __len__(self) -> int:

@@ -79,14 +79,23 @@ class KVReceiver:
             raise FrameError(f"lease {h.lease_id} belongs to another request")
         if lease.is_committed:
             raise FrameError(f"lease {h.lease_id} already committed")
+        if lease.commit_refused is not None:
+            raise FrameError(f"lease {h.lease_id} had its commit refused")
         return lease
 
     def _commit(self, h: FrameHeader, lease: Lease) -> None:
+        """Every frame the sender counted arrived, and (where the lease promises it) every
+        layer x block has its KV; otherwise the commit is refused, for good: the Decode
+        waiting on the lease never runs on stale KV, and the lease keeps its blocks until it
+        is released or expires (the sender's failed transfer ends its attempt)."""
+        problem = None
         if h.num_frames != lease.frames_received:
-            raise FrameError(
-                f"expected {h.num_frames} frames, got {lease.frames_received} "
-                f"for lease {h.lease_id}"
-            )
+            problem = f"expected {h.num_frames} frames, got {lease.frames_received}"
+        elif (missing := lease.missing()) is not None:
+            problem = f"incomplete commit: {missing}"
+        if problem is not None:
+            lease.commit_refused = problem
+            raise FrameError(f"{problem} for lease {h.lease_id}")
         lease.mark_committed()
 
     def _write(self, h: FrameHeader, lease: Lease, kv: torch.Tensor) -> None:
@@ -103,6 +112,7 @@ class KVReceiver:
         if kv.dtype != k_cache.dtype:
             raise FrameError(f"dtype {h.dtype} does not match cache {k_cache.dtype}")
         scatter_kv_blocks(kv, k_cache, v_cache, [lease.block_ids[b] for b in h.blocks])
+        lease.cover(h.layer, h.blocks)
         nbytes = kv.numel() * kv.element_size()
         lease.frames_received += 1
         lease.bytes_received += nbytes

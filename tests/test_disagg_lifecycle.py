@@ -66,6 +66,8 @@ def test_unused_lease_expires_and_frees_its_blocks(tiny_model):
 def test_committed_lease_nobody_attaches_expires_and_frees_its_blocks(tiny_model):
     """Every frame in, then the router (or its client) is gone before Decode: the committed
     lease has a deadline too, and the engine loop gives its blocks back."""
+    import torch
+
     from kv_transfer.frame import encode_commit_frame
 
     spec = ClusterSpec(model=str(tiny_model), num_blocks=64, max_model_len=128)
@@ -73,9 +75,11 @@ def test_committed_lease_nobody_attaches_expires_and_frees_its_blocks(tiny_model
         stub = _decode_stub(cluster)
         lease = stub.Reserve(pb.ReserveRequest(request_id="r1", num_tokens=40, lease_seconds=0.5))
         kv_stub = pb_grpc.KvTransferStub(grpc.insecure_channel(cluster.decode_addresses[0]))
-        header, payload = encode_commit_frame("r1", lease.lease_id, 0)
-        ack = kv_stub.PushFrames(iter([pb.KvFrame(header=header, payload=bytes(payload))]))
-        assert ack.frames_accepted == 1 and not ack.errors
+        kv = torch.zeros(2, len(lease.block_ids), 16, 2, 16)  # every block of both layers
+        frames = [encode_kv_frame("r1", lease.lease_id, layer, range(3), kv) for layer in (0, 1)]
+        frames.append(encode_commit_frame("r1", lease.lease_id, 2))
+        ack = kv_stub.PushFrames(pb.KvFrame(header=h, payload=bytes(p)) for h, p in frames)
+        assert ack.frames_accepted == 3 and not ack.errors
         assert stub.Status(pb.StatusRequest()).num_leases == 1
         assert_all_blocks_free(cluster, timeout=5)
         assert stub.Status(pb.StatusRequest()).num_leases == 0
