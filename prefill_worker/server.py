@@ -62,10 +62,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"KV destination {dest.endpoint}: {e}")
         context.add_callback(lambda: self.worker.abort(request.request_id))
         try:
-            try:
-                item = bounded_get(job.events, context, self.liveness)
-            except CallerGone:
-                return  # its callback aborts the request
+            item = self._first_event(job, context)
+            if item is None:
+                return  # the caller left; its callback aborts the request
             if isinstance(item, EngineError):  # INTERNAL, or UNAVAILABLE for a WorkerError
                 context.abort(grpc.StatusCode[item.status_code], str(item))
             if isinstance(item, BaseException):
@@ -85,6 +84,14 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             )
         finally:
             self.worker.finish_transfer(job)
+
+    def _first_event(self, job, context):
+        """The job's first event (a token or an error), in bounded waits; None if the caller
+        left first (grpc_plumbing.health.bounded_get)."""
+        try:
+            return bounded_get(job.events, context, self.liveness)
+        except CallerGone:
+            return None
 
     def Status(self, request, context):
         if self.liveness is not None:

@@ -86,6 +86,7 @@ def test_a_decode_worker_frozen_mid_stream_loses_no_stream(tiny_model):
             outs, reasons = asyncio.run(
                 stream_all(cluster.address, prompts, freeze_once_all_stream, NEW_TOKENS)
             )
+            print(f"streams done {time.monotonic() - victim.at:.1f} s after the freeze")
             assert victim.at is not None and time.monotonic() - victim.at < 90
             assert reasons == ["length"] * len(prompts)
             assert outs == reference

@@ -25,6 +25,7 @@ import ray
 from engine import hugepages
 from pdserve.cluster.autoscaler import Autoscaler, PoolSignal, planner_profile
 from pdserve.cluster.ray_actors import RouterActor, WorkerActor
+from pdserve.cluster.router_supervisor import supervise_router
 from pdserve.config import ClusterConfig, with_cluster_token
 
 log = logging.getLogger("pdserve.controller")
@@ -36,6 +37,11 @@ ROLES = ("prefill", "decode")
 # A worker whose attempts failed this many times in a row is replaced: the router's circuit
 # breaker opened (3) and the probes after two cool-downs failed too.
 REPLACE_AFTER_FAILURES = 6
+# An actor that does not answer its status within this is hung (frozen) and replaced; a hung
+# engine in a live actor shows as unhealthy in the router's view (_unreachable_reason).
+ACTOR_STATUS_TIMEOUT_S = 30.0
+# Of a stop's drain_grace_s, what the servers' and workers' own stop after the drain may take.
+STOP_RESERVE_S = 8.0
 
 
 @dataclass
@@ -95,6 +101,9 @@ class Controller:
         for task in self._loops:
             task.cancel()
         if self.router is not None:
+            # A graceful stop: no new requests, running streams finish (drain_grace_s).
+            grace = stream_grace_s(self.cfg.drain_grace_s)
+            await _quietly(self.router.drain.remote(grace), grace + 15)
             await _quietly(self.router.stop.remote(), 15)
         await asyncio.gather(*(self._stop_actor(r) for r in list(self.workers.values())))
         self.workers.clear()
@@ -227,6 +236,8 @@ class Controller:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.health_period_s)
+            if not await supervise_router(self):  # dead or hung: restarted on its ports
+                continue
             routed = await self._routed_workers()
             ready = [r for r in self.workers.values() if r.state == "ready"]
             await asyncio.gather(*(self._check(r, routed.get(r.address)) for r in ready))
@@ -240,9 +251,12 @@ class Controller:
 
     async def _check(self, rec: WorkerRecord, routed: dict | None) -> None:
         try:
-            rec.status = await asyncio.wait_for(rec.actor.status.remote(), 30)
+            status = rec.actor.status.remote()
+            rec.status = await asyncio.wait_for(status, ACTOR_STATUS_TIMEOUT_S)
             reason = self._unreachable_reason(rec, routed)
-        except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
+        except asyncio.TimeoutError:
+            reason = f"hung: its actor has not answered for {ACTOR_STATUS_TIMEOUT_S:.0f} s"
+        except ray.exceptions.RayError as e:
             reason = type(e).__name__
         if reason is None or rec.state != "ready":  # drained or stopped meanwhile: no failure
             return
@@ -253,9 +267,10 @@ class Controller:
         self._spawn(self._reconcile(rec.role))
 
     def _unreachable_reason(self, rec: WorkerRecord, routed: dict | None) -> str | None:
-        """The actor answers; is its gRPC server (what clients use) reachable? A worker the
-        router has not polled yet, or saw answer, is fine. One whose attempts keep failing
-        (it answers, but its steps or transfers fail) is not."""
+        """The actor answers; is its gRPC server (what clients use) reachable and healthy? A
+        worker the router has not polled yet, or saw answer, is fine. One whose attempts keep
+        failing (it answers, but its steps or transfers fail) is not, nor one unreachable or
+        unhealthy (its watchdog: a hung engine) for unreachable_after_s, the grace period."""
         failing = (routed or {}).get("failed_in_a_row", 0)
         if failing >= REPLACE_AFTER_FAILURES:
             return f"its last {failing} attempts failed (circuit breaker open)"
@@ -268,7 +283,7 @@ class Controller:
         down = now - rec.unreachable_since
         if down < self.cfg.unreachable_after_s:
             return None
-        return f"its actor answers but its gRPC server has not for {down:.0f} s"
+        return f"its actor answers but its gRPC server has not for {down:.0f} s (or is hung)"
 
     # ---- autoscaling ---------------------------------------------------------------------
     async def _autoscale_loop(self) -> None:
@@ -388,6 +403,11 @@ def pinned_here(actor_cls, name: str, max_concurrency: int):
             here, soft=False
         ),
     )
+
+
+def stream_grace_s(drain_grace_s: float) -> float:
+    """How long running streams get in a stop of ``drain_grace_s`` (the rest: the stop)."""
+    return max(drain_grace_s - STOP_RESERVE_S, drain_grace_s / 2)
 
 
 def root_cause(error: BaseException) -> str:
