@@ -9,4 +9,4 @@ from grpc_plumbing.worker_process import serve_until_signalled
 
 if __name__ == "__main__":
     settings = decode_settings_from_args(decode_parser().parse_args())
-    serve_until_signalled(lambda: start_decode_worker(settings))
+    serve_until_signalled(lambda: start_decode_worker(settings), settings.server.drain_grace_s)

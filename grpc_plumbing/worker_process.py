@@ -10,6 +10,7 @@ import argparse
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ from grpc_plumbing.health import DEFAULT_STALL_TIMEOUT_S
 from grpc_plumbing.tls import ClusterTls, add_cluster_tls_args, cluster_tls_from_args
 
 log = logging.getLogger("pdserve.worker")
+
+DEFAULT_DRAIN_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,9 @@ class ServerSettings:
     # The watchdog: an engine step running longer than this turns health NOT_SERVING and
     # Status UNAVAILABLE (grpc_plumbing/health.py); the router then routes around the worker.
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    # On SIGTERM: no new work (health NOT_SERVING, a decode worker refuses reservations), and
+    # running requests, leases and KV transfers get this long to end before the server stops.
+    drain_grace_s: float = DEFAULT_DRAIN_GRACE_S
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -39,17 +45,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=d.port)
     parser.add_argument("--worker-id", default=d.worker_id)
     parser.add_argument("--stall-timeout-s", type=float, default=d.stall_timeout_s)
+    parser.add_argument("--drain-grace-s", type=float, default=d.drain_grace_s)
     add_cluster_tls_args(parser)
 
 
 def server_settings_from_args(args: argparse.Namespace) -> ServerSettings:
     tls = cluster_tls_from_args(args)
-    return ServerSettings(args.host, args.port, None, tls, args.worker_id, args.stall_timeout_s)
+    return ServerSettings(
+        args.host, args.port, None, tls, args.worker_id, args.stall_timeout_s, args.drain_grace_s
+    )
 
 
 def server_args(s: ServerSettings) -> list[str]:
     """The flags ``server_settings_from_args`` reads back as ``s``, less the cluster token."""
     out = ["--host", s.host, "--port", str(s.port), "--stall-timeout-s", str(s.stall_timeout_s)]
+    out += ["--drain-grace-s", str(s.drain_grace_s)]
     if s.worker_id is not None:
         out += ["--worker-id", s.worker_id]
     tls = s.cluster_tls
@@ -71,6 +81,19 @@ class RunningWorker:
     server: object  # grpc.Server
     closers: tuple[Callable[[], None], ...] = ()  # the KV sender pool or receiver server
 
+    def drain(self, grace_s: float) -> bool:
+        """Take no new work (health NOT_SERVING: routing and probes go elsewhere; a decode
+        worker refuses reservations) and wait up to ``grace_s`` for its running requests,
+        leases and KV transfers to end. True once idle; False at the deadline."""
+        self.worker.draining = True
+        deadline = time.monotonic() + grace_s
+        while _busy(self.worker.status()):
+            if time.monotonic() >= deadline:
+                log.warning("worker %s: drain grace over, stopping busy", self.worker.worker_id)
+                return False
+            time.sleep(0.1)
+        return True
+
     def stop(self, grace: float | None = 2.0) -> None:
         self.server.stop(grace).wait((grace or 0.0) + 5.0)
         for close in self.closers:
@@ -81,8 +104,16 @@ class RunningWorker:
         self.worker.stop()
 
 
-def serve_until_signalled(start: Callable[[], RunningWorker]) -> None:
-    """A worker process's life: start, print ``READY <address>``, serve until SIGTERM/SIGINT."""
+def _busy(st: dict) -> bool:
+    keys = ("num_running", "num_waiting", "num_leases", "num_transfers")
+    return any(st.get(k, 0) for k in keys)
+
+
+def serve_until_signalled(
+    start: Callable[[], RunningWorker], drain_grace_s: float = DEFAULT_DRAIN_GRACE_S
+) -> None:
+    """A worker process's life: start, print ``READY <address>``, serve until SIGTERM/SIGINT,
+    then drain (up to ``drain_grace_s``) and stop."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     running = start()
     print(f"READY {running.address}", flush=True)
@@ -91,4 +122,5 @@ def serve_until_signalled(start: Callable[[], RunningWorker]) -> None:
     signal.signal(signal.SIGINT, lambda *_: done.set())
     while not done.wait(1.0):  # bounded: the signal handlers run between waits
         pass
+    running.drain(drain_grace_s)
     running.stop()

@@ -51,6 +51,13 @@ def _add_cluster_commands(sub) -> None:
         help="serve the client API off loopback without an API key (only behind something "
         "that authenticates clients)",
     )
+    p.add_argument(
+        "--drain-grace-s",
+        type=float,
+        default=None,
+        help="on SIGTERM/Ctrl-C, how long running streams get to finish while new requests "
+        "are refused (default: the config's drain_grace_s, 30 s)",
+    )
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("scale", help="resize the running cluster's pools")
     p.add_argument("--prefill", type=int, default=None, help="prefill workers wanted")
@@ -76,6 +83,8 @@ def cmd_serve(args) -> int:
         overrides["api_key"] = os.environ["PDSERVE_API_KEY"]  # the router actor may not see it
     if args.allow_unauthenticated:
         overrides["security"] = {**cfg.security.model_dump(), "allow_unauthenticated": True}
+    if args.drain_grace_s is not None:
+        overrides["drain_grace_s"] = args.drain_grace_s
     cfg = cfg.with_overrides(**overrides) if overrides else cfg
     try:  # here, before Ray starts anything: the router would refuse the same way
         check_api_exposure(cfg.host or "each node's IP", cfg.api_key, api_security(cfg))

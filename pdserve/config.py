@@ -210,6 +210,10 @@ class ClusterConfig(_Strict):
     unreachable_after_s: float = Field(10.0, gt=0)
     worker_start_timeout_s: float = Field(600.0, gt=0)
     drain_timeout_s: float = Field(120.0, gt=0)
+    # A graceful stop (SIGTERM to `pdserve serve`, or to a worker process): no new requests
+    # (HTTP 429 / gRPC UNAVAILABLE with retry-after, health NOT_SERVING), running streams get
+    # this long to finish; those left then end with an error, and everything exits.
+    drain_grace_s: float = Field(_SERVER.drain_grace_s, gt=0, allow_inf_nan=False)
     # The workers' watchdog: an engine step running longer than this turns the worker's health
     # NOT_SERVING and its Status UNAVAILABLE, so the router routes around it (and the Ray
     # controller replaces it after unreachable_after_s). Generous: a slow CPU's longest step is

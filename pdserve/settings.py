@@ -56,6 +56,7 @@ def settings_from_config(cfg: ClusterConfig, host: str, model_dir: str | None = 
         cluster_token=cfg.cluster_token,
         cluster_tls=tls,
         stall_timeout_s=cfg.step_stall_timeout_s,
+        drain_grace_s=cfg.drain_grace_s,
     )
     return ClusterSettings(
         router=_router_settings(cfg, model, tls),

@@ -9,4 +9,4 @@ from prefill_worker.launch import prefill_parser, prefill_settings_from_args, st
 
 if __name__ == "__main__":
     settings = prefill_settings_from_args(prefill_parser().parse_args())
-    serve_until_signalled(lambda: start_prefill_worker(settings))
+    serve_until_signalled(lambda: start_prefill_worker(settings), settings.server.drain_grace_s)

@@ -83,6 +83,11 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 )
             )
         finally:
+            # Closed before its commit (the caller cancelled at the first token: GeneratorExit
+            # at the yield) or failed: end its KV stream, which drops the frames still queued
+            # and closes the push call at the decode worker, before the blocks are freed.
+            if not job.stream.finished:
+                job.stream.abort()
             self.worker.finish_transfer(job)
 
     def _first_event(self, job, context):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 
@@ -13,6 +15,9 @@ from router.security import ApiSecurity, check_api_exposure
 from router.settings import RouterSettings
 
 API_KEY_ENV = "PDSERVE_API_KEY"
+DRAIN_ERROR_S = 3.0  # after a drain's grace: how long the ended requests' errors may take
+
+log = logging.getLogger("pdserve.router")
 
 
 @dataclass
@@ -22,6 +27,28 @@ class RouterServers:
     grpc_address: str
     http_server: object | None = None
     http_address: str = ""
+
+    async def drain(self, grace_s: float) -> int:
+        """A graceful stop's first half: refuse new requests from now (HTTP 429 and gRPC
+        UNAVAILABLE, with retry-after; health NOT_SERVING), let running ones finish for up to
+        ``grace_s``, then end those left with a clean error (router/drain.py) and give them
+        a moment to reach their clients. Returns how many were ended so."""
+        loop = asyncio.get_running_loop()
+        self.router.drain.start()
+        health = getattr(self.grpc_server, "pdserve_health", None)
+        if health is not None:
+            await health.update()  # NOT_SERVING now, not at its next poll
+        deadline = loop.time() + grace_s
+        while self.router.inflight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.router.inflight
+        if left:
+            log.warning("drain grace period (%.0f s) over: ending %d requests", grace_s, left)
+            self.router.drain.expire()
+            deadline = loop.time() + DRAIN_ERROR_S
+            while self.router.inflight and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+        return left
 
     async def stop(self) -> None:
         if self.http_server is not None:

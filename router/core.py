@@ -16,6 +16,7 @@ from engine.errors import InvalidRequestError
 from engine.request import SamplingParams, check_token_ids, sampling_from_message
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from protos import pdserve_pb2 as pb
+from router.drain import Drain, Draining
 from router.flow.lifecycle import RequestFlow
 from router.flow.request import FlowRequest
 from router.flow.types import FlowConfig, FlowTimings, Overloaded
@@ -83,6 +84,7 @@ class Router:
         # (finish time, ttft_s, tpot_s or None) of recent requests: the autoscaler's signal.
         self.recent_latencies: collections.deque = collections.deque(maxlen=4096)
         self.metrics = Metrics(self, cfg.model_name)
+        self.drain = Drain()  # a graceful stop: no admission, then the rest ended (router/drain.py)
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -153,7 +155,7 @@ class Router:
     def ready(self) -> bool:
         """Every pool has a ready worker (a colocated cluster has only the decode pool)."""
         prefill_ok = bool(self.prefill.routable()) or not self.prefill.workers
-        return prefill_ok and bool(self.decode.routable())
+        return prefill_ok and bool(self.decode.routable()) and not self.drain.draining
 
     # ---- input -------------------------------------------------------------------------
     def prepare(
@@ -201,6 +203,9 @@ class Router:
             # A second live request under one id would share the first's worker-side state
             # (aborts, leases) and could cancel it: refused, as vLLM does.
             raise InvalidRequestError("request_id", f"{inp.request_id!r} is already in flight")
+        if self.drain.draining:  # stopping: 429 / UNAVAILABLE with retry-after
+            self.metrics.rejected.inc()
+            raise Draining()
         full = self.queue.full() or self._decode_streams_full()
         if self.inflight >= self.cfg.max_inflight_requests:
             full = f"{self.inflight} requests in flight (max {self.cfg.max_inflight_requests})"
@@ -211,8 +216,10 @@ class Router:
         self._active_ids.add(inp.request_id)
         tracker = self.metrics.track()
         ticket = self.queue.enter()
+        deltas = self._generate(inp)
         try:
-            async for delta in self._generate(inp):
+            # the items of ``deltas`` (None at the end); a WorkerFailure once a drain's grace is over
+            while (delta := await self.drain.next(deltas)) is not None:
                 self.queue.served(ticket)
                 tracker.on_delta(delta)
                 yield delta

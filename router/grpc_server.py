@@ -15,6 +15,7 @@ from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from router.auth import ApiKeyInterceptor
 from router.core import Router
+from router.drain import Draining
 from router.flow.types import EngineFailure, Overloaded, WorkerFailure
 from router.health import GENERATION_SERVICE, HEALTH_SERVICE, RouterHealth
 from router.tokenize import detokenize, tokenize
@@ -79,6 +80,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 yield msg
         except InvalidRequestError as e:  # admission: a request id already in flight
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Draining as e:  # stopping: another router (or this one, restarted) serves it
+            retry = (("retry-after", str(e.retry_after_s)),)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e), retry)
         except Overloaded as e:
             retry = (("retry-after", str(e.retry_after_s)),)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), retry)

@@ -1,7 +1,7 @@
 """The standard gRPC health service (``grpc.health.v1.Health``) on the router's client API.
 
 SERVING once every pool has a ready worker (what ``/health`` answers 200 for), NOT_SERVING
-before that and whenever a pool has none left, so Kubernetes' gRPC probes and
+before that, whenever a pool has none left and from the start of a drain (a graceful stop), so Kubernetes' gRPC probes and
 ``grpc-health-probe`` route traffic only to a router that can serve it. Open without the API key:
 probes carry none. The status follows the router's worker polls, checked every half second.
 """
@@ -33,7 +33,7 @@ class RouterHealth:
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
 
     async def start(self) -> None:
-        await self._update()
+        await self.update()
         self._task = asyncio.ensure_future(self._follow())
 
     async def stop(self) -> None:
@@ -43,7 +43,8 @@ class RouterHealth:
                 await self._task
         await self.servicer.enter_graceful_shutdown()
 
-    async def _update(self) -> None:
+    async def update(self) -> None:
+        """Set the status from ``router.ready`` now (a drain calls it: no wait for the poll)."""
         serving = health_pb2.HealthCheckResponse.SERVING
         status = serving if self.router.ready else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", GENERATION_SERVICE):
@@ -52,4 +53,4 @@ class RouterHealth:
     async def _follow(self) -> None:
         while True:
             await asyncio.sleep(POLL_S)
-            await self._update()
+            await self.update()

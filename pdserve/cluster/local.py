@@ -18,6 +18,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing_extensions import Self
+
 from engine.model_files import resolve_model_dir
 from grpc_plumbing.auth import TOKEN_ENV
 from grpc_plumbing.worker_process import RunningWorker
@@ -37,6 +39,9 @@ LOCAL_DEFAULTS = {
     "http_port": None,
     "device": "cpu",
     "pools": {"prefill": {"threads": 0}, "decode": {"threads": 0}},
+    # Worker processes drain on SIGTERM; the harness stops its router first, so a worker still
+    # busy then holds only leftovers (a lease nobody attaches): 5 s, within stop()'s wait.
+    "drain_grace_s": 5.0,
 }
 TEST_TRANSPORTS = tuple(t for t in TRANSPORTS if t not in WORKER_TRANSPORTS)
 # The harness's short names for config fields that sit deeper in ClusterConfig.
@@ -205,7 +210,7 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-    def __enter__(self) -> LocalCluster:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -34,6 +34,7 @@ class WorkerActor:
         self.role = role
         self.worker_id = worker_id
         server = dataclasses.replace(settings.server, worker_id=worker_id)
+        self.drain_grace_s = server.drain_grace_s
         self.running = build_worker(role, dataclasses.replace(settings, server=server))
         self.worker, self.address = self.running.worker, self.running.address
 
@@ -63,6 +64,7 @@ class WorkerActor:
         self.worker.draining = True  # decode: no new reservations; both: Status shows it
 
     def stop(self) -> None:
+        self.running.drain(self.drain_grace_s)  # at once when idle (the router drained first)
         self.running.stop()
 
 
@@ -133,6 +135,12 @@ class RouterActor:
         """The finished requests the router keeps: (finish time, TTFT, TPOT, arrival time,
         prompt tokens, output tokens), on this process's monotonic clock, and that clock now."""
         return self._run(_call(lambda: (list(self.router.recent_latencies), time.monotonic())))
+
+    def drain(self, grace_s: float) -> int:
+        """A graceful stop's first half (RouterServers.drain); returns the requests ended."""
+        if self.servers is None:
+            return 0
+        return self._run(self.servers.drain(grace_s), timeout=grace_s + 10)
 
     def stop(self) -> None:
         if self.servers is not None:

@@ -25,6 +25,7 @@ import ray
 from engine import hugepages
 from pdserve.cluster.autoscaler import Autoscaler, PoolSignal, planner_profile
 from pdserve.cluster.ray_actors import RouterActor, WorkerActor
+from pdserve.cluster.router_supervisor import supervise_router
 from pdserve.config import ClusterConfig, with_cluster_token
 
 log = logging.getLogger("pdserve.controller")
@@ -39,6 +40,8 @@ REPLACE_AFTER_FAILURES = 6
 # An actor that does not answer its status within this is hung (frozen) and replaced; a hung
 # engine in a live actor shows as unhealthy in the router's view (_unreachable_reason).
 ACTOR_STATUS_TIMEOUT_S = 30.0
+# Of a stop's drain_grace_s, what the servers' and workers' own stop after the drain may take.
+STOP_RESERVE_S = 8.0
 
 
 @dataclass
@@ -98,6 +101,9 @@ class Controller:
         for task in self._loops:
             task.cancel()
         if self.router is not None:
+            # A graceful stop: no new requests, running streams finish (drain_grace_s).
+            grace = stream_grace_s(self.cfg.drain_grace_s)
+            await _quietly(self.router.drain.remote(grace), grace + 15)
             await _quietly(self.router.stop.remote(), 15)
         await asyncio.gather(*(self._stop_actor(r) for r in list(self.workers.values())))
         self.workers.clear()
@@ -230,6 +236,8 @@ class Controller:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.health_period_s)
+            if not await supervise_router(self):  # dead or hung: restarted on its ports
+                continue
             routed = await self._routed_workers()
             ready = [r for r in self.workers.values() if r.state == "ready"]
             await asyncio.gather(*(self._check(r, routed.get(r.address)) for r in ready))
@@ -395,6 +403,11 @@ def pinned_here(actor_cls, name: str, max_concurrency: int):
             here, soft=False
         ),
     )
+
+
+def stream_grace_s(drain_grace_s: float) -> float:
+    """How long running streams get in a stop of ``drain_grace_s`` (the rest: the stop)."""
+    return max(drain_grace_s - STOP_RESERVE_S, drain_grace_s / 2)
 
 
 def root_cause(error: BaseException) -> str:

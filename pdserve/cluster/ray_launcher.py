@@ -69,6 +69,7 @@ class RayCluster:
     grpc_address: str
     http_address: str
     owns_ray: bool = False
+    drain_grace_s: float = 30.0  # the config's: how long shutdown lets streams finish
 
     def status(self) -> dict:
         return ray.get(self.controller.status.remote())
@@ -80,7 +81,7 @@ class RayCluster:
 
     def shutdown(self) -> None:
         try:
-            ray.get(self.controller.shutdown.remote(), timeout=60)
+            ray.get(self.controller.shutdown.remote(), timeout=self.drain_grace_s + 60)
         except (ray.exceptions.RayError, TimeoutError):
             pass  # killing the controller takes its actors with it
         finally:
@@ -123,7 +124,7 @@ def launch(
         elif owns:
             ray.shutdown()
         raise
-    return RayCluster(controller, addresses["grpc"], addresses["http"], owns)
+    return RayCluster(controller, addresses["grpc"], addresses["http"], owns, cfg.drain_grace_s)
 
 
 def _wait_loading(controller, start_ref, progress: bool, stop: threading.Event | None) -> dict:
@@ -172,7 +173,9 @@ def find_controller(address: str | None = "auto"):
 
 
 def serve_forever(cfg: ClusterConfig, address: str | None = None) -> int:
-    """Launch, print the addresses and ``ready``, and stop everything on Ctrl-C or SIGTERM."""
+    """Launch, print the addresses and ``ready``, and stop everything on Ctrl-C or SIGTERM:
+    a graceful stop (the router refuses new requests and lets running streams finish, within
+    ``drain_grace_s``), then the workers and the router, then exit."""
     owns_ray = connect(address, cfg)
     # After ray.init, which installs a SIGTERM handler of its own that would end us at once.
     stop = threading.Event()
