@@ -1,5 +1,9 @@
 """Logit bias and vLLM's penalties (presence, frequency, repetition), applied on the batch.
 
+A request's logit bias becomes two tensors (token ids, values) the first time it is sampled;
+each step adds every biased row's in one scatter, so a vocabulary-sized bias costs a step one
+tensor op, not a Python loop over its entries.
+
 Each penalized request keeps two vocab-sized vectors here: a mask of its prompt tokens and the
 count of each output token. The counts grow by the tokens sampled since the last step, so a
 step costs O(batch x vocab) tensor work whatever the sequence length, and no Python loop runs
@@ -34,17 +38,31 @@ class _History:
             self.num_counted = len(req.output_token_ids)
 
 
+class _Bias:
+    """A request's ``logit_bias`` as tensors on the logits' device, built once: each step adds
+    it with one scatter, whatever its size (up to the whole vocabulary)."""
+
+    def __init__(self, pairs: tuple[tuple[int, float], ...], vocab: int, device, dtype):
+        self.pairs = pairs  # the SamplingParams' own tuple: rebuilt if it is another
+        ids = torch.tensor([t for t, _ in pairs], dtype=torch.int64)
+        vals = torch.tensor([b for _, b in pairs], dtype=dtype)
+        keep = ids < vocab  # the router checks ids; a direct caller cannot crash a batch
+        self.ids, self.vals = ids[keep].to(device), vals[keep].to(device)
+
+
 class Penalties:
     def __init__(self) -> None:
         self._histories: dict[str, _History] = {}
+        self._biases: dict[str, _Bias] = {}
 
     def release(self, request_id: str) -> None:
         self._histories.pop(request_id, None)
+        self._biases.pop(request_id, None)
 
     def apply(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """``logits`` [B, vocab] with each row's bias and penalties applied (a new tensor when
         any applies; the input is returned untouched otherwise)."""
-        logits = apply_logit_bias(logits, requests)
+        logits = self._apply_logit_bias(logits, requests)
         rows = [i for i, r in enumerate(requests) if r.sampling.has_penalties]
         if not rows:
             return logits
@@ -62,6 +80,28 @@ class Penalties:
         idx = torch.tensor(rows, device=device)
         logits[idx] = penalize(logits[idx], reqs, counts, prompt_mask)
         return logits
+
+    def _apply_logit_bias(self, logits: torch.Tensor, requests: Sequence[Request]):
+        """Each biased row plus its request's cached ``_Bias``, in one scatter for the batch:
+        per step, a Python loop over the biased requests only, none over their entries."""
+        rows = [i for i, r in enumerate(requests) if r.sampling.logit_bias]
+        if not rows:
+            return logits
+        biases = [self._bias(requests[i], logits) for i in rows]
+        ids = torch.cat([b.ids for b in biases])
+        lengths = torch.tensor([len(b.ids) for b in biases], device=logits.device)
+        row_ids = torch.tensor(rows, device=logits.device).repeat_interleave(lengths)
+        out = logits.clone()
+        out.index_put_((row_ids, ids), torch.cat([b.vals for b in biases]), accumulate=True)
+        return out
+
+    def _bias(self, req: Request, logits: torch.Tensor) -> _Bias:
+        pairs = req.sampling.logit_bias
+        bias = self._biases.get(req.request_id)
+        if bias is None or bias.pairs is not pairs:
+            bias = _Bias(pairs, logits.shape[-1], logits.device, logits.dtype)
+            self._biases[req.request_id] = bias
+        return bias
 
 
 def penalize(
@@ -82,19 +122,3 @@ def penalize(
     logits = torch.where(logits > 0, logits / rep, logits * rep)
     logits = logits - column("frequency_penalty") * counts
     return logits - column("presence_penalty") * generated.to(logits.dtype)
-
-
-def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """Add each request's ``logit_bias`` to its row, in one scatter for the batch."""
-    entries = [(i, t, b) for i, r in enumerate(requests) for t, b in r.sampling.logit_bias]
-    if not entries:
-        return logits
-    rows, cols, vals = zip(*entries)
-    device = logits.device
-    cols_t = torch.tensor(cols, dtype=torch.int64, device=device)
-    keep = cols_t < logits.shape[-1]  # the router checks ids; a direct caller cannot crash a batch
-    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)[keep]
-    vals_t = torch.tensor(vals, dtype=logits.dtype, device=device)[keep]
-    out = logits.clone()
-    out.index_put_((rows_t, cols_t[keep]), vals_t, accumulate=True)
-    return out

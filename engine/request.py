@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field, replace
 
@@ -103,8 +104,13 @@ class SamplingParams:
 
     def for_sequence(self, i: int) -> SamplingParams:
         """Sequence i of n: one sequence, seeded seed + i (vLLM's convention for n > 1)."""
-        seed = None if self.seed is None else self.seed + i
+        seed = None if self.seed is None else fork_seed(self.seed, i)
         return replace(self, n=1, seed=seed)
+
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """``stop_token_ids`` as a set, built once: a step looks each new token up in O(1)."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def has_penalties(self) -> bool:
@@ -114,6 +120,15 @@ class SamplingParams:
 
 
 MAX_N = 16  # sequences per request
+_INT64 = 1 << 64
+
+
+def fork_seed(seed: int, i: int) -> int:
+    """Sequence i's seed: seed + i, wrapped into int64 (the wire's type), so that every seed
+    the API accepts, 2^63 - 1 included, seeds all n sequences."""
+    return (seed + i + (_INT64 >> 1)) % _INT64 - (_INT64 >> 1)
+
+
 MAX_LOGPROBS = 20  # top-k logprobs per position, as vLLM's default max_logprobs
 
 

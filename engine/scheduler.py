@@ -174,9 +174,9 @@ class Scheduler:
         """Token-level stop conditions (stop strings are the engine's, on text)."""
         sp = req.sampling
         last = req.output_token_ids[-1]
-        if len(req.output_token_ids) >= sp.min_tokens:
-            if (not sp.ignore_eos and last in req.eos_token_ids) or last in sp.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
+        stop = (not sp.ignore_eos and last in req.eos_token_ids) or last in sp.stop_token_set
+        if stop and len(req.output_token_ids) >= sp.min_tokens:
+            return RequestStatus.FINISHED_STOPPED
         if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

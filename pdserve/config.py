@@ -25,6 +25,7 @@ from engine.config import (
     check_int8_prefill,
 )
 from engine.errors import PdserveError
+from engine.request import MAX_LOGPROBS
 from engine.settings import EngineSettings
 from grpc_plumbing.worker_process import ServerSettings
 from kv_transfer.lease import MAX_LEASE_TTL_S
@@ -170,6 +171,13 @@ class LimitsSection(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     max_stop_strings: int = Field(_LIMITS.max_stop_strings, ge=1)
     max_stop_string_chars: int = Field(_LIMITS.max_stop_string_chars, ge=1)
+    # Cost caps (router/limits.py says why each): entries of logit_bias and stop_token_ids,
+    # sequences (n x prompts), output tokens asked for (n x prompts x max_tokens), logprobs.
+    max_logit_bias: int = Field(_LIMITS.max_logit_bias, ge=0)
+    max_stop_token_ids: int = Field(_LIMITS.max_stop_token_ids, ge=0)
+    max_sequences: int = Field(_LIMITS.max_sequences, ge=1)
+    max_total_tokens: int = Field(_LIMITS.max_total_tokens, ge=1)
+    max_logprobs: int = Field(_LIMITS.max_logprobs, ge=0, le=MAX_LOGPROBS)
     max_lease_seconds: float = Field(MAX_LEASE_TTL_S, gt=0, allow_inf_nan=False)
 
 

@@ -30,4 +30,9 @@ def request_limits(c: ClusterConfig):
         max_tokens=lim.max_tokens,
         max_stop_strings=lim.max_stop_strings,
         max_stop_string_chars=lim.max_stop_string_chars,
+        max_logit_bias=lim.max_logit_bias,
+        max_stop_token_ids=lim.max_stop_token_ids,
+        max_sequences=lim.max_sequences,
+        max_total_tokens=lim.max_total_tokens,
+        max_logprobs=lim.max_logprobs,
     )

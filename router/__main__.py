@@ -38,6 +38,11 @@ async def _serve(args) -> None:
             max_tokens=args.max_tokens_limit,
             max_stop_strings=args.max_stop_strings,
             max_stop_string_chars=args.max_stop_string_chars,
+            max_logit_bias=args.max_logit_bias,
+            max_stop_token_ids=args.max_stop_token_ids,
+            max_sequences=args.max_sequences,
+            max_total_tokens=args.max_total_tokens,
+            max_logprobs=args.max_logprobs,
         ),
     )
     tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
@@ -90,6 +95,11 @@ def _add_security_args(parser: argparse.ArgumentParser) -> None:
     add("--max-tokens-limit", type=int, default=None, help="cap on max_tokens (default: context)")
     add("--max-stop-strings", type=int, default=defaults.max_stop_strings)
     add("--max-stop-string-chars", type=int, default=defaults.max_stop_string_chars)
+    add("--max-logit-bias", type=int, default=defaults.max_logit_bias)
+    add("--max-stop-token-ids", type=int, default=defaults.max_stop_token_ids)
+    add("--max-sequences", type=int, default=defaults.max_sequences, help="n x prompts")
+    add("--max-total-tokens", type=int, default=defaults.max_total_tokens)
+    add("--max-logprobs", type=int, default=defaults.max_logprobs)
 
 
 def main() -> None:

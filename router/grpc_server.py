@@ -18,6 +18,7 @@ from router.core import Router
 from router.drain import Draining
 from router.flow.types import EngineFailure, Overloaded, WorkerFailure
 from router.health import GENERATION_SERVICE, HEALTH_SERVICE, RouterHealth
+from router.offload import Offload
 from router.tokenize import detokenize, tokenize
 
 log = logging.getLogger("pdserve.router")
@@ -26,6 +27,7 @@ log = logging.getLogger("pdserve.router")
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, router: Router):
         self.router = router
+        self.offload = Offload()  # tokenization and templates, off the event loop
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("input")
@@ -45,9 +47,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if request.model and request.model != self.router.cfg.model_name:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served")
         try:
-            inp = self.router.prepare(
-                self._prompt_ids(request), request.sampling, request.request_id
-            )
+            ids = await self.offload.run(self._prompt_ids, request)
+            inp = self.router.prepare(ids, request.sampling, request.request_id)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
@@ -109,7 +110,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         chat = request.WhichOneof("input") == "chat"
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
         try:
-            ids = tokenize(
+            ids = await self.offload.run(
+                tokenize,
                 self.router.tokenizer,
                 None if chat else request.prompt,
                 messages if chat else None,
@@ -125,7 +127,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Detokenize(self, request, context):
         await self._check_model(request.model, context)
         try:
-            return pb.DetokenizeResponse(prompt=detokenize(self.router.tokenizer, request.tokens))
+            text = await self.offload.run(detokenize, self.router.tokenizer, request.tokens)
+            return pb.DetokenizeResponse(prompt=text)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 

@@ -4,7 +4,11 @@ config name), so an operator can tell a client's mistake from a limit worth rais
 
 Why each one: the body is read whole and parsed before anything else; the prompt is tokenized
 and held in every attempt; every stop string is searched in every delta's text (cost grows
-with their number times their length); max_tokens sizes the KV reservation.
+with their number times their length); max_tokens sizes the KV reservation. The cost caps bound
+what one request adds to every step of a batch and to the router's memory: each logit_bias
+entry is a scatter element per step, each stop token id a set entry per sequence; every
+sequence (n x prompts) is a stream on a decode worker; and a whole (non-streamed) response
+holds every output token, with its logprobs, until the last one (max_total_tokens bounds it).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
+from engine.request import MAX_LOGPROBS
 
 # What a 429 / RESOURCE_EXHAUSTED tells the client to wait before trying again, in whole
 # seconds (HTTP's Retry-After; gRPC's retry-after trailing metadata): about the time a tiny
@@ -30,11 +35,26 @@ class RequestLimits:
     max_tokens: int | None = None  # None: only the context bounds it
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
+    # OpenAI allows 300 logit_bias entries; 1024 leaves room for banning a word list in all its
+    # casings, and a vocabulary-sized bias is still served (one scatter a step) if raised.
+    max_logit_bias: int = 1024
+    max_stop_token_ids: int = 1024  # a set lookup per token: the cap bounds memory, not time
+    max_sequences: int = 128  # n x prompts: each sequence is a decode stream of its own
+    # n x prompts x max_tokens: what one response may hold (262,144 = 128 x a 2,048 context)
+    max_total_tokens: int = 1 << 18
+    max_logprobs: int = MAX_LOGPROBS  # logprobs / top_logprobs (vLLM's default; the ceiling)
 
     def __post_init__(self):
-        for name in ("max_request_bytes", "max_stop_strings", "max_stop_string_chars"):
+        names = ("max_request_bytes", "max_stop_strings", "max_stop_string_chars")
+        names += ("max_sequences", "max_total_tokens")
+        for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        for name in ("max_logit_bias", "max_stop_token_ids"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the engine's)")
         for name in ("max_prompt_tokens", "max_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -70,6 +90,35 @@ def check_request_limits(limits: RequestLimits, prompt_ids, params) -> None:
             limits.max_stop_string_chars,
             "max_stop_string_chars",
         )
+    _check_cost_caps(limits, params)
+    check_batch_limits(limits, params.n, [params.max_tokens])
+
+
+def _check_cost_caps(limits: RequestLimits, params) -> None:
+    caps = (
+        ("logit_bias", len(params.logit_bias), "logit_bias entries", "max_logit_bias"),
+        ("stop_token_ids", len(params.stop_token_ids), "stop token ids", "max_stop_token_ids"),
+    )
+    for param, count, what, name in caps:
+        if count > getattr(limits, name):
+            raise over_limit(param, f"{count} {what}", getattr(limits, name), name)
+    for param, k in (("logprobs", params.logprobs), ("logprobs", params.prompt_logprobs)):
+        if k is not None and k > limits.max_logprobs:
+            what = f"{k} top logprobs per position"
+            raise over_limit(param, what, limits.max_logprobs, "max_logprobs")
+
+
+def check_batch_limits(limits: RequestLimits, n: int, max_tokens: list[int]) -> None:
+    """The request as a whole: ``n`` sequences of each prompt, the prompts' ``max_tokens``
+    (one entry per prompt; a completions request may carry a list of prompts)."""
+    sequences = n * len(max_tokens)
+    if sequences > limits.max_sequences:
+        what = f"n ({n}) x {len(max_tokens)} prompts is {sequences} sequences"
+        raise over_limit("n", what, limits.max_sequences, "max_sequences")
+    total = n * sum(max_tokens)
+    if total > limits.max_total_tokens:
+        what = f"n ({n}) x max_tokens over {len(max_tokens)} prompts asks for {total} tokens"
+        raise over_limit("max_tokens", what, limits.max_total_tokens, "max_total_tokens")
 
 
 class FirstTokenQueue:

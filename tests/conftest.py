@@ -15,7 +15,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def tiny_llama_dir(
-    tmp_path, *, num_heads=4, num_kv_heads=4, seed=0, vocab=128, layers=2, head_dim=16
+    tmp_path,
+    *,
+    num_heads=4,
+    num_kv_heads=4,
+    seed=0,
+    vocab=128,
+    layers=2,
+    head_dim=16,
+    max_positions=512,
 ):
     """Save a random tiny Llama as a Hugging Face folder (config.json + safetensors)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -28,7 +36,7 @@ def tiny_llama_dir(
         num_hidden_layers=layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         # A wide init makes logits peaky, so greedy argmax ties are rare.

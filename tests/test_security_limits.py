@@ -65,7 +65,6 @@ def assert_serving(cluster):
         ({"max_tokens": 9}, "max_tokens", "max_tokens"),
         ({"stop": ["a", "b", "c"]}, "stop", "max_stop_strings"),
         ({"stop": ["x" * 9]}, "stop", "max_stop_string_chars"),
-        ({"prompt": "w5 " * 2000}, "body", "max_request_bytes"),
     ],
 )
 def test_each_http_limit_is_a_400_naming_it(cluster, body, param, limit):
@@ -75,9 +74,16 @@ def test_each_http_limit_is_a_400_naming_it(cluster, body, param, limit):
     assert_serving(cluster)
 
 
+def test_a_body_over_the_cap_is_a_413_naming_it(cluster):
+    status, out = completion(cluster, prompt="w5 " * 2000)
+    assert status == 413, out
+    assert out["error"]["param"] == "body" and "max_request_bytes" in out["error"]["message"]
+    assert_serving(cluster)
+
+
 def test_a_body_over_the_cap_is_refused_from_its_content_length(cluster):
     status, out = post(cluster.http_address, "/v1/chat/completions", b"{" + b" " * 5000 + b"}")
-    assert status == 400 and "max_request_bytes" in out["error"]["message"]
+    assert status == 413 and "max_request_bytes" in out["error"]["message"]
     assert_serving(cluster)
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from engine.request import fork_seed
 from protos import pdserve_pb2 as pb
 from router.limits import RETRY_AFTER_S
 
@@ -189,5 +190,5 @@ def sequence_sampling(sampling: pb.SamplingParams, i: int) -> pb.SamplingParams:
     out = without_prompt_logprobs(sampling)
     out.n = 1
     if out.HasField("seed"):
-        out.seed = sampling.seed + i
+        out.seed = fork_seed(sampling.seed, i)  # wraps in int64, as the worker's forks
     return out

@@ -3,8 +3,13 @@ optionally, /metrics), and the request body cap, before FastAPI parses anything.
 
 A middleware rather than route dependencies so nothing is left open by omission: /docs,
 /openapi.json, /metrics, /tokenize and routes added later all need the key. The body is read
-here whole (up to the cap) and replayed to the app: the handlers read it whole anyway, and a
-body over the cap is answered without reading the rest.
+here whole (up to the cap) and replayed to the app: the handlers read it whole anyway.
+
+A body over the cap is answered 413 naming ``max_request_bytes``, after reading and dropping
+the rest of it: a client such as Python's urllib sends its whole body before it reads the
+answer, and a server that closed while it was still sending would leave it a broken pipe
+instead of the error. What is dropped is bounded (``drain_limit``: 4x the cap, at least
+64 MiB); a body declared past that is answered at once and the connection closed.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 from router.auth import bearer_ok
 
 OPEN_PATHS = frozenset({"/health"})  # probes carry no key
+MIN_DRAIN_BYTES = 64 << 20  # an oversized body read and dropped before its 413, at least
 
 
 def error_body(message: str, kind: str, param: str | None, code: str) -> bytes:
@@ -36,35 +42,45 @@ class ApiGuard:
             body = error_body(message, "authentication_error", None, "invalid_api_key")
             return await _respond(send, 401, body)
         length = _header(scope, b"content-length")
-        too_long = length is not None and length.isdigit() and int(length) > self.max_body_bytes
-        body = None if too_long else await self._read_body(receive)
+        declared = int(length) if length is not None and length.isdigit() else 0
+        if declared > self.drain_limit:  # too much even to drop: answer, then hang up
+            return await _respond(send, 413, self._too_large(), close=True)
+        body, ended = await self._read_body(receive)
         if body is None:
-            message = (
-                f"body: the request body is over {self.max_body_bytes} bytes "
-                "(limit max_request_bytes)"
-            )
-            body = error_body(message, "invalid_request_error", "body", "request_too_large")
-            return await _respond(send, 400, body)
+            return await _respond(send, 413, self._too_large(), close=not ended)
         await self.app(scope, _replay(body, receive), send)
+
+    @property
+    def drain_limit(self) -> int:
+        return max(4 * self.max_body_bytes, MIN_DRAIN_BYTES)
+
+    def _too_large(self) -> bytes:
+        message = (
+            f"body: the request body is over {self.max_body_bytes} bytes (limit max_request_bytes)"
+        )
+        return error_body(message, "invalid_request_error", "body", "request_too_large")
 
     def _needs_key(self, scope) -> bool:
         return bool(self.api_key) and scope["path"] not in self.open_paths
 
-    async def _read_body(self, receive) -> bytes | None:
-        """The whole body, or None once it passes the cap."""
+    async def _read_body(self, receive) -> tuple[bytes | None, bool]:
+        """The whole body (None: it passed the cap, and the rest was read and dropped up to
+        ``drain_limit``), and whether it was read to its end."""
         chunks, size = [], 0
         while True:
             message = await receive()
             if message["type"] != "http.request":  # the client left: let the app see it
-                break
+                return (b"".join(chunks) if size <= self.max_body_bytes else None), False
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body_bytes:
-                return None
-            chunks.append(chunk)
+            if size > self.drain_limit:
+                return None, False
+            if size <= self.max_body_bytes:
+                chunks.append(chunk)
+            else:
+                chunks.clear()  # over the cap: dropped as it comes
             if not message.get("more_body", False):
-                break
-        return b"".join(chunks)
+                return (b"".join(chunks) if size <= self.max_body_bytes else None), True
 
 
 def _header(scope, name: bytes) -> str | None:
@@ -87,9 +103,11 @@ def _replay(body: bytes, receive):
     return replay
 
 
-async def _respond(send, status: int, body: bytes) -> None:
+async def _respond(send, status: int, body: bytes, close: bool = False) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    if close:  # the rest of the body is unread: this connection cannot carry another request
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

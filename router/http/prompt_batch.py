@@ -9,6 +9,9 @@ from collections.abc import AsyncIterator
 
 from protos import pdserve_pb2 as pb
 
+# Deltas the prompts' readers may hold ahead of the response: past it they stop reading.
+PROMPT_QUEUE_DEPTH = 64
+
 
 async def merge_prompts(streams: list[AsyncIterator], n: int) -> AsyncIterator:
     """The prompts' deltas as they come, re-indexed; only the very last carries usage (summed
@@ -17,7 +20,7 @@ async def merge_prompts(streams: list[AsyncIterator], n: int) -> AsyncIterator:
         async for delta in streams[0]:
             yield delta
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue(maxsize=PROMPT_QUEUE_DEPTH)
     tasks = [asyncio.ensure_future(_pump(k, s, queue)) for k, s in enumerate(streams)]
     usage, running, finished = pb.Usage(), len(streams), 0
     try:
@@ -44,7 +47,7 @@ async def merge_prompts(streams: list[AsyncIterator], n: int) -> AsyncIterator:
 async def _pump(k: int, stream: AsyncIterator, queue: asyncio.Queue) -> None:
     try:
         async for delta in stream:
-            queue.put_nowait((k, delta))
-        queue.put_nowait((k, None))
+            await queue.put((k, delta))  # waits while the response is behind (backpressure)
+        await queue.put((k, None))
     except Exception as e:  # noqa: BLE001 - raised by the reader
-        queue.put_nowait((k, e))
+        await queue.put((k, e))

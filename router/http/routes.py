@@ -14,7 +14,6 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import ClassVar
 
 import grpc
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -36,7 +35,10 @@ from router.http.openai_responses import (
     usage_body,
 )
 from router.http.prompt_batch import merge_prompts
+from router.http.pump import Pump
 from router.http.tokenize_routes import add_tokenize_routes
+from router.limits import check_batch_limits
+from router.offload import Offload
 
 log = logging.getLogger("pdserve.router")
 
@@ -117,6 +119,7 @@ class OpenAIHandlers:
     def __init__(self, router: Router):
         self.router = router
         self.token_text = TokenText(router.tokenizer)
+        self.offload = Offload()  # tokenization and templates, off the event loop
 
     def _parse(self, model_cls, raw: bytes):
         try:
@@ -134,12 +137,18 @@ class OpenAIHandlers:
         tok = self.router.tokenizer
         try:
             prompts = req.prompt_inputs()
-            ids = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
+            ids = await self.offload.run(
+                lambda: [tok.encode(p) if isinstance(p, str) else p for p in prompts]
+            )
         except InvalidRequestError as e:
             raise _bad_request(e) from None
         echoes = None
         if req.echo:
-            echoes = [(p if isinstance(p, str) else tok.decode(i), i) for p, i in zip(prompts, ids)]
+            echoes = await self.offload.run(
+                lambda: [
+                    (p if isinstance(p, str) else tok.decode(i), i) for p, i in zip(prompts, ids)
+                ]
+            )
         shape = ResponseShape(self.router.cfg.model_name, with_logprobs=req.logprobs is not None)
         return await self._respond(req, ids, shape, echoes)
 
@@ -147,7 +156,7 @@ class OpenAIHandlers:
         req = self._parse(ChatCompletionRequest, raw)
         messages = [m.as_template_input() for m in req.messages]
         try:
-            ids = self.router.tokenizer.encode_chat(messages)
+            ids = await self.offload.run(self.router.tokenizer.encode_chat, messages)
         except InvalidRequestError as e:
             raise _bad_request(e) from None
         except Exception as e:  # noqa: BLE001 - a template's raise_exception on these messages
@@ -164,7 +173,11 @@ class OpenAIHandlers:
             for ids in prompts:
                 sampling = req.to_sampling(len(ids), cfg.max_model_len, cfg.default_max_tokens)
                 inputs.append(self.router.prepare(ids, sampling))
+            max_tokens = [inp.params.max_tokens for inp in inputs]
+            check_batch_limits(self.router.cfg.limits, req.n, max_tokens)  # n x prompts
         except InvalidRequestError as e:
+            if e.param == "logprobs" and isinstance(req, ChatCompletionRequest):
+                e = InvalidRequestError("top_logprobs", e.reason)  # chat's name for it
             raise _bad_request(e) from None
         deltas = merge_prompts([self.router.generate(inp) for inp in inputs], req.n)
         try:
@@ -199,7 +212,7 @@ class OpenAIHandlers:
     async def _stream(self, req, builder: ResponseBuilder, first, deltas) -> AsyncIterator[str]:
         usage_field = {"usage": None} if req.include_usage else {}
         timings = req.return_timings
-        pump = _Pump(deltas)
+        pump = Pump(deltas)
         delta = first
         try:
             while True:
@@ -222,44 +235,6 @@ class OpenAIHandlers:
             last = {"timings": timings_body(builder.timings)} if timings else {}
             yield _sse(builder.shape.usage_chunk(usage=usage_body(builder.usage), **last))
         yield _sse("[DONE]")
-
-
-class _Pump:
-    """Reads a request's deltas in a task of its own. When the client leaves, Starlette cancels
-    the response under an anyio cancel scope, which would cancel every await of the request's
-    cleanup too (releasing its KV lease over gRPC); a plain task cancelled once cleans up."""
-
-    _running: ClassVar[set[asyncio.Task]] = set()  # strong references until each ends
-
-    def __init__(self, deltas):
-        self._items: asyncio.Queue = asyncio.Queue()
-        self._stopping = False
-        self._task = asyncio.ensure_future(self._run(deltas))
-        self._running.add(self._task)
-        self._task.add_done_callback(self._running.discard)
-
-    async def _run(self, deltas) -> None:
-        try:
-            async for delta in deltas:
-                self._items.put_nowait(delta)
-        except Exception as e:  # noqa: BLE001 - the reader raises it; a cancel just ends us
-            self._items.put_nowait(e)
-        except asyncio.CancelledError:
-            if self._stopping:
-                raise
-            # Not ours: a worker call's cancel leaked out; the reader must not wait forever.
-            self._items.put_nowait(WorkerFailure("the request was cancelled at a worker"))
-
-    async def next(self):
-        item = await self._items.get()
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    def stop(self) -> None:
-        if not self._task.done():
-            self._stopping = True
-            self._task.cancel()
 
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up; nobody reads it
@@ -335,7 +310,7 @@ def build_app(router: Router, api_key: str | None = None) -> FastAPI:
 
     app.include_router(v1)
     tokens = APIRouter(dependencies=[Depends(require_key)])  # vLLM's paths: no /v1
-    add_tokenize_routes(tokens, router, handlers._parse, _bad_request)
+    add_tokenize_routes(tokens, router, handlers._parse, _bad_request, handlers.offload)
     app.include_router(tokens)
     _add_operational_routes(app, router)
     _add_error_handlers(app)
