@@ -82,7 +82,10 @@ def test_sigterm_drains_running_streams_and_exits_within_the_grace_period(
     lines: list[str] = []
     try:
         http = _read_until_ready(proc, lines)["http"]
-        reference = [s.text for s in _streams(http) if s.join(60) or True]
+        undisturbed = _streams(http)
+        for s in undisturbed:
+            s.join(60)
+        reference = [s.text for s in undisturbed]
         assert all(reference)
         _slow_decode_steps(0.05)
         streams = _streams(http)
@@ -94,8 +97,14 @@ def test_sigterm_drains_running_streams_and_exits_within_the_grace_period(
         for s, want in zip(streams, reference, strict=True):
             s.join(GRACE_S)
             assert s.done and not s.errors and s.text == want, (s.errors, s.text[-40:])
+        streams_s = time.monotonic() - t0
         assert proc.wait(GRACE_S) == 0, "".join(lines)
-        assert time.monotonic() - t0 < GRACE_S
+        exit_s = time.monotonic() - t0
+        print(
+            f"after SIGTERM: streams done in {streams_s:.1f} s, pdserve serve exited in "
+            f"{exit_s:.1f} s (grace {GRACE_S:.0f} s)"
+        )
+        assert exit_s < GRACE_S
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -119,6 +128,7 @@ def test_a_killed_router_actor_is_restarted_on_its_address(ray_address, tiny_mod
 
         assert wait_until(serves, 60, "the router to come back") == reference
         back_s = time.monotonic() - t0
+        print(f"the router served again {back_s:.1f} s after it was killed")
         st = cluster.status()
         assert st["router"]["grpc"] == cluster.grpc_address, json.dumps(st["router"])
         assert any("restarting it" in e for e in st["events"]), st["events"]
