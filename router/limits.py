@@ -133,42 +133,83 @@ class FirstTokenQueue:
     not look slow. Until it has seen enough first tokens, or when the estimate misses, the
     deadline itself is the backstop: while the oldest has waited longer than ``max_wait_s``,
     new arrivals are refused. A deadline rather than a count: the bound follows the cluster's
-    real speed, and no admitted request's KV lease (30 s by default) expires in the queue."""
+    real speed, and no admitted request's KV lease (30 s by default) expires in the queue.
+
+    Only requests that can still be served count, so one stuck request (a hung worker, a
+    prefill held open) cannot refuse everyone: a request that a later arrival overtook (its
+    first token came out first) shows the queue moves, and is left out of the backstop; one
+    that has waited past ``stale_after_s`` (three times the deadline, at least a second past
+    it) is left out of everything, the estimate's count and its busy time included. Its own
+    deadline (the router's first-token budget) ends it."""
 
     MIN_RATE_SAMPLES = 8  # first tokens seen before the rate is trusted
+    STALE_FACTOR = 3.0  # stale_after_s = max(STALE_FACTOR x max_wait_s, max_wait_s + ...)
+    MIN_STALE_MARGIN_S = 1.0  # ... a second: a timer's jitter is no proof a request is stuck
 
-    def __init__(self, max_wait_s: float, rate_window: int = 64, clock=time.monotonic):
+    def __init__(
+        self,
+        max_wait_s: float,
+        rate_window: int = 64,
+        clock=time.monotonic,
+        stale_after_s: float | None = None,
+    ):
         if not max_wait_s > 0:
             raise ValueError("max_wait_s must be > 0")
         self.max_wait_s = max_wait_s
+        self._stale_after_s = stale_after_s
         self._clock = clock  # seconds, monotonic (tests pass a fake one)
-        self._waiting: dict[int, float] = {}  # ticket -> arrival (insertion order: oldest first)
+        # ticket -> arrival of the requests that can still be served (oldest first), and the
+        # tickets of those that waited past stale_after_s.
+        self._live: dict[int, float] = {}
+        self._stale: set[int] = set()
         self._tickets = itertools.count()
-        # Busy seconds (time with someone waiting) before now, and since when it is busy.
+        self._newest_served = -1  # the newest ticket whose first token came out
+        # Busy seconds (time with a live request waiting) before now, and since when it is busy.
         self._busy_before = 0.0
         self._busy_since = 0.0
         # The busy-seconds clock at each recent first token: their spacing is the service rate.
         self._served_at: collections.deque[float] = collections.deque(maxlen=rate_window)
 
+    @property
+    def stale_after_s(self) -> float:
+        """How long a request may wait before it no longer counts (it is stuck, not queued)."""
+        if self._stale_after_s is not None:
+            return self._stale_after_s
+        w = self.max_wait_s  # read each time: tests and operators may change it
+        return max(self.STALE_FACTOR * w, w + self.MIN_STALE_MARGIN_S)
+
     def __len__(self) -> int:
-        return len(self._waiting)
+        return len(self._live) + len(self._stale)
+
+    def num_live(self, now: float | None = None) -> int:
+        """Waiting requests that can still be served (not past stale_after_s)."""
+        self._prune(self._clock() if now is None else now)
+        return len(self._live)
 
     def oldest_wait_s(self, now: float | None = None) -> float:
-        if not self._waiting:
-            return 0.0
-        return (self._clock() if now is None else now) - next(iter(self._waiting.values()))
+        """How long the oldest request that can still be served, and that no later arrival
+        overtook, has waited (0 with none)."""
+        now = self._clock() if now is None else now
+        self._prune(now)
+        for ticket, arrival in self._live.items():
+            if ticket > self._newest_served:
+                return now - arrival
+        return 0.0
 
     def service_rate(self, now: float | None = None) -> float | None:
         """First tokens per busy second, recently; None until MIN_RATE_SAMPLES were seen."""
         if len(self._served_at) < self.MIN_RATE_SAMPLES:
             return None
-        span = self._busy_s(self._clock() if now is None else now) - self._served_at[0]
+        now = self._clock() if now is None else now
+        self._prune(now)
+        span = self._busy_s(now) - self._served_at[0]
         return (len(self._served_at) - 1) / span if span > 0 else None
 
     def estimated_wait_s(self, now: float | None = None) -> float | None:
         """How long a request arriving now would wait for its first token; None: unknown."""
+        now = self._clock() if now is None else now
         rate = self.service_rate(now)
-        return None if rate is None else (len(self) + 1) / rate
+        return None if rate is None else (self.num_live(now) + 1) / rate
 
     def full(self, now: float | None = None) -> str | None:
         """Why a new request is refused now, or None."""
@@ -176,14 +217,14 @@ class FirstTokenQueue:
         waited = self.oldest_wait_s(now)
         if waited > self.max_wait_s:
             return (
-                f"{len(self)} requests queued, the oldest for {waited:.1f} s "
+                f"{self.num_live(now)} requests queued, the oldest for {waited:.1f} s "
                 f"(max_queue_wait_s {self.max_wait_s:g})"
             )
         estimate = self.estimated_wait_s(now)
         if estimate is not None and estimate > self.max_wait_s:
             return (
-                f"{len(self)} requests queued, a new one would wait about {estimate:.1f} s "
-                f"for its first token (max_queue_wait_s {self.max_wait_s:g})"
+                f"{self.num_live(now)} requests queued, a new one would wait about "
+                f"{estimate:.1f} s for its first token (max_queue_wait_s {self.max_wait_s:g})"
             )
         return None
 
@@ -198,26 +239,48 @@ class FirstTokenQueue:
 
     def enter(self) -> int:
         now = self._clock()
-        if not self._waiting:
+        self._prune(now)
+        if not self._live:
             self._busy_since = now
         ticket = next(self._tickets)
-        self._waiting[ticket] = now
+        self._live[ticket] = now
         return ticket
 
     def served(self, ticket: int) -> None:
-        """At the request's first token: it leaves, and counts toward the service rate."""
+        """At the request's first token: it leaves, and counts toward the service rate
+        (called again for each later token: a no-op then)."""
         now = self._clock()
-        if ticket in self._waiting:
+        self._prune(now)
+        if ticket in self._live:
             self._served_at.append(self._busy_s(now))
+        if ticket in self._live or ticket in self._stale:
+            self._newest_served = max(self._newest_served, ticket)
         self._leave(ticket, now)
 
     def leave(self, ticket: int) -> None:
         """When the request ends without a first token (idempotent; after served too)."""
-        self._leave(ticket, self._clock())
+        now = self._clock()
+        self._prune(now)
+        self._leave(ticket, now)
 
     def _leave(self, ticket: int, now: float) -> None:
-        if self._waiting.pop(ticket, None) is not None and not self._waiting:
+        self._stale.discard(ticket)
+        if self._live.pop(ticket, None) is not None and not self._live:
             self._busy_before += now - self._busy_since
 
+    def _prune(self, now: float) -> None:
+        """Move the requests that waited past stale_after_s out of the live ones (oldest
+        first); the busy clock stops when the last live one went stale, not now."""
+        limit = self.stale_after_s
+        while self._live:
+            ticket, arrival = next(iter(self._live.items()))
+            stale_at = arrival + limit
+            if stale_at > now:
+                return
+            del self._live[ticket]
+            self._stale.add(ticket)
+            if not self._live:
+                self._busy_before += stale_at - self._busy_since
+
     def _busy_s(self, now: float) -> float:
-        return self._busy_before + (now - self._busy_since if self._waiting else 0.0)
+        return self._busy_before + (now - self._busy_since if self._live else 0.0)
