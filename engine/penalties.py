@@ -1,8 +1,9 @@
 """Logit bias and vLLM's penalties (presence, frequency, repetition), applied on the batch.
 
-A request's logit bias becomes two tensors (token ids, values) the first time it is sampled;
-each step adds every biased row's in one scatter, so a vocabulary-sized bias costs a step one
-tensor op, not a Python loop over its entries.
+A request's logit bias becomes tensors the first time it is sampled (a whole row when it
+covers much of the vocabulary, else token ids and values); each step adds the batch's in one
+add and one scatter, so a vocabulary-sized bias costs a step one tensor op, not a Python loop
+over its entries.
 
 Each penalized request keeps two vocab-sized vectors here: a mask of its prompt tokens and the
 count of each output token. The counts grow by the tokens sampled since the last step, so a
@@ -40,7 +41,11 @@ class _History:
 
 class _Bias:
     """A request's ``logit_bias`` as tensors on the logits' device, built once: each step adds
-    it with one scatter, whatever its size (up to the whole vocabulary)."""
+    it in one tensor op, whatever its size. A bias over at least 1/``DENSE_FRACTION`` of the
+    vocabulary is kept as a whole row (one add beats a scatter of that many entries: 0.03 vs
+    0.2 ms at 32k); a smaller one as (ids, values), scattered."""
+
+    DENSE_FRACTION = 8
 
     def __init__(self, pairs: tuple[tuple[int, float], ...], vocab: int, device, dtype):
         self.pairs = pairs  # the SamplingParams' own tuple: rebuilt if it is another
@@ -48,6 +53,10 @@ class _Bias:
         vals = torch.tensor([b for _, b in pairs], dtype=dtype)
         keep = ids < vocab  # the router checks ids; a direct caller cannot crash a batch
         self.ids, self.vals = ids[keep].to(device), vals[keep].to(device)
+        self.dense = None
+        if len(self.ids) * self.DENSE_FRACTION >= vocab:
+            self.dense = torch.zeros(vocab, dtype=dtype, device=device)
+            self.dense.index_put_((self.ids,), self.vals, accumulate=True)
 
 
 class Penalties:
@@ -82,17 +91,26 @@ class Penalties:
         return logits
 
     def _apply_logit_bias(self, logits: torch.Tensor, requests: Sequence[Request]):
-        """Each biased row plus its request's cached ``_Bias``, in one scatter for the batch:
-        per step, a Python loop over the biased requests only, none over their entries."""
+        """Each biased row plus its request's cached ``_Bias``: the dense ones in one add, the
+        sparse ones in one scatter for the batch; per step, a Python loop over the biased
+        requests only, none over their entries."""
         rows = [i for i, r in enumerate(requests) if r.sampling.logit_bias]
         if not rows:
             return logits
         biases = [self._bias(requests[i], logits) for i in rows]
-        ids = torch.cat([b.ids for b in biases])
-        lengths = torch.tensor([len(b.ids) for b in biases], device=logits.device)
-        row_ids = torch.tensor(rows, device=logits.device).repeat_interleave(lengths)
         out = logits.clone()
-        out.index_put_((row_ids, ids), torch.cat([b.vals for b in biases]), accumulate=True)
+        device = logits.device
+        dense = [(i, b) for i, b in zip(rows, biases) if b.dense is not None]
+        if dense:
+            idx = torch.tensor([i for i, _ in dense], device=device)
+            out[idx] += torch.stack([b.dense for _, b in dense])
+        sparse = [(i, b) for i, b in zip(rows, biases) if b.dense is None]
+        if sparse:
+            ids = torch.cat([b.ids for _, b in sparse])
+            lengths = torch.tensor([len(b.ids) for _, b in sparse], device=device)
+            row_ids = torch.tensor([i for i, _ in sparse], device=device)
+            vals = torch.cat([b.vals for _, b in sparse])
+            out.index_put_((row_ids.repeat_interleave(lengths), ids), vals, accumulate=True)
         return out
 
     def _bias(self, req: Request, logits: torch.Tensor) -> _Bias:

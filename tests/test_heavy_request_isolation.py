@@ -259,3 +259,27 @@ def _beside_a_burst(address: str, client) -> tuple[list[float], float]:
     burst_s = answered[0][1] - start
     assert burst_s + 0.2 < streamed, "the burst must run inside the stream"
     return gaps, burst_s
+
+
+def test_a_vocabulary_sized_bias_adds_exactly_what_a_scatter_adds():
+    """A bias over much of the vocabulary is kept as a whole row (engine/penalties.py): the
+    logits it gives are bit for bit those of adding each entry."""
+    import torch
+
+    from engine.penalties import Penalties
+    from engine.request import Request, SamplingParams
+
+    vocab = 512
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    dense = tuple((t, (t % 7) - 3.0) for t in range(vocab))
+    sparse = ((3, 5.0), (7, -2.0))
+    reqs = [
+        Request("dense", [1], SamplingParams(logit_bias=dense)),
+        Request("none", [1], SamplingParams()),
+        Request("sparse", [1], SamplingParams(logit_bias=sparse)),
+    ]
+    want = logits.clone()
+    for row, pairs in ((0, dense), (2, sparse)):
+        for t, b in pairs:
+            want[row, t] += b
+    assert torch.equal(Penalties().apply(logits, reqs), want)
