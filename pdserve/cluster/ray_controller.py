@@ -80,7 +80,7 @@ class Controller:
     async def start(self) -> dict:
         """Start the router and every worker; returns the router's addresses once it is ready."""
         # The router lives next to the controller, where the driver resolved the model folder.
-        self.router = pinned_here(RouterActor, ROUTER_NAME, max_concurrency=16).remote()
+        self.router = self.router_actor_class().remote()
         self.addresses = await self.router.start.remote(self.cfg.model_dump(), self.model_dir)
         results = await asyncio.gather(*(self._reconcile(role) for role in ROLES))
         errors = [e for errs in results for e in errs]
@@ -233,6 +233,11 @@ class Controller:
         ray.kill(rec.actor)
 
     # ---- health --------------------------------------------------------------------------
+    @staticmethod
+    def router_actor_class():
+        """The router's named actor class, pinned to this node (a restart makes it anew)."""
+        return pinned_here(RouterActor, ROUTER_NAME, max_concurrency=16)
+
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.health_period_s)

@@ -13,8 +13,6 @@ import logging
 
 import ray
 
-from pdserve.cluster.ray_actors import RouterActor
-
 log = logging.getLogger("pdserve.controller")
 
 ROUTER_STATUS_TIMEOUT_S = 30.0  # a router that does not answer this long is hung: restarted
@@ -44,12 +42,10 @@ async def supervise_router(ctl) -> bool:
 
 async def restart_router(ctl, why: str) -> None:
     """A new router actor on the old one's ports, given every ready worker."""
-    from pdserve.cluster.ray_controller import ROUTER_NAME, pinned_here
-
     ctl._event(f"the router {why}; restarting it")
     ray.kill(ctl.router)
     cfg = same_ports(ctl.cfg, ctl.addresses)
-    actor_cls = pinned_here(RouterActor, ROUTER_NAME, max_concurrency=16)
+    actor_cls = ctl.router_actor_class()
     router = await _create_when_name_free(actor_cls)
     try:
         addresses = await router.start.remote(cfg.model_dump(), ctl.model_dir)
