@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.kv_blocks import gather_kv_blocks
+from kv_transfer.errors import is_receiver_fault
 from kv_transfer.frame import MAX_FRAME_BYTES, dtype_name, encode_commit_frame, encode_kv_frame
 from kv_transfer.interfaces import Channel, Link, ReceiverServer
 from kv_transfer.transports import transport_module
@@ -35,9 +36,13 @@ log = logging.getLogger("pdserve.kv")
 class TransferError(Exception):
     """A stream failed: frames were rejected by the receiver or the link broke."""
 
-    def __init__(self, reasons: list[str]):
+    def __init__(self, reasons: list[str], receiver_fault: bool = False):
         super().__init__("; ".join(reasons) or "transfer failed")
         self.reasons = list(reasons)
+        # The receiving side failed it (kv_transfer.errors.ReceiverFault): its endpoint refused
+        # or reset the link, or did not acknowledge the commit. Rejected frames are not: a
+        # receiver that checks a frame and refuses it is working (a damaged or lost frame).
+        self.receiver_fault = receiver_fault
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ class KVStream:
         self._frames = 0
         self._bytes = 0
         self._errors: list[str] = []  # set by the sender thread when the link fails
+        self._receiver_fault = False  # one of them was the receiver's (is_receiver_fault)
         self._aborted = False
         self._closed = False
         self._committed = False  # commit() returned or raised
@@ -119,7 +125,8 @@ class KVStream:
             raise
         except Exception as e:
             _cancel_quietly(self._channel)
-            raise TransferError([f"commit failed: {type(e).__name__}: {e}"]) from e
+            reason = f"commit failed: {type(e).__name__}: {e}"
+            raise TransferError([reason], receiver_fault=is_receiver_fault(e)) from e
         finally:
             self._committed = True
         if errors:
@@ -153,7 +160,7 @@ class KVStream:
 
     def _run_commit(self, pushed: Future) -> None:
         if self._errors:
-            pushed.set_exception(TransferError(self._errors))
+            pushed.set_exception(TransferError(self._errors, self._receiver_fault))
             self._channel.cancel()
             return
         header, payload = encode_commit_frame(self.request_id, self.lease_id, self._frames)
@@ -172,8 +179,9 @@ class KVStream:
         except Exception as e:  # noqa: BLE001
             log.warning("kv stream %s failed: %s: %s", self.lease_id, type(e).__name__, e)
             self._errors.append(f"{type(e).__name__}: {e}")
+            self._receiver_fault = self._receiver_fault or is_receiver_fault(e)
             if isinstance(job, Future) and not job.done():
-                job.set_exception(TransferError(self._errors))
+                job.set_exception(TransferError(self._errors, self._receiver_fault))
 
 
 class KVSender:

@@ -16,7 +16,7 @@ import grpc
 from grpc_plumbing.auth import TOKEN_KEY, require_token_off_loopback, token_matches
 from grpc_plumbing.server import EXCLUSIVE_PORT, bind, message_options
 from grpc_plumbing.tls import ClusterTls
-from kv_transfer.errors import FrameError
+from kv_transfer.errors import FrameError, ReceiverFault
 from kv_transfer.interfaces import Channel, Link, ReceiverServer
 from protos import pdserve_pb2, pdserve_pb2_grpc
 
@@ -173,6 +173,17 @@ class GrpcReceiverServer(ReceiverServer):
         self._server.stop(grace_s).wait()
 
 
+def _ended(error, what: str) -> ConnectionError:
+    """A PushFrames call's failure as the sender reports it: UNAVAILABLE (the receiver refused
+    or reset the connection, or went away) is the receiver's (ReceiverFault); anything else
+    (a cancel, this side's channel closed) is a ConnectionError of this link."""
+    code = error.code() if isinstance(error, grpc.RpcError) else None
+    cls = ReceiverFault if code == grpc.StatusCode.UNAVAILABLE else ConnectionError
+    name = code.name if code is not None else type(error).__name__
+    details = error.details() if isinstance(error, grpc.RpcError) else str(error)
+    return cls(f"{what}: {name}: {details}")
+
+
 class _GrpcChannel(Channel):
     def __init__(self, push_frames, metadata, timeout_s: float):
         self._frames: queue.Queue = queue.Queue(maxsize=MAX_QUEUED_FRAMES)
@@ -189,7 +200,7 @@ class _GrpcChannel(Channel):
                 return
             except queue.Full:
                 if self._call.done():  # the call died; nobody will drain the queue
-                    raise ConnectionError(f"PushFrames ended early: {self._call.exception()}")
+                    raise _ended(self._call.exception(), "PushFrames ended early")
 
     def push(self, header, payload) -> None:
         self._put((header, payload))  # serialize_kv_frame makes the one copy, on grpc's thread
@@ -199,7 +210,10 @@ class _GrpcChannel(Channel):
         self._put(None)
 
     def wait_ack(self, timeout: float) -> list[str]:
-        ack = self._call.result(timeout=timeout)
+        try:
+            ack = self._call.result(timeout=timeout)
+        except grpc.RpcError as e:
+            raise _ended(e, "PushFrames failed") from e
         errors = list(ack.errors)
         if ack.frames_rejected and not errors:
             errors = [f"{ack.frames_rejected} frames rejected"]

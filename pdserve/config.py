@@ -99,6 +99,8 @@ class RouterSection(_Strict):
     first_token_timeout_s: float = Field(_ROUTER.first_token_timeout_s, gt=0)
     first_token_s_per_token: float = Field(_ROUTER.first_token_s_per_token, ge=0)
     token_timeout_s: float = Field(_ROUTER.token_timeout_s, gt=0)
+    # The circuit breaker takes at most this share of a pool out of routing.
+    max_ejection_percent: float = Field(_ROUTER.max_ejection_percent, ge=0, le=100)
 
 
 class AutoscalerConfig(_Strict):

@@ -92,6 +92,7 @@ def _router_settings(cfg: ClusterConfig, model_dir: str, tls) -> RouterSettings:
         first_token_timeout_s=r.first_token_timeout_s,
         first_token_s_per_token=r.first_token_s_per_token,
         token_timeout_s=r.token_timeout_s,
+        max_ejection_percent=r.max_ejection_percent,
         api_key=cfg.api_key,
         cluster_token=cfg.cluster_token,
         cluster_tls=tls,

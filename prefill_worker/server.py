@@ -11,6 +11,7 @@ from engine.errors import EngineError, InvalidRequestError
 from engine.request import sampling_from_message
 from engine.wire import logprob_message, logprob_messages
 from grpc_plumbing.auth import resolve_cluster_token
+from grpc_plumbing.faults import FAULT_KEY, RECEIVER_FAULT
 from grpc_plumbing.health import (
     DEFAULT_STALL_TIMEOUT_S,
     CallerGone,
@@ -18,6 +19,7 @@ from grpc_plumbing.health import (
     bounded_get,
 )
 from grpc_plumbing.server import worker_server
+from kv_transfer.errors import is_receiver_fault
 from kv_transfer.sender import TransferError
 from kv_transfer.sender_pool import SenderPool
 from prefill_worker.worker import PrefillWorker
@@ -59,7 +61,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 stream.abort()
             if isinstance(e, InvalidRequestError):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"KV destination {dest.endpoint}: {e}")
+            _abort_transfer(context, is_receiver_fault(e), f"KV destination {dest.endpoint}: {e}")
         context.add_callback(lambda: self.worker.abort(request.request_id))
         try:
             item = self._first_event(job, context)
@@ -73,7 +75,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             try:
                 stats = job.stream.commit()
             except TransferError as e:
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
+                _abort_transfer(context, e.receiver_fault, f"KV transfer failed: {e}")
             ev = job.req.events
             yield pb.PrefillEvent(
                 transfer_done=pb.TransferDone(
@@ -102,6 +104,15 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         if self.liveness is not None:
             self.liveness.check(context)  # UNAVAILABLE: the router routes around it
         return pb.WorkerStatus(**self.worker.status())
+
+
+def _abort_transfer(context, receiver_fault: bool, details: str) -> None:
+    """UNAVAILABLE for a KV transfer that failed; where the receiving side failed it, with
+    trailing metadata pdserve-fault: receiver, so the router charges the decode worker
+    (router.flow.types.is_receiver_fault), not this one."""
+    if receiver_fault:
+        context.set_trailing_metadata(((FAULT_KEY, RECEIVER_FAULT),))
+    context.abort(grpc.StatusCode.UNAVAILABLE, details)
 
 
 def _first_token(req, token: int) -> pb.FirstToken:

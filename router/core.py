@@ -23,7 +23,7 @@ from router.flow.types import FlowConfig, FlowTimings, Overloaded
 from router.limits import FirstTokenQueue, check_request_limits
 from router.metrics import Metrics
 from router.policies import get_policy
-from router.pool import WorkerPool
+from router.pool import BreakerSettings, WorkerPool
 from router.settings import RouterSettings
 
 MAX_REQUEST_ID_LEN = 256
@@ -58,8 +58,9 @@ class Router:
     def __init__(self, cfg: RouterSettings, prefill: list[str], decode: list[str]):
         self.cfg = cfg
         self.tokenizer = Tokenizer(cfg.model_dir)
-        self.prefill = WorkerPool("prefill", cfg.cluster_token, cfg.cluster_tls)
-        self.decode = WorkerPool("decode", cfg.cluster_token, cfg.cluster_tls)
+        breaker = BreakerSettings(max_ejection_percent=cfg.max_ejection_percent)
+        self.prefill = WorkerPool("prefill", cfg.cluster_token, cfg.cluster_tls, breaker)
+        self.decode = WorkerPool("decode", cfg.cluster_token, cfg.cluster_tls, breaker)
         for address in prefill:
             self.prefill.add(address)
         for address in decode:

@@ -35,6 +35,10 @@ class BreakerSettings:
 
     failures: int = 3
     cooldown_s: float = 10.0
+    # At most this share of a pool's workers may be out of routing on an open circuit at once
+    # (Envoy's outlier detection: max_ejection_percent): past it a failing worker stays in
+    # routing (counted in ``ejections_refused``, logged), so the breaker never empties a pool.
+    max_ejection_percent: float = 50.0
 
 
 BREAKER = BreakerSettings()
@@ -70,6 +74,10 @@ class WorkerHandle:
     slow_polls: int = 0  # status polls in a row that timed out
     circuit_open_until: float = 0.0  # monotonic; the breaker keeps work away until then
     circuit_trips: int = 0  # times the breaker opened
+    ejections_refused: int = 0  # times it would have opened past max_ejection_percent
+    # Whether one more worker of its pool may leave routing on its breaker (WorkerPool sets
+    # it; a handle on its own may always).
+    may_eject: object = field(default=lambda: True, repr=False)
 
     @property
     def routable(self) -> bool:
@@ -118,6 +126,9 @@ class WorkerHandle:
         self.suspect_until = now + seconds
         self.consecutive_failures += 1
         if self.consecutive_failures >= self.breaker.failures:  # the Nth, or a failed probe
+            if self.circuit != "open" and not self.may_eject():
+                self._stay_in_routing()
+                return
             self.circuit_open_until = now + self.breaker.cooldown_s
             self.circuit_trips += 1
             log.warning(
@@ -127,6 +138,20 @@ class WorkerHandle:
                 self.consecutive_failures,
                 self.breaker.cooldown_s,
             )
+
+    def _stay_in_routing(self) -> None:
+        """Its breaker would open, but that would take more of its pool out than the cap:
+        it stays in routing (half-open: its next outcome decides again)."""
+        self.circuit_open_until = 0.0
+        self.ejections_refused += 1
+        log.warning(
+            "%s worker %s failed %d attempts in a row, but stays in routing: %.0f%% of its "
+            "pool is out already (max_ejection_percent)",
+            self.role,
+            self.address,
+            self.consecutive_failures,
+            self.breaker.max_ejection_percent,
+        )
 
     def mark_succeeded(self) -> None:
         """An attempt's step here went through: the breaker closes (or stays closed)."""
@@ -170,6 +195,7 @@ class WorkerPool:
         if self._metadata is not None:
             stub = _TokenStub(stub, self._metadata)
         handle = WorkerHandle(address, self.role, channel, stub, breaker=self.breaker)
+        handle.may_eject = self.may_eject
         self.workers[address] = handle
         return handle
 
@@ -181,6 +207,12 @@ class WorkerPool:
     def drain(self, address: str) -> None:
         """No new requests go to a draining worker; those running there finish."""
         self.workers[address].draining = True
+
+    def may_eject(self) -> bool:
+        """One more worker may leave routing on an open circuit without more than
+        ``max_ejection_percent`` of the pool out (a pool of one keeps its worker)."""
+        out = sum(w.circuit == "open" for w in self.workers.values())
+        return (out + 1) * 100 <= self.breaker.max_ejection_percent * len(self.workers)
 
     def routable(self) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.routable]

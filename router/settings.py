@@ -50,3 +50,6 @@ class RouterSettings:
     first_token_timeout_s: float = 60.0
     first_token_s_per_token: float = 0.01
     token_timeout_s: float = 20.0
+    # The circuit breaker never takes more than this share of a pool out of routing at once
+    # (Envoy's max_ejection_percent): past it a failing worker stays in (router.pool).
+    max_ejection_percent: float = 50.0

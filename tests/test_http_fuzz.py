@@ -10,6 +10,7 @@ least 4,000 asserted; 4 minutes here).
 from __future__ import annotations
 
 import collections
+import json
 
 import httpx
 import pytest
@@ -44,7 +45,11 @@ def _fuzz(cluster, examples: int) -> collections.Counter:
     return sent
 
 
-def _fuzz_operation(op, mode: GenerationMode, examples: int, sent: collections.Counter) -> None:
+def _fuzz_operation(
+    op, mode: GenerationMode, examples: int, sent: collections.Counter, stream: bool = False
+) -> None:
+    """``stream``: every generated body (a JSON object) asks for a stream."""
+
     @given(case=op.as_strategy(generation_mode=mode))
     @settings(
         max_examples=examples,
@@ -53,14 +58,42 @@ def _fuzz_operation(op, mode: GenerationMode, examples: int, sent: collections.C
         suppress_health_check=list(HealthCheck),
     )
     def send(case):
+        if stream and isinstance(case.body, dict):
+            case.body["stream"] = True
         response = case.call(timeout=60)
         sent[op.label, mode.value] += 1
         assert response.status_code < 500, (
             f"{op.label} -> {response.status_code}: {response.text[:300]}\n"
             f"body: {str(case.body)[:500]}"
         )
+        if _check_stream(response, op.label, case.body):
+            sent["streamed 200", op.label] += 1
 
     send()
+
+
+def _check_stream(response, label: str, body) -> bool:
+    """A streamed 200 (an SSE body) ends with ``data: [DONE]`` and has no error event; True
+    where ``response`` was one."""
+    if response.status_code != 200:
+        return False
+    content_type = response.headers.get("content-type") or ""  # schemathesis: a list of values
+    if "text/event-stream" not in str(content_type):
+        return False
+    text = response.text
+    if response.stream_cut_short:  # schemathesis reads 20 events at most: read it all
+        req = response.request
+        text = httpx.post(req.url, content=req.body, headers=dict(req.headers), timeout=60).text
+    blocks = text.replace("\r\n", "\n").split("\n\n")
+    data = [
+        [ln[len("data: ") :] for ln in b.split("\n") if ln.startswith("data: ")] for b in blocks
+    ]
+    events = ["\n".join(d) for d in data if d]
+    where = f"{label}, body {str(body)[:300]}: {text[-300:]!r}"
+    assert events and events[-1] == "[DONE]", f"streamed 200 without [DONE]: {where}"
+    errors = [e for e in events[:-1] if '"error"' in e and "error" in json.loads(e)]
+    assert not errors, f"streamed 200 with an error event: {errors[:1]} ({where})"
+    return True
 
 
 def _assert_fuzzed_and_still_serving(cluster, sent: collections.Counter, examples: int) -> None:
@@ -78,6 +111,22 @@ def _assert_fuzzed_and_still_serving(cluster, sent: collections.Counter, example
 def test_generated_requests_never_get_a_5xx(fuzzed_cluster):
     sent = _fuzz(fuzzed_cluster, examples=40)
     _assert_fuzzed_and_still_serving(fuzzed_cluster, sent, examples=40)
+
+
+def test_generated_streamed_requests_end_with_done_and_no_error_event(fuzzed_cluster):
+    """Valid generated bodies of the streaming operations, each with ``stream: true``: every
+    200 is an event stream that ends with ``data: [DONE]`` and carries no error event."""
+    schema = schemathesis.openapi.from_url(f"http://{fuzzed_cluster.http_address}/openapi.json")
+    sent: collections.Counter = collections.Counter()
+    for result in schema.get_all_operations():
+        op = result.ok()
+        if op.method.upper() == "POST" and op.path.endswith("completions"):
+            _fuzz_operation(op, GenerationMode.POSITIVE, 15, sent, stream=True)
+    posts = {k: n for k, n in sent.items() if k[0].startswith("POST")}
+    assert len(posts) == 2 and all(n >= 8 for n in posts.values()), sent
+    streamed = {k: n for k, n in sent.items() if k[0] == "streamed 200"}
+    assert len(streamed) == 2 and all(n >= 3 for n in streamed.values()), sent  # both checked
+    assert_all_blocks_free(fuzzed_cluster)
 
 
 @pytest.mark.slow

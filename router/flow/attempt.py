@@ -12,7 +12,7 @@ import grpc
 
 from protos import pdserve_pb2 as pb
 from router.flow.request import FlowRequest
-from router.flow.types import AttemptEnded, AttemptOutcome, Tokens
+from router.flow.types import AttemptEnded, AttemptOutcome, Tokens, is_receiver_fault
 from router.pool import WorkerHandle
 
 log = logging.getLogger("pdserve.router")
@@ -160,8 +160,11 @@ def raise_if_transfer_lost(attempt: Attempt) -> None:
     error = transfer.exception()
     if error is not None:
         detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else repr(error)
+        # Failed on the receiving side (the decode worker's KV endpoint): charge the decode
+        # worker; else the prefill worker, whose call or link broke.
+        blamed = attempt.decode if is_receiver_fault(error) else attempt.prefill
         raise AttemptEnded(
             AttemptOutcome.TRANSFER_FAILED,
-            attempt.prefill,
+            blamed,
             f"KV transfer failed after the first token: {detail}",
         )

@@ -55,6 +55,7 @@ from router.flow.types import (
     Tokens,
     WorkerFailure,
     ended_by,
+    is_receiver_fault,
     lease_destination,
     sequence_sampling,
 )
@@ -160,11 +161,19 @@ class RequestFlow:
         tokens streamed so far stay: the next attempt prefills prompt + outputs elsewhere, and
         the client's stream goes on); WorkerFailure once migrations are used up."""
         hung = lost.outcome is Outcome.HUNG  # out until its polls show it back, not for 1 s
-        lost.worker.mark_failed(HUNG_SUSPECT_S if hung else SUSPECT_S)
+        poison_after = self.cfg.poison_after_workers
+        if request.charges_worker(lost.outcome, lost.worker.address, poison_after):
+            lost.worker.mark_failed(HUNG_SUSPECT_S if hung else SUSPECT_S)
+        else:
+            rid = request.request_id
+            log.warning("%s: %s; not charged: the request failed so elsewhere too", rid, lost)
         request.timings.migrations += 1
         if request.timings.migrations > self.cfg.max_migrations:
+            cause = ""
+            if request.poisoned(poison_after):
+                cause = f"; it failed so on {poison_after}+ workers: likely the request's fault"
             raise WorkerFailure(
-                f"{request.request_id}: {lost} (after {self.cfg.max_migrations} migrations)"
+                f"{request.request_id}: {lost} (after {self.cfg.max_migrations} migrations{cause})"
             ) from lost
         log.warning("%s: %s; migrating", request.request_id, lost)
 
@@ -344,6 +353,8 @@ class RequestFlow:
                     after_send()
                 event = await read_within(call, budget, p, "first token")
             except grpc.aio.AioRpcError as e:
+                if is_receiver_fault(e):  # the decode worker's KV endpoint failed the prefill
+                    raise AttemptEnded(Outcome.TRANSFER_FAILED, attempt.decode, e) from e
                 raise ended_by(p, e) from e
         if event is grpc.aio.EOF or not event.HasField("first_token"):
             raise AttemptEnded(Outcome.WORKER_LOST, p, "the prefill ended without a first token")

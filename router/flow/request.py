@@ -19,6 +19,8 @@ class FlowRequest:
     outputs: list[int] = field(default_factory=list)  # sequence 0's tokens streamed so far
     attempts: int = 0  # attempts begun
     started: float = field(default_factory=time.monotonic)  # for the time to first token
+    # Workers whose attempts failed, by how (AttemptOutcome): see charges_worker.
+    failed_on: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -32,6 +34,19 @@ class FlowRequest:
         number = self.attempts
         self.attempts += 1
         return self.request_id if number == 0 else f"{self.request_id}#{number}"
+
+    def charges_worker(self, outcome, address: str, poison_after: int) -> bool:
+        """Note that an attempt failed with ``outcome`` on worker ``address``; False once the
+        request has failed so on ``poison_after`` other workers already (then it is likely
+        the request's own fault, and the worker is not charged)."""
+        workers = self.failed_on.setdefault(outcome, set())
+        others = len(workers - {address})
+        workers.add(address)
+        return others < poison_after
+
+    def poisoned(self, poison_after: int) -> bool:
+        """Failed the same way on ``poison_after`` distinct workers or more."""
+        return any(len(w) >= poison_after for w in self.failed_on.values())
 
     def took(self, tokens: Tokens) -> None:
         """Note what an attempt yielded: the first token's time, and prompt logprobs, which

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.request import fork_seed
+from grpc_plumbing.faults import FAULT_KEY, RECEIVER_FAULT
 from protos import pdserve_pb2 as pb
 from router.limits import RETRY_AFTER_S
 
@@ -108,6 +109,13 @@ def is_engine_error(error: grpc.aio.AioRpcError) -> bool:
     return error.code() == grpc.StatusCode.INTERNAL and details.startswith(ENGINE_ERROR_PREFIX)
 
 
+def is_receiver_fault(error) -> bool:
+    """A worker call's error that names the KV receiver (the decode side) as its cause."""
+    if not isinstance(error, grpc.aio.AioRpcError):
+        return False
+    return (FAULT_KEY, RECEIVER_FAULT) in tuple(error.trailing_metadata() or ())
+
+
 def ended_by(worker, error: grpc.aio.AioRpcError, on_lease: bool = False) -> AttemptEnded:
     """The AttemptEnded for a failed Prefill or Decode call of ``worker`` (``on_lease``: a
     Decode that attaches a lease), or ``error`` re-raised when it is the request's own."""
@@ -165,6 +173,10 @@ class FlowConfig:
     # Attempts lost to a failed worker (killed, drained, transfer broken) that are retried
     # elsewhere, with the tokens streamed so far; past it the client gets an error.
     max_migrations: int = 3
+    # A request whose attempts failed the same way on this many distinct workers is likely at
+    # fault itself (a poison request): its further failures are charged to no worker, so it
+    # cannot walk through a pool tripping every breaker.
+    poison_after_workers: int = 2
     # Liveness (router.settings.RouterSettings explains each): a first token is awaited
     # first_token_timeout_s + first_token_s_per_token x the prompt tokens ahead of it and its
     # own; each later Decode chunk token_timeout_s. Past either, the attempt ends HUNG.
