@@ -265,6 +265,8 @@ def serve_decode_worker(
     worker.start()
     name = pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
     servicer.liveness = add_worker_health(server, worker, name, stall_timeout_s)
+    if kv_server is not None:  # a KV server that takes no KV (a dead torch_dist acceptor)
+        servicer.liveness.checks.append(kv_server.problem)
     server.start()
     log.info(
         "decode worker %s serving on %s (KV %s at %s)",
