@@ -22,6 +22,7 @@ from grpc_plumbing.health import (
 )
 from grpc_plumbing.server import worker_server
 from kv_transfer.errors import FrameError
+from kv_transfer.lease import LeaseStateError
 from kv_transfer.sender import start_receiver_server
 from kv_transfer.transport_grpc import add_kv_servicer
 from kv_transfer.transports import TOKEN_TRANSPORTS
@@ -160,6 +161,10 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except LeaseStateError as e:  # a second Decode on the lease, or its commit refused
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except EngineError as e:  # failed as it joined the batch; its blocks are back
+            context.abort(grpc.StatusCode[e.status_code], str(e))
 
     def _decode(self, request, context):
         stream = self._open_stream(request, context)
