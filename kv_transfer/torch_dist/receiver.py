@@ -144,9 +144,11 @@ class DistReceiverServer(ReceiverServer):
 
     def _pair_loop(self, pair: Pair) -> None:
         streams: dict[int, _StreamTally] = {}
-        while not self._stopping.is_set():
+        while True:
             op, tag, header_len, payload_len = pair.recv(4, torch.int64, TAG_DATA).tolist()
-            if op == OP_CLOSE:
+            # A stopped server ends the pair on its next message (also one paired just before
+            # the stop): the sender's stream fails then, not its open at the closed connection.
+            if op == OP_CLOSE or self._stopping.is_set():
                 return
             if op == OP_PING:
                 continue
