@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from engine import hugepages
@@ -12,6 +11,7 @@ hugepages.request()  # before anything imports torch: its allocator reads it onc
 
 from engine.errors import PdserveError
 from engine.generate import add_generate_parser
+from pdserve.serve_args import FlagError, add_serve_arguments, apply_serve_args
 
 
 def _add_demo(sub) -> None:
@@ -37,8 +37,15 @@ def _run_demo(args) -> int:
 
 
 def _add_cluster_commands(sub) -> None:
-    p = sub.add_parser("serve", help="launch the cluster on Ray and serve until Ctrl-C/SIGTERM")
+    p = sub.add_parser(
+        "serve",
+        help="launch the cluster on Ray and serve until Ctrl-C/SIGTERM",
+        description="Serve MODEL on a prefill pool and a decode pool (Ray), with an "
+        "OpenAI-compatible HTTP API and a gRPC API. The flags override the cluster YAML; the "
+        "YAML (--config) holds everything else.",
+    )
     p.add_argument("--config", default=None, help="cluster YAML (default: the embedded local one)")
+    add_serve_arguments(p)
     p.add_argument(
         "--address",
         default=None,
@@ -58,7 +65,7 @@ def _add_cluster_commands(sub) -> None:
         help="on SIGTERM/Ctrl-C, how long running streams get to finish while new requests "
         "are refused (default: the config's drain_grace_s, 30 s)",
     )
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=lambda args, serve=p: cmd_serve(args, serve))
     p = sub.add_parser("scale", help="resize the running cluster's pools")
     p.add_argument("--prefill", type=int, default=None, help="prefill workers wanted")
     p.add_argument("--decode", type=int, default=None, help="decode workers wanted")
@@ -71,16 +78,17 @@ def _add_cluster_commands(sub) -> None:
     p.set_defaults(func=cmd_status)
 
 
-def cmd_serve(args) -> int:
-    from pdserve.cluster.ray_launcher import serve_forever
+def cmd_serve(args, parser: argparse.ArgumentParser) -> int:
     from pdserve.config import load_config
     from pdserve.security_config import api_security
     from router.security import OpenBindError, check_api_exposure
 
     cfg = load_config(args.config)
+    try:  # the operator flags (and $PDSERVE_API_KEY), before Ray starts anything
+        cfg = apply_serve_args(cfg, args)
+    except FlagError as e:
+        parser.error(str(e))  # "pdserve serve: error: argument --port: ...", exit 2
     overrides = {}
-    if not cfg.api_key and os.environ.get("PDSERVE_API_KEY"):
-        overrides["api_key"] = os.environ["PDSERVE_API_KEY"]  # the router actor may not see it
     if args.allow_unauthenticated:
         overrides["security"] = {**cfg.security.model_dump(), "allow_unauthenticated": True}
     if args.drain_grace_s is not None:
@@ -91,6 +99,8 @@ def cmd_serve(args) -> int:
     except OpenBindError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from pdserve.cluster.ray_launcher import serve_forever  # Ray: only once the flags are good
+
     return serve_forever(cfg, args.address)
 
 
