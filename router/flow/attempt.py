@@ -117,13 +117,21 @@ async def read_within(call, budget: float, worker: WorkerHandle, what: str):
     """The next message of a streaming call, or grpc.aio.EOF; AttemptEnded HUNG charged to
     ``worker`` when none comes within ``budget`` seconds (a worker frozen, its engine stuck,
     or the network cut without a reset: the call itself would wait forever)."""
+    # Not asyncio.wait_for: on Python < 3.12 it can swallow a cancel that lands as the read
+    # completes, and under load a client's hang-up then went unnoticed until the stream's end.
+    read = asyncio.ensure_future(call.read())
     try:
-        return await asyncio.wait_for(call.read(), budget)
-    except TimeoutError:
-        call.cancel()
-        raise AttemptEnded(
-            AttemptOutcome.HUNG, worker, f"no {what} within {budget:.1f} s (worker hung?)"
-        ) from None
+        done, _ = await asyncio.wait((read,), timeout=budget)
+    except asyncio.CancelledError:
+        read.cancel()
+        raise
+    if done:
+        return read.result()
+    read.cancel()
+    call.cancel()
+    raise AttemptEnded(
+        AttemptOutcome.HUNG, worker, f"no {what} within {budget:.1f} s (worker hung?)"
+    )
 
 
 async def stream_tokens(call, request: FlowRequest, budgets, worker, transfer=None):
