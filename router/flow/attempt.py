@@ -119,19 +119,34 @@ async def read_within(call, budget: float, worker: WorkerHandle, what: str):
     or the network cut without a reset: the call itself would wait forever)."""
     # Not asyncio.wait_for: on Python < 3.12 it can swallow a cancel that lands as the read
     # completes, and under load a client's hang-up then went unnoticed until the stream's end.
-    read = asyncio.ensure_future(call.read())
     try:
-        done, _ = await asyncio.wait((read,), timeout=budget)
-    except asyncio.CancelledError:
-        read.cancel()
-        raise
-    if done:
+        return await _read_before(call, budget)
+    except TimeoutError:
+        call.cancel()
+        raise AttemptEnded(
+            AttemptOutcome.HUNG, worker, f"no {what} within {budget:.1f} s (worker hung?)"
+        ) from None
+
+
+if hasattr(asyncio, "timeout"):  # 3.11+: a deadline on the running task, no task per read
+
+    async def _read_before(call, budget: float):
+        async with asyncio.timeout(budget):
+            return await call.read()
+
+else:  # 3.10: the read in a task of its own, awaited with a timeout that cannot eat a cancel
+
+    async def _read_before(call, budget: float):
+        read = asyncio.ensure_future(call.read())
+        try:
+            done, _ = await asyncio.wait((read,), timeout=budget)
+        except asyncio.CancelledError:
+            read.cancel()
+            raise
+        if not done:
+            read.cancel()
+            raise TimeoutError
         return read.result()
-    read.cancel()
-    call.cancel()
-    raise AttemptEnded(
-        AttemptOutcome.HUNG, worker, f"no {what} within {budget:.1f} s (worker hung?)"
-    )
 
 
 async def stream_tokens(call, request: FlowRequest, budgets, worker, transfer=None):
