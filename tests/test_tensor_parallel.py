@@ -215,6 +215,15 @@ def test_workers_refuse_more_than_one_rank():
         start_decode_worker(DecodeSettings(engine=engine))
 
 
+def test_the_cluster_config_refuses_more_than_one_rank():
+    from pdserve.config import ClusterConfig, ConfigError, validate_config
+
+    data = ClusterConfig().model_dump()
+    data["pools"]["decode"]["tensor_parallel_size"] = 2
+    with pytest.raises(ConfigError, match="pools.decode: tensor_parallel_size 2: workers do not"):
+        validate_config(data, "the test's config")
+
+
 # ---- ranks that die --------------------------------------------------------------------
 
 
