@@ -12,7 +12,7 @@ import grpc
 
 from decode_worker.worker import CallerLeft, DecodeWorker, ReservationError
 from engine.errors import EngineError, InvalidRequestError
-from engine.wire import logprob_message, logprob_messages
+from engine.wire import kv_events_status, logprob_message, logprob_messages
 from grpc_plumbing.auth import resolve_cluster_token
 from grpc_plumbing.health import (
     DEFAULT_STALL_TIMEOUT_S,
@@ -186,6 +186,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 if first and "scheduled" in req.events:
                     ready = req.events.get("kv_ready", req.events["arrived"])
                     chunk.decode_queue_s = req.events["scheduled"] - ready
+                    chunk.cached_tokens = req.num_cached_tokens  # prefilled here: its cache hit
                     chunk.prompt_logprobs.extend(logprob_messages(req.prompt_logprobs))
                     first = False
                 running -= bool(chunk.finish_reason)
@@ -203,6 +204,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             open_streams=self.budget.open,
             max_streams=self.budget.max_streams,
             **st,
+            **kv_events_status(self.worker.blocks, self.worker.loop.lock, request),
         )
 
 

@@ -14,6 +14,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from engine.kv_events import KvEventLog
+
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """The blocks that hold ``num_tokens`` tokens (a partly filled last one counts). Torch-free:
@@ -55,6 +57,8 @@ class BlockManager:
         self._block_of_hash: dict[bytes, int] = {}
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
+        # What the prefix cache gained and lost, for the router's KV-aware routing.
+        self.events = KvEventLog()
 
     # ---- accounting -------------------------------------------------------------------
     @property
@@ -152,6 +156,7 @@ class BlockManager:
             if block not in self._hash_of_block and h not in self._block_of_hash:
                 self._hash_of_block[block] = h
                 self._block_of_hash[h] = block
+                self.events.stored(h)
 
     def free(self, block_table: Sequence[int]) -> None:
         """Drop one reference to each block; freed blocks keep their hash until reused.
@@ -171,6 +176,7 @@ class BlockManager:
         synthetic prompts must neither be matched nor counted)."""
         self._hash_of_block.clear()
         self._block_of_hash.clear()
+        self.events.reset()
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
 
@@ -190,6 +196,11 @@ class BlockManager:
         [fresh] = self.allocate(1)
         return [*shared, fresh], fresh
 
+    def kv_events_since(self, epoch: int, seq: int):
+        """engine.kv_events.KvEventDelta since the reader's (epoch, seq) (call under the
+        engine's lock)."""
+        return self.events.since(epoch, seq, self._block_of_hash.keys())
+
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
 
@@ -203,3 +214,4 @@ class BlockManager:
         h = self._hash_of_block.pop(block, None)
         if h is not None:
             del self._block_of_hash[h]
+            self.events.removed(h)

@@ -66,16 +66,9 @@ class PoolConfig(_Strict):
     num_gpus: float = Field(0.0, ge=0)
     threads: int = Field(1, ge=0, description="torch threads per worker (0: torch's default)")
     resources: dict[str, float] = Field(default_factory=dict, description="Ray custom resources")
-    # Ranks per worker: the engine runs TP=k (engine/tp_ranks.py), the workers not yet.
-    tensor_parallel_size: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _bounds(self) -> PoolConfig:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size {self.tensor_parallel_size}: workers do not run "
-                "tensor-parallel ranks yet; give 1 and scale with replicas"
-            )
         if self.min > self.max:
             raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
         if not self.min <= self.replicas <= self.max:
@@ -101,6 +94,7 @@ class RouterSection(_Strict):
     max_inflight_requests: int = Field(_ROUTER.max_inflight_requests, ge=1)
     default_max_tokens: int = Field(_ROUTER.default_max_tokens, ge=1)
     local_prefill_max_tokens: int = Field(_ROUTER.local_prefill_max_tokens, ge=0)
+    kv_local_tail_tokens: int = Field(_ROUTER.kv_local_tail_tokens, ge=0)
     concurrent_reserve_headroom: float = Field(_ROUTER.concurrent_reserve_headroom, ge=-1, le=1)
     # Liveness: past these a worker is taken as hung and the request migrates.
     first_token_timeout_s: float = Field(_ROUTER.first_token_timeout_s, gt=0)

@@ -88,6 +88,7 @@ def _router_settings(cfg: ClusterConfig, model_dir: str, tls) -> RouterSettings:
         max_inflight_requests=r.max_inflight_requests,
         default_max_tokens=r.default_max_tokens,
         local_prefill_max_tokens=r.local_prefill_max_tokens,
+        kv_local_tail_tokens=r.kv_local_tail_tokens,
         concurrent_reserve_headroom=r.concurrent_reserve_headroom,
         first_token_timeout_s=r.first_token_timeout_s,
         first_token_s_per_token=r.first_token_s_per_token,

@@ -9,7 +9,7 @@ import grpc
 
 from engine.errors import EngineError, InvalidRequestError
 from engine.request import sampling_from_message
-from engine.wire import logprob_message, logprob_messages
+from engine.wire import kv_events_status, logprob_message, logprob_messages
 from grpc_plumbing.auth import resolve_cluster_token
 from grpc_plumbing.faults import FAULT_KEY, RECEIVER_FAULT
 from grpc_plumbing.health import (
@@ -103,7 +103,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
     def Status(self, request, context):
         if self.liveness is not None:
             self.liveness.check(context)  # UNAVAILABLE: the router routes around it
-        return pb.WorkerStatus(**self.worker.status())
+        events = kv_events_status(self.worker.blocks, self.worker.loop.lock, request)
+        return pb.WorkerStatus(**self.worker.status(), **events)
 
 
 def _abort_transfer(context, receiver_fault: bool, details: str) -> None:

@@ -114,7 +114,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("prefill_queue_s", "prefill_s", "kv_transfer_s", "decode_queue_s", "ttft_s", "e2e_s", "kv_bytes")
+    __slots__ = ("prefill_queue_s", "prefill_s", "kv_transfer_s", "decode_queue_s", "ttft_s", "e2e_s", "kv_bytes", "prefill_cached_tokens", "decode_cached_tokens")
     PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,8 @@ class Timings(_message.Message):
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prefill_queue_s: float
     prefill_s: float
     kv_transfer_s: float
@@ -129,7 +131,9 @@ class Timings(_message.Message):
     ttft_s: float
     e2e_s: float
     kv_bytes: int
-    def __init__(self, prefill_queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+    prefill_cached_tokens: int
+    decode_cached_tokens: int
+    def __init__(self, prefill_queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "logprobs", "prompt_logprobs", "index")
@@ -224,11 +228,31 @@ class HealthResponse(_message.Message):
     def __init__(self, ready: _Optional[bool] = ..., prefill_workers: _Optional[int] = ..., decode_workers: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("kv_events", "kv_events_epoch", "kv_events_seq")
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_SEQ_FIELD_NUMBER: _ClassVar[int]
+    kv_events: bool
+    kv_events_epoch: int
+    kv_events_seq: int
+    def __init__(self, kv_events: _Optional[bool] = ..., kv_events_epoch: _Optional[int] = ..., kv_events_seq: _Optional[int] = ...) -> None: ...
+
+class KvCacheEvents(_message.Message):
+    __slots__ = ("epoch", "seq", "full", "stored", "removed")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    seq: int
+    full: bool
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, epoch: _Optional[int] = ..., seq: _Optional[int] = ..., full: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "queued_prompt_tokens", "draining", "prefix_hit_tokens", "prefix_query_tokens", "num_preemptions", "num_leases", "frames_rejected", "kv_endpoint", "kv_transport", "num_transfers", "block_size", "cpu_kernels", "open_streams", "max_streams")
+    __slots__ = ("worker_id", "role", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "queued_prompt_tokens", "draining", "prefix_hit_tokens", "prefix_query_tokens", "num_preemptions", "num_leases", "frames_rejected", "kv_endpoint", "kv_transport", "num_transfers", "block_size", "cpu_kernels", "open_streams", "max_streams", "kv_events")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +273,7 @@ class WorkerStatus(_message.Message):
     CPU_KERNELS_FIELD_NUMBER: _ClassVar[int]
     OPEN_STREAMS_FIELD_NUMBER: _ClassVar[int]
     MAX_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_free_blocks: int
@@ -269,7 +294,8 @@ class WorkerStatus(_message.Message):
     cpu_kernels: str
     open_streams: int
     max_streams: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_leases: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., num_transfers: _Optional[int] = ..., block_size: _Optional[int] = ..., cpu_kernels: _Optional[str] = ..., open_streams: _Optional[int] = ..., max_streams: _Optional[int] = ...) -> None: ...
+    kv_events: KvCacheEvents
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_leases: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., num_transfers: _Optional[int] = ..., block_size: _Optional[int] = ..., cpu_kernels: _Optional[str] = ..., open_streams: _Optional[int] = ..., max_streams: _Optional[int] = ..., kv_events: _Optional[_Union[KvCacheEvents, _Mapping]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "num_tokens", "lease_seconds", "lease_id")
@@ -330,20 +356,22 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., fork_token_ids: _Optional[_Iterable[int]] = ..., fork_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "decode_queue_s", "logprobs", "prompt_logprobs", "index")
+    __slots__ = ("token_ids", "finish_reason", "decode_queue_s", "logprobs", "prompt_logprobs", "index", "cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     DECODE_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     decode_queue_s: float
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     index: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., decode_queue_s: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., decode_queue_s: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., index: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KvDestination(_message.Message):
     __slots__ = ("endpoint", "transport", "lease_id", "block_size", "num_blocks")

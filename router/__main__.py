@@ -27,6 +27,7 @@ async def _serve(args) -> None:
         prefill_policy=args.prefill_policy,
         decode_policy=args.decode_policy,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
+        kv_local_tail_tokens=args.kv_local_tail_tokens,
         concurrent_reserve_headroom=args.concurrent_reserve_headroom,
         first_token_timeout_s=args.first_token_timeout_s,
         first_token_s_per_token=args.first_token_s_per_token,
@@ -126,6 +127,13 @@ def main() -> None:
         type=int,
         default=d.local_prefill_max_tokens,
         help="prompts up to this many tokens are prefilled on the decode worker",
+    )
+    parser.add_argument(
+        "--kv-local-tail-tokens",
+        type=int,
+        default=d.kv_local_tail_tokens,
+        help="kv_aware: a decode worker whose cache holds all of a prompt but this many tokens "
+        "prefills them itself",
     )
     parser.add_argument(
         "--concurrent-reserve-headroom",

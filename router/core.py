@@ -22,7 +22,7 @@ from router.flow.request import FlowRequest
 from router.flow.types import FlowConfig, FlowTimings, Overloaded
 from router.limits import FirstTokenQueue, check_request_limits
 from router.metrics import Metrics
-from router.policies import get_policy
+from router.policies import get_policy, is_kv_aware
 from router.pool import BreakerSettings, WorkerPool
 from router.settings import RouterSettings
 
@@ -71,12 +71,15 @@ class Router:
             block_size=cfg.block_size,
             reserve_timeout_s=cfg.reserve_timeout_s,
             local_prefill_max_tokens=cfg.local_prefill_max_tokens,
+            kv_local_tail_tokens=cfg.kv_local_tail_tokens,
             concurrent_reserve_headroom=cfg.concurrent_reserve_headroom,
             first_token_timeout_s=cfg.first_token_timeout_s,
             first_token_s_per_token=cfg.first_token_s_per_token,
             token_timeout_s=cfg.token_timeout_s,
         )
         self.flow = RequestFlow(self.prefill, self.decode, flow_cfg)
+        self.prefill.track_kv = is_kv_aware(flow_cfg.prefill_policy)
+        self.decode.track_kv = is_kv_aware(flow_cfg.decode_policy)
         self.inflight = 0
         self.queue = FirstTokenQueue(cfg.max_queue_wait_s)  # admission's queue deadline
         self._active_ids: set[str] = set()  # workers key aborts and leases by request id

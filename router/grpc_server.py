@@ -76,6 +76,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                 ttft_s=t.ttft_s,
                                 e2e_s=t.e2e_s,
                                 kv_bytes=t.kv_bytes,
+                                prefill_cached_tokens=t.prefill_cached_tokens,
+                                decode_cached_tokens=t.decode_cached_tokens,
                             )
                         )
                 yield msg

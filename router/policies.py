@@ -1,4 +1,9 @@
-"""Routing policies, chosen by name. Each picks candidates in order of preference."""
+"""Routing policies, chosen by name. Each picks candidates in order of preference.
+
+A policy marked ``kv_aware`` also takes ``hashes``, the chained block hashes of the tokens to
+prefill (engine/block_manager.prefix_block_hashes), and ``block_size``, and reads each worker's cached blocks from
+the router's KV index (router/kv_index.py, ``WorkerHandle.kv``).
+"""
 
 from __future__ import annotations
 
@@ -57,14 +62,65 @@ def round_robin_decode(workers: Sequence[WorkerHandle], num_blocks: int) -> list
     return sorted(workers, key=lambda w: w.served_requests)
 
 
+# What a block the decode worker lacks costs against a block its running sequences hold: the
+# missing one is prefilled (compute, the first token's wait) and shipped, where a held one only
+# adds to each step's KV read, which for most models is small beside the weights.
+KV_MISSING_BLOCK_WEIGHT = 4
+
+
+def _cached_blocks(w: WorkerHandle, hashes: Sequence[bytes]) -> int:
+    held = getattr(w, "kv", None)  # the planner's simulated workers keep no index
+    return held.cached_blocks(hashes) if held is not None and hashes else 0
+
+
+def kv_aware_prefill(
+    workers: Sequence[WorkerHandle],
+    prompt: Sequence[int],
+    hashes: Sequence[bytes] = (),
+    block_size: int = 0,
+) -> list[WorkerHandle]:
+    """The fewest tokens to compute before this prompt's first token: the prompt tokens the
+    router has queued there, plus this prompt's tokens its prefix cache lacks."""
+
+    def cost(w: WorkerHandle) -> tuple[int, int]:
+        held = _cached_blocks(w, hashes) * block_size
+        return (w.inflight_tokens + len(prompt) - min(held, len(prompt)), w.inflight_requests)
+
+    return sorted(workers, key=cost)
+
+
+def kv_aware_decode(
+    workers: Sequence[WorkerHandle],
+    num_blocks: int,
+    hashes: Sequence[bytes] = (),
+    block_size: int = 0,
+) -> list[WorkerHandle]:
+    """Dynamo's KV router cost, for the decode pool: the blocks the request would bring in (its
+    blocks less those the worker's cache holds: each one shipped or prefilled), weighted, plus
+    the blocks running sequences use there (its load). Workers without the room or a free
+    stream go last."""
+
+    def cost(w: WorkerHandle) -> tuple[bool, int]:
+        new = num_blocks - _cached_blocks(w, hashes)
+        room = w.free_blocks >= new and (not hasattr(w, "has_stream_room") or w.has_stream_room())
+        return (not room, KV_MISSING_BLOCK_WEIGHT * new + w.total_blocks - w.free_blocks)
+
+    return sorted(workers, key=cost)
+
+
+kv_aware_prefill.kv_aware = True
+kv_aware_decode.kv_aware = True
+
 PREFILL_POLICIES: dict[str, PrefillPolicy] = {
     "least_queued": least_queued_tokens,
     "prefix_affinity": prefix_affinity,
     "round_robin": round_robin_prefill,
+    "kv_aware": kv_aware_prefill,
 }
 DECODE_POLICIES: dict[str, DecodePolicy] = {
     "most_free_blocks": most_free_blocks,
     "round_robin": round_robin_decode,
+    "kv_aware": kv_aware_decode,
 }
 
 
@@ -73,3 +129,7 @@ def get_policy(kind: str, name: str):
     if name not in table:
         raise ValueError(f"unknown {kind} routing policy {name!r}; known: {sorted(table)}")
     return table[name]
+
+
+def is_kv_aware(policy) -> bool:
+    return getattr(policy, "kv_aware", False)

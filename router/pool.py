@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from grpc_plumbing.auth import TOKEN_KEY
 from grpc_plumbing.server import client_keepalive_options, message_options
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from router.kv_index import HeldBlocks
 
 log = logging.getLogger("pdserve.router")
 
@@ -78,6 +78,8 @@ class WorkerHandle:
     # Whether one more worker of its pool may leave routing on its breaker (WorkerPool sets
     # it; a handle on its own may always).
     may_eject: object = field(default=lambda: True, repr=False)
+    # What its prefix cache holds, as of the last poll (followed only for KV-aware routing).
+    kv: HeldBlocks = field(default_factory=HeldBlocks, repr=False)
 
     @property
     def routable(self) -> bool:
@@ -162,14 +164,20 @@ class WorkerHandle:
 
 
 class _TokenStub:
-    """A worker stub whose every call carries the cluster token."""
+    """A worker stub whose every call carries the cluster token, beside the call's own
+    metadata if it has any (a trace's traceparent)."""
 
     def __init__(self, stub, metadata: tuple):
         self._stub = stub
         self._metadata = metadata
 
     def __getattr__(self, method: str):
-        return functools.partial(getattr(self._stub, method), metadata=self._metadata)
+        call, token = getattr(self._stub, method), self._metadata
+
+        def with_token(request, *, metadata=None, **kwargs):
+            return call(request, metadata=token + tuple(metadata) if metadata else token, **kwargs)
+
+        return with_token
 
 
 class WorkerPool:
@@ -179,6 +187,7 @@ class WorkerPool:
         self.workers: dict[str, WorkerHandle] = {}
         self._metadata = ((TOKEN_KEY, cluster_token),) if cluster_token else None
         self._tls = tls  # grpc_plumbing.tls.ClusterTls: mutual TLS to the workers
+        self.track_kv = False  # polls follow each worker's prefix cache (KV-aware routing)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if self._tls is None:
@@ -224,7 +233,8 @@ class WorkerPool:
 
     async def _poll_one(self, w: WorkerHandle, timeout: float) -> None:
         try:
-            st = await w.stub.Status(pb.StatusRequest(), timeout=timeout)
+            ask = pb.StatusRequest(**w.kv.request_fields()) if self.track_kv else pb.StatusRequest()
+            st = await w.stub.Status(ask, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and w.healthy:
                 w.slow_polls += 1
@@ -233,6 +243,7 @@ class WorkerPool:
             if w.healthy:
                 log.warning("%s worker %s is unreachable: %s", self.role, w.address, e.code().name)
             w.healthy = False
+            w.kv.forget()
             return
         except asyncio.CancelledError:
             # Removing a worker closes its channel, which cancels a Status call in flight: that
@@ -242,6 +253,8 @@ class WorkerPool:
             w.healthy = False
             return
         w.last_status = st
+        if st.HasField("kv_events"):
+            w.kv.apply(st.kv_events)
         w.free_blocks = st.num_free_blocks
         w.total_blocks = st.num_total_blocks
         w.healthy = True

@@ -30,6 +30,10 @@ class RouterSettings:
     # Prompts up to this many tokens are prefilled on the decode worker (no KV transfer). Pick
     # it from measured latencies: where local prefill costs less than the transfer round trip.
     local_prefill_max_tokens: int = 0
+    # KV-aware routing (policy kv_aware): where the chosen decode worker's prefix cache holds
+    # all of a prompt but at most this many tokens (a chat's next turn: the history is there),
+    # it prefills that tail itself: no prefill round trip, no KV shipped.
+    kv_local_tail_tokens: int = 64
     # Reserve decode blocks and prefill at once while a decode worker (as last polled, less the
     # router's own reservations since) keeps this share of its blocks free after the request;
     # < 0: always reserve first.

@@ -17,7 +17,6 @@ BENCH_MODULES = (
     "loadgen.compare",
     "micro.transfer",
     "micro.engine",
-    "micro.tp_decode",
     "micro.router_overhead",
     "fidelity.cli",
     "fidelity.cpu_costs",

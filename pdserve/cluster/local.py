@@ -50,6 +50,7 @@ SHORT_NAMES = {
     "prefill_policy": ("router", "prefill_policy"),
     "decode_policy": ("router", "decode_policy"),
     "local_prefill_max_tokens": ("router", "local_prefill_max_tokens"),
+    "kv_local_tail_tokens": ("router", "kv_local_tail_tokens"),
     "concurrent_reserve_headroom": ("router", "concurrent_reserve_headroom"),
     "allow_unauthenticated": ("security", "allow_unauthenticated"),
     "open_metrics": ("security", "open_metrics"),

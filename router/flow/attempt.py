@@ -160,7 +160,10 @@ async def stream_tokens(call, request: FlowRequest, budgets, worker, transfer=No
         if chunk is grpc.aio.EOF:
             return
         if first:
-            request.timings.decode_queue_s += chunk.decode_queue_s
+            t = request.timings
+            t.decode_queue_s += chunk.decode_queue_s
+            t.decode_cached_tokens = max(t.decode_cached_tokens, chunk.cached_tokens)
+            t.cached_tokens = max(t.cached_tokens, chunk.cached_tokens)
             first = False
             if transfer is not None:
                 # Decoding starts only after the commit, so TransferDone is (nearly) in.

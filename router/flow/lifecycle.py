@@ -59,6 +59,7 @@ from router.flow.types import (
     lease_destination,
     sequence_sampling,
 )
+from router.policies import is_kv_aware
 from router.pool import SUSPECT_S, WorkerPool
 
 log = logging.getLogger("pdserve.router")
@@ -100,10 +101,36 @@ class RequestFlow:
 
     def _plan(self, request: FlowRequest, previous: AttemptOutcome | None) -> Attempt:
         attempt_id = request.begin_attempt()
-        if self.prefill_locally(request.num_tokens):
+        if self.prefill_locally(request.num_tokens) or self._decode_holds_all_but_tail(request):
             return Attempt(attempt_id, local=True)
         # After a refused concurrent reservation, the safe way: reserve first.
         return Attempt(attempt_id, local=False, concurrent=previous is not Outcome.LEASE_REFUSED)
+
+    def _kv_args(self, policy, request: FlowRequest) -> dict:
+        """What a kv_aware policy takes beside the workers: the blocks to prefill, hashed."""
+        if not is_kv_aware(policy):
+            return {}
+        bs = self.cfg.block_size
+        return {"hashes": request.block_hashes(bs), "block_size": bs}
+
+    def _decode_candidates(self, request: FlowRequest, num_blocks: int):
+        policy = self.cfg.decode_policy
+        return policy(self.decode.routable(), num_blocks, **self._kv_args(policy, request))
+
+    def _decode_holds_all_but_tail(self, request: FlowRequest) -> bool:
+        """KV-aware routing: the decode worker it would pick holds all of the prompt (as last
+        polled) but a tail of at most kv_local_tail_tokens, which it prefills itself. A stale
+        picture only costs a bigger tail: the worker matches its own cache."""
+        policy = self.cfg.decode_policy
+        if not is_kv_aware(policy) or request.sampling.n > 1:
+            return False
+        num_blocks = blocks_for(request.num_tokens, self.cfg.block_size)
+        candidates = self._decode_candidates(request, num_blocks)
+        if not candidates:
+            return False
+        held = candidates[0].kv.cached_blocks(request.block_hashes(self.cfg.block_size))
+        tail = request.num_tokens - held * self.cfg.block_size
+        return held > 0 and tail <= self.cfg.kv_local_tail_tokens
 
     def prefill_locally(self, num_tokens: int) -> bool:
         """Colocated pool (no prefill worker up), or a prompt too short to be worth a transfer."""
@@ -213,7 +240,7 @@ class RequestFlow:
     async def _local(self, request: FlowRequest, attempt: Attempt) -> AsyncIterator[Tokens]:
         """No lease: the decode worker prefills (its scheduler mixes the chunks into decode)."""
         num_blocks = blocks_for(request.num_tokens, self.cfg.block_size)
-        for w in self.cfg.decode_policy(self.decode.routable(), num_blocks):
+        for w in self._decode_candidates(request, num_blocks):
             attempt.decode = w
             # The decode worker prefills here: the first token's budget counts the prompt.
             budgets = (self.cfg.first_token_budget(request.num_tokens), self.cfg.token_timeout_s)
@@ -271,7 +298,7 @@ class RequestFlow:
         num_blocks = blocks_for(request.num_tokens, self.cfg.block_size)
         if headroom < 0:
             return False
-        for w in self.cfg.decode_policy(self.decode.routable(), num_blocks):
+        for w in self._decode_candidates(request, num_blocks):
             st = w.last_status
             if st is None or not st.kv_endpoint or st.block_size != self.cfg.block_size:
                 continue  # a worker that does not say where its KV goes, or sizes differ
@@ -307,7 +334,7 @@ class RequestFlow:
         req = pb.ReserveRequest(request_id=attempt.attempt_id, num_tokens=request.num_tokens)
         delay = 0.005
         while True:
-            for w in self.cfg.decode_policy(self.decode.routable(), num_blocks):
+            for w in self._decode_candidates(request, num_blocks):
                 try:
                     # A hung worker: try the next one.
                     lease = await w.stub.Reserve(req, timeout=RESERVE_CALL_TIMEOUT_S)
@@ -334,7 +361,10 @@ class RequestFlow:
         """Prefill toward the attempt's lease; returns the first token (pb.FirstToken).
         ``after_send`` runs once the Prefill call is on its way, before its first event is
         awaited. The prefill worker counts the prompt's tokens until the first token."""
-        candidates = self.cfg.prefill_policy(self.prefill.routable(), request.prompt)
+        policy = self.cfg.prefill_policy
+        tokens = request.prompt + request.outputs if request.outputs else request.prompt
+        kv_args = self._kv_args(policy, request)
+        candidates = policy(self.prefill.routable(), tokens, **kv_args)
         if not candidates:
             # Routable when the attempt began, not now: a prefill worker too busy to answer its
             # status poll in time (overload), or one just lost (the next request prefills on

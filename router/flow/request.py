@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from engine.block_manager import prefix_block_hashes
 from protos import pdserve_pb2 as pb
 from router.flow.types import FlowTimings, Tokens, without_prompt_logprobs
 
@@ -21,6 +22,15 @@ class FlowRequest:
     started: float = field(default_factory=time.monotonic)  # for the time to first token
     # Workers whose attempts failed, by how (AttemptOutcome): see charges_worker.
     failed_on: dict = field(default_factory=dict)
+    _hashes: tuple = field(default=(-1, []), repr=False)  # (tokens hashed, hashes): block_hashes
+
+    def block_hashes(self, block_size: int) -> list[bytes]:
+        """Chained hashes of the full blocks of what an attempt prefills (prompt + outputs),
+        as the workers key their prefix caches; computed once per attempt's token count."""
+        if self._hashes[0] != self.num_tokens:
+            tokens = self.prompt + self.outputs
+            self._hashes = (self.num_tokens, prefix_block_hashes(tokens, block_size))
+        return self._hashes[1]
 
     @property
     def num_tokens(self) -> int:
@@ -60,7 +70,9 @@ class FlowRequest:
         """A prefill's first token: its timings, and the token itself onto the outputs."""
         self.timings.prefill_queue_s += first.queue_s
         self.timings.prefill_s += first.prefill_s
-        self.timings.cached_tokens = max(self.timings.cached_tokens, first.cached_tokens)
+        t = self.timings
+        t.prefill_cached_tokens = max(t.prefill_cached_tokens, first.cached_tokens)
+        t.cached_tokens = max(t.cached_tokens, first.cached_tokens)
         self.outputs.append(first.token_id)
 
     def prefill_message(self, attempt_id: str, destination: pb.KvDestination) -> pb.PrefillRequest:

@@ -154,6 +154,8 @@ class FlowTimings:
     e2e_s: float = 0.0  # the request's start to its last token (set by router.core)
     kv_bytes: int = 0
     cached_tokens: int = 0  # prompt tokens found in a prefix cache (the best attempt's)
+    prefill_cached_tokens: int = 0  # of those, the prefill worker's (the best attempt's)
+    decode_cached_tokens: int = 0  # the decode worker's, where it prefilled the rest itself
     preemptions: int = 0  # attempts the decode worker preempted
     migrations: int = 0  # attempts lost to a failed worker or transfer and retried
 
@@ -169,6 +171,7 @@ class FlowConfig:
     reserve_timeout_s: float
     local_prefill_max_tokens: int
     concurrent_reserve_headroom: float  # < 0: never reserve and prefill at once
+    kv_local_tail_tokens: int = 64  # kv_aware: a decode worker holding all but this prefills
     max_attempts: int = 8
     # Attempts lost to a failed worker (killed, drained, transfer broken) that are retried
     # elsewhere, with the tokens streamed so far; past it the client gets an error.

@@ -50,6 +50,8 @@ def timings_body(t) -> dict:
         "e2e_s": getattr(t, "e2e_s", 0.0),
         "kv_bytes": t.kv_bytes,
         "cached_tokens": t.cached_tokens,
+        "prefill_cached_tokens": t.prefill_cached_tokens,
+        "decode_cached_tokens": t.decode_cached_tokens,
         "preemptions": t.preemptions,
     }
 
