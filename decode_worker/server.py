@@ -247,8 +247,8 @@ def serve_decode_worker(
 ):
     """Start the worker's engine thread and gRPC server; returns (server, address, kv server).
     With a cluster token (argument or PDSERVE_CLUSTER_TOKEN), every call, KV streams included,
-    must carry it; without one the worker binds loopback only. torch_dist KV listens off
-    loopback only with ``kv_private_network`` (its data path is not authenticated). ``tls``
+    must carry it; without one the worker binds loopback only. torch_dist and nixl KV listen
+    off loopback only with ``kv_private_network`` (their data paths are not encrypted). ``tls``
     (grpc_plumbing.tls.ClusterTls): mutual TLS on the worker API and gRPC/Flight KV.
     ``max_streams``: concurrent Decode streams (StreamBudget; default from max_num_seqs).
     ``stall_timeout_s``: the watchdog's bound on one engine step (grpc_plumbing/health.py)."""
@@ -261,7 +261,7 @@ def serve_decode_worker(
         kv_endpoint = address
     else:
         opts = {"token": token} if token and kv_transport in TOKEN_TRANSPORTS else {}
-        if kv_transport == "torch_dist":
+        if kv_transport in ("torch_dist", "nixl"):  # their data paths are not encrypted
             opts["private_network"] = kv_private_network
         elif tls is not None:
             opts["tls"] = tls

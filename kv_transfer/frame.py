@@ -169,13 +169,13 @@ def _check_header_crc(raw: memoryview) -> None:
         raise FrameError("header checksum mismatch")
 
 
-def _unpack_header(header) -> dict:
+def _unpack_header(header, max_bytes: int = MAX_HEADER_BYTES) -> dict:
     try:
         raw = memoryview(header).cast("B")
     except (TypeError, ValueError):
         raise FrameError(f"header is {type(header).__name__}, not bytes") from None
-    if raw.nbytes > MAX_HEADER_BYTES:
-        raise FrameError(f"header of {raw.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
+    if raw.nbytes > max_bytes:
+        raise FrameError(f"header of {raw.nbytes} bytes exceeds {max_bytes}")
     _check_header_crc(raw)
     try:
         fields = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
@@ -185,6 +185,12 @@ def _unpack_header(header) -> dict:
     if not isinstance(fields, dict) or list(fields)[-1:] != [HEADER_CRC_KEY]:
         raise FrameError("malformed header: not a msgpack map ending with its header_crc")
     return fields
+
+
+def unpack_sealed(header, max_bytes: int = MAX_HEADER_BYTES) -> dict:
+    """The fields of a map ``seal_header`` packed, once its header_crc matches its bytes
+    (the nixl transport seals its commit notification's own fields so); FrameError if not."""
+    return _unpack_header(header, max_bytes)
 
 
 def _field(fields: dict, name: str, kind: type):

@@ -19,7 +19,20 @@ from typing import Protocol
 
 
 class Channel(ABC):
-    """One stream's pipe to the receiver. push* run on the sender thread."""
+    """One stream's pipe to the receiver. push* and write_layer run on the sender thread."""
+
+    # True: the transport writes each layer's blocks itself, straight from the sender's cache
+    # into the receiver's (nixl's one-sided WRITEs): the sender calls ``write_layer`` instead
+    # of gathering frames for ``push``, and still ends the stream with ``push_commit``.
+    writes_blocks: bool = False
+
+    def write_layer(
+        self, layer: int, src: list[int], dst: list[int], k_cache, v_cache, damage: bool = False
+    ) -> int:
+        """Write ``layer``'s blocks ``src`` of the sender's cache into lease positions ``dst``;
+        return the payload bytes written. ``damage``: the faults transport's stand-in for a
+        byte damaged in flight (the receiver's check of the commit must catch it)."""
+        raise NotImplementedError(f"{type(self).__name__} carries frames, not block writes")
 
     @abstractmethod
     def push(self, header: bytes, payload) -> None: ...

@@ -68,6 +68,54 @@ class KVReceiver:
         if self.on_event is not None:
             self.on_event(h.kind, h.lease_id, h.layer)
 
+    def commit_written(self, commit, verify: Callable[[Lease], str | None] | None = None) -> None:
+        """Commit KV that a transport wrote straight into the lease's blocks (nixl):
+        ``commit`` (kv_transfer.nixl.commit.NixlCommit) names each write's layer and lease
+        positions; they are checked against the lease and the cache and recorded as the
+        frames a frame transport would have delivered, ``verify(lease)`` (under the lock, so
+        no block is freed meanwhile) may refuse the bytes, then the commit's own checks run
+        as for a commit frame. FrameError (counted and logged) when refused; a notification
+        for a lease that is gone refuses nothing else."""
+        h = commit.header
+        try:  # no wait for a pending lease: the writer asked for its blocks, so it was open
+            with self.lock:
+                lease = self._lease_for(h)
+                for layer, positions in commit.writes:
+                    self._check_cells(h, lease, layer, positions)
+                self._record_writes(lease, commit)
+                problem = verify(lease) if verify is not None else None
+                if problem is not None:
+                    lease.commit_refused = problem
+                    raise FrameError(f"{problem} for lease {h.lease_id}")
+                self._commit(h, lease)
+                self.frames_accepted += len(commit.writes) + 1
+        except FrameError as e:
+            with self.lock:
+                self.frames_rejected += 1
+            log.warning("rejected kv commit: %s", e.reason)
+            raise
+        if self.on_event is not None:
+            for layer in sorted({layer for layer, _ in commit.writes}):
+                self.on_event("kv", h.lease_id, layer)
+            self.on_event("commit", h.lease_id, -1)
+
+    def _check_cells(self, h: FrameHeader, lease: Lease, layer: int, positions) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise FrameError(f"layer {layer} out of range [0, {self.num_layers})")
+        n = len(lease.block_ids)
+        outside = [b for b in positions if b >= n]
+        if outside:
+            raise FrameError(f"blocks {outside[:8]} outside lease {h.lease_id} of {n} blocks")
+
+    def _record_writes(self, lease: Lease, commit) -> None:
+        for layer, positions in commit.writes:
+            lease.cover(layer, positions)
+        lease.frames_received += len(commit.writes)
+        lease.bytes_received += commit.nbytes
+        self.bytes_received += commit.nbytes
+        if lease.first_frame_at is None:
+            lease.first_frame_at = time.monotonic()
+
     def pop_expired(self, now: float | None = None) -> list[Lease]:
         """LeaseTable.pop_expired, serialized with writes; workers should call this one."""
         with self.lock:

@@ -145,6 +145,13 @@ class KVStream:
     def _run_layer(self, job: _LayerJob) -> None:
         if job.ready is not None:
             job.ready.synchronize()
+        if self._channel.writes_blocks:  # one-sided: straight from the cache, no frames
+            nbytes = self._channel.write_layer(
+                job.layer, job.src, job.dst, job.k_cache, job.v_cache
+            )
+            self._frames += 1
+            self._bytes += nbytes
+            return
         step = _blocks_per_frame(job.k_cache)
         for start in range(0, len(job.src), step):
             if self._aborted or self._errors:

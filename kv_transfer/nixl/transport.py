@@ -1,0 +1,312 @@
+"""nixl transport, prefill side: a link is one authenticated control connection to a decode
+worker's nixl server plus that worker's NIXL agent metadata, loaded into this process's
+sender agent once the receiver proved the cluster token (the handshake makes the receiver
+prove itself first) and dropped when the link closes; a channel WRITEs each layer's blocks
+from the sender's own cache (registered on first use) straight into the lease's blocks, and
+commits with a NIXL notification (kv_transfer.nixl.commit) whose verdict it asks for over
+the control connection.
+
+A write never goes to a block the receiver did not name for the lease: the channel asks for
+the lease's addresses (only those) before its first write and refuses positions past them,
+and posts no write past the lease's deadline as the receiver gave it (less a margin), so a
+lease that expired is not written into after its blocks went back to the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import threading
+import time
+
+import crc32c
+import numpy as np
+
+from kv_transfer.errors import ReceiverFault
+from kv_transfer.interfaces import Channel, Link, ReceiverServer
+from kv_transfer.nixl.agent import NixlAgent, mem_type
+from kv_transfer.nixl.commit import (
+    NO_DIGEST,
+    block_rows,
+    cell_crcs,
+    digest,
+    encode_notification,
+)
+from kv_transfer.nixl.control import PROTOCOL, ControlConnection, field
+from kv_transfer.nixl.server import NixlReceiverServer
+from kv_transfer.torch_dist.handshake import pair_as_sender
+
+log = logging.getLogger("pdserve.kv")
+
+DEADLINE_MARGIN_S = 1.0  # no write posted this close to the lease's deadline
+_POLL_S = (0.00005, 0.002)  # a WRITE's completion is polled with a backoff between these
+
+_agent: NixlAgent | None = None
+_remotes: dict[str, int] = {}  # remote agent name -> links using its loaded metadata
+_agent_lock = threading.Lock()
+
+
+def _sender_agent() -> NixlAgent:
+    global _agent
+    with _agent_lock:
+        if _agent is None:
+            _agent = NixlAgent("prefill")
+        return _agent
+
+
+def _load_remote(agent: NixlAgent, name: str, metadata: bytes) -> str:
+    """Load agent ``name``'s metadata once for all the links to it."""
+    with _agent_lock:
+        if name not in _remotes:
+            loaded = agent.add_remote(metadata)
+            if loaded != name:
+                agent.remove_remote(loaded)
+                raise ConnectionError(f"nixl receiver named itself {name!r} but is {loaded!r}")
+        _remotes[name] = _remotes.get(name, 0) + 1
+        return name
+
+
+def _drop_remote(agent: NixlAgent, name: str) -> None:
+    with _agent_lock:
+        _remotes[name] -= 1
+        if _remotes[name]:
+            return
+        del _remotes[name]
+        agent.remove_remote(name)
+
+
+class NixlChannel(Channel):
+    writes_blocks = True
+
+    def __init__(self, link: NixlLink, request_id: str, lease_id: str):
+        self._link, self.request_id, self.lease_id = link, request_id, lease_id
+        self._k = self._v = None  # [layers, lease blocks] addresses of the lease's blocks
+        self._deadline = 0.0
+        self._pending: dict[int, object] = {}  # layer -> its WRITE in flight
+        self._cells: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, pos) -> CRCs
+        self._writes: list[tuple[int, list[int]]] = []
+        self._bytes = 0
+        self._host = True  # the sender's cache is in host memory (digest affordable)
+        self._errors: list[str] | None = None
+        self._lock = threading.Lock()
+
+    def _fetch_addresses(self) -> None:
+        reply = self._link.request(
+            {"op": "lease", "lease": self.lease_id, "request": self.request_id}
+        )
+        if not reply.get("ok"):
+            raise LeaseRefused(str(reply.get("error", "lease refused"))[:512])
+        n, layers = field(reply, "blocks", int), self._link.layout["num_layers"]
+        k, v = (np.frombuffer(field(reply, name, bytes), dtype="<u8") for name in ("k", "v"))
+        if k.size != layers * n or v.size != layers * n:
+            raise ConnectionError("nixl receiver sent addresses that do not fit its layout")
+        self._k, self._v = k.reshape(layers, n), v.reshape(layers, n)
+        left = float(field(reply, "seconds_left", float))
+        self._deadline = time.monotonic() + left - DEADLINE_MARGIN_S
+
+    def write_layer(self, layer, src, dst, k_cache, v_cache, damage: bool = False) -> int:
+        with self._lock:
+            return self._write_layer(layer, src, dst, k_cache, v_cache, damage)
+
+    def _write_layer(self, layer, src, dst, k_cache, v_cache, damage: bool) -> int:
+        link = self._link
+        block_bytes = link.check_cache(k_cache, v_cache)
+        if self._k is None:
+            self._fetch_addresses()
+        n = self._k.shape[1]
+        if not 0 <= layer < self._k.shape[0]:
+            raise ValueError(f"layer {layer} out of range [0, {self._k.shape[0]})")
+        outside = [p for p in dst if not 0 <= p < n]
+        if outside:
+            raise ValueError(f"lease positions {outside[:8]} outside lease {self.lease_id} of {n}")
+        if time.monotonic() > self._deadline:
+            raise TimeoutError(f"lease {self.lease_id} is at its deadline: not writing into it")
+        self._finish(layer)  # a block written twice (a chunk's partial last block): in order
+        local_kind, local_dev = mem_type(k_cache)
+        offsets = np.array(src, dtype=np.uint64) * np.uint64(block_bytes)
+        local = np.concatenate([k_cache.data_ptr() + offsets, v_cache.data_ptr() + offsets])
+        remote = np.concatenate([self._k[layer][dst], self._v[layer][dst]])
+        self._pending[layer] = link.agent.write(
+            _descs(local, block_bytes, local_dev),
+            _descs(remote, block_bytes, link.layout["device"]),
+            (local_kind, link.layout["mem_type"]),
+            link.peer,
+        )
+        self._host = self._host and local_kind == "DRAM"
+        if self._host:
+            crcs = cell_crcs(block_rows(k_cache), block_rows(v_cache), src)
+            if damage:  # as if a bit of the first block flipped on the way
+                crcs[0] = (crcs[0][0] ^ 1, crcs[0][1])
+            self._cells.update({(layer, p): c for p, c in zip(dst, crcs)})
+        self._writes.append((layer, list(dst)))
+        self._bytes += 2 * len(src) * block_bytes
+        return 2 * len(src) * block_bytes
+
+    def _finish(self, layer: int) -> None:
+        """Wait for ``layer``'s WRITE in flight, if any, and release it."""
+        handle = self._pending.pop(layer, None)
+        if handle is not None:
+            self._link.wait_done(handle)
+
+    def push(self, header, payload) -> None:
+        raise NotImplementedError("the nixl transport writes blocks (write_layer), not frames")
+
+    def push_commit(self, header, payload) -> None:
+        with self._lock:
+            for layer in list(self._pending):
+                self._finish(layer)
+            dig = digest(self._cells) if self._host else NO_DIGEST
+            message = encode_notification(header, self.lease_id, self._writes, self._bytes, dig)
+            self._link.agent.notify(self._link.peer, message)
+            ack = {"op": "ack", "notification": crc32c.crc32c(message)}
+            reply = self._link.request(ack, progress=True)  # the notification must go out
+        errors = reply.get("errors")
+        if not isinstance(errors, list) or not all(isinstance(e, str) for e in errors):
+            raise ConnectionError("nixl receiver answered the commit with no verdict")
+        self._errors = errors
+
+    def wait_ack(self, timeout: float) -> list[str]:
+        return list(self._errors or [])  # push_commit waited for the verdict
+
+    def cancel(self) -> None:
+        """End the stream without a commit (the lease expires). WRITEs in flight are waited
+        for and released, unless the sender thread is inside this channel right now (a
+        commit that timed out cancels from the caller's thread): then it finishes them."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            for layer in list(self._pending):
+                try:
+                    self._finish(layer)
+                # The stream failed already; a write that fails too adds nothing.
+                except Exception as e:  # noqa: BLE001
+                    log.info("nixl write of a cancelled stream: %s: %s", type(e).__name__, e)
+        finally:
+            self._lock.release()
+
+
+class LeaseRefused(Exception):
+    """The receiver refused to name the lease's blocks (unknown, expired, someone else's)."""
+
+
+def _descs(addresses: np.ndarray, block_bytes: int, device: int) -> np.ndarray:
+    out = np.empty((len(addresses), 3), dtype=np.uint64)
+    out[:, 0], out[:, 1], out[:, 2] = addresses, block_bytes, device
+    return out
+
+
+class NixlLink(Link):
+    def __init__(
+        self,
+        endpoint: str,
+        token: str | None = None,
+        timeout_s: float = 60.0,
+        connect_timeout_s: float = 5.0,
+    ):
+        host, _, port = endpoint.rpartition(":")
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=connect_timeout_s)
+        try:
+            self._conn = ControlConnection(sock, pair_as_sender(sock, token), side=0)
+            hello = self._conn.recv(connect_timeout_s)
+            if hello.get("protocol") != PROTOCOL:
+                raise ConnectionError(f"{endpoint} does not speak {PROTOCOL}")
+            self.layout = field(hello, "layout", dict)
+            self.agent = _sender_agent()
+            self._conn.send({"agent": self.agent.name})
+            # Loaded only now: the receiver proved the cluster token in pair_as_sender.
+            name, metadata = field(hello, "agent", str), field(hello, "metadata", bytes)
+            self.peer = _load_remote(self.agent, name, metadata)
+        except BaseException:
+            sock.close()
+            raise
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()  # one control request at a time
+        self._closed = False
+        self.broken = False
+
+    def check_cache(self, k_cache, v_cache) -> int:
+        """Register the sender's cache tensors (once) and check they match the receiver's
+        layout; the bytes of one block."""
+        lay = self.layout
+        shape, dtype = list(k_cache.shape[1:]), str(k_cache.dtype).removeprefix("torch.")
+        if shape != lay["block_shape"] or dtype != lay["dtype"] or v_cache.shape != k_cache.shape:
+            raise ValueError(
+                f"cache blocks {shape} {dtype} do not match the receiver's "
+                f"{lay['block_shape']} {lay['dtype']}"
+            )
+        self.agent.register(k_cache)
+        self.agent.register(v_cache)
+        return int(lay["block_bytes"])
+
+    def wait_done(self, handle) -> None:
+        deadline, pause = time.monotonic() + self._timeout_s, _POLL_S[0]
+        try:
+            while (state := self.agent.state(handle)) == "PROC":
+                if time.monotonic() > deadline:
+                    self.broken = True
+                    raise TimeoutError(f"nixl WRITE not done after {self._timeout_s:g} s")
+                time.sleep(pause)
+                pause = min(2 * pause, _POLL_S[1])
+            if state != "DONE":
+                self.broken = True
+                raise ReceiverFault("nixl WRITE failed: the receiver's agent is gone or broken")
+        finally:
+            self.agent.release(handle)
+
+    def request(self, message: dict, progress: bool = False) -> dict:
+        """Ask the receiver and wait for its answer; ``progress``: drive this process's agent
+        meanwhile (a notification sent just before goes out only as the agent progresses)."""
+        with self._lock:
+            try:
+                self._conn.send(message)
+                if progress:
+                    self._progress_until_readable()
+                return self._conn.recv(self._timeout_s)
+            except OSError as e:
+                self.broken = True
+                raise ReceiverFault(f"nixl control connection failed: {e}") from e
+            except ConnectionError:
+                self.broken = True
+                raise
+
+    def _progress_until_readable(self) -> None:
+        deadline, pause = time.monotonic() + self._timeout_s, _POLL_S[0]
+        while not select.select([self._conn.sock], [], [], pause)[0]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nixl receiver did not answer within {self._timeout_s:g} s")
+            self.agent.progress()
+            pause = min(2 * pause, _POLL_S[1])
+
+    def open_channel(self, request_id: str, lease_id: str) -> Channel:
+        if self.broken:
+            raise ConnectionError("nixl link is broken; make a new sender")
+        if self._lock.acquire(blocking=False):  # busy: in use, so not closed
+            try:
+                gone = self._conn.peer_closed()
+            finally:
+                self._lock.release()
+            if gone:
+                self.broken = True
+                raise ReceiverFault("nixl receiver is gone: its control connection closed")
+        return NixlChannel(self, request_id, lease_id)
+
+    def close(self) -> None:
+        """Close the control connection and forget the receiver's agent."""
+        if self._closed:
+            return
+        self._closed = self.broken = True
+        try:
+            _drop_remote(self.agent, self.peer)
+        # Its metadata may be unusable already; the link is gone either way.
+        except Exception as e:  # noqa: BLE001
+            log.info("nixl: forgetting agent %s: %s", self.peer, e)
+        self._conn.close()
+
+
+def connect(endpoint: str, **opts) -> Link:
+    return NixlLink(endpoint, **opts)
+
+
+def serve(receiver, host: str, port: int, **opts) -> ReceiverServer:
+    return NixlReceiverServer(receiver, host, port, **opts)

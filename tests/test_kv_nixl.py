@@ -1,0 +1,244 @@
+"""The nixl KV transport: one-sided WRITEs into the decode worker's leased blocks, a commit
+that is a NIXL notification, and everything the other transports promise: exact bytes, a
+refused commit for anything wrong (a flipped header bit, bytes that did not land in the
+lease, a lease that expired, positions outside the lease), no metadata for a peer without the
+cluster token, no notification taken from an agent that never proved it, and the receiver
+serving on after each."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kv_transfer.frame import encode_commit_frame
+from kv_transfer.lease import LeaseTable
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.sender import TransferError, make_sender, start_receiver_server
+from kv_transfer.torch_dist.handshake import HandshakeError
+from kv_transfer.transport_faults import FaultPolicy
+from tests.transport_params import requires_transport
+
+pytestmark = requires_transport("nixl")
+
+LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 3, 16, 4, 2, 8
+TOKEN = "nixl-test-token"
+
+
+def _cache(zero: bool):
+    new = torch.zeros if zero else torch.randn
+    shape = (BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
+    return [(new(shape), new(shape)) for _ in range(LAYERS)]
+
+
+class Receiver:
+    """A decode side's cache, leases and nixl server (with the cluster token)."""
+
+    def __init__(self, **opts):
+        transport = "faults" if "inner" in opts else "nixl"  # faults wraps nixl
+        self.src, self.dst = _cache(zero=False), _cache(zero=True)
+        self.leases = LeaseTable(default_ttl_s=30.0, num_layers=LAYERS)
+        self.receiver = KVReceiver(self.dst, self.leases, pending_lease_wait_s=0.2)
+        self.server = start_receiver_server(
+            transport, self.receiver, "127.0.0.1", 0, token=TOKEN, **opts
+        )
+        self.senders = []
+
+    def sender(self, token: str | None = TOKEN):
+        self.senders.append(
+            make_sender("faults" if "#" in self.endpoint else "nixl", self.endpoint, token=token)
+        )
+        return self.senders[-1]
+
+    @property
+    def endpoint(self) -> str:
+        return self.server.endpoint
+
+    def transfer(self, sender, request_id, src_ids, dst_ids, ttl_s=None, before_commit=None):
+        lease = self.leases.open(request_id, dst_ids, ttl_s=ttl_s)
+        stream = sender.open_stream(request_id, lease.lease_id)
+        for layer, (k, v) in enumerate(self.src):
+            stream.send_layer(layer, src_ids, range(len(src_ids)), k, v)
+        if before_commit is not None:
+            before_commit(stream)
+        return lease, stream.commit(timeout=20)
+
+    def assert_arrived(self, src_ids, dst_ids) -> None:
+        for (k_src, v_src), (k_dst, v_dst) in zip(self.src, self.dst, strict=True):
+            assert torch.equal(k_dst[dst_ids], k_src[src_ids])
+            assert torch.equal(v_dst[dst_ids], v_src[src_ids])
+
+    def assert_still_serving(self) -> None:
+        """A clean sender's transfer lands exactly and commits."""
+        lease, stats = self.transfer(self.sender(), f"clean-{time.monotonic_ns()}", [2, 7], [11, 4])
+        assert lease.is_committed and stats.frames == LAYERS
+        self.assert_arrived([2, 7], [11, 4])
+        self.leases.close(lease.lease_id)
+
+    def close(self) -> None:
+        for s in self.senders:
+            s.close()
+        self.server.stop()
+
+
+@pytest.fixture
+def rx():
+    opened = []
+
+    def open_one(**opts) -> Receiver:
+        opened.append(Receiver(**opts))
+        return opened[-1]
+
+    yield open_one
+    for r in opened:
+        r.close()
+
+
+def test_blocks_land_in_the_lease_and_chunks_rewrite_a_partial_block(rx):
+    r = rx()
+    sender = r.sender()
+    lease = r.leases.open("req", [9, 3, 12])
+    stream = sender.open_stream("req", lease.lease_id)
+    for layer, (k, v) in enumerate(r.src):  # a first chunk: blocks 0-1, the second partial
+        stream.send_layer(layer, [5, 6], [0, 1], k, v)
+    for layer, (k, v) in enumerate(r.src):  # the next chunk rewrites position 1, adds 2
+        stream.send_layer(layer, [8, 1], [1, 2], k, v)
+    stats = stream.commit(timeout=20)
+    assert lease.is_committed and stats.frames == 2 * LAYERS
+    r.assert_arrived([5, 8, 1], [9, 3, 12])
+    assert all(not k[[0, 1, 2]].any() for k, _ in r.dst)  # nothing outside the lease
+
+
+def test_an_incomplete_commit_is_refused(rx):
+    r = rx()
+    lease = r.leases.open("req", [1, 2])
+    stream = r.sender().open_stream("req", lease.lease_id)
+    stream.send_layer(0, [3, 4], [0, 1], *r.src[0])  # one layer of three
+    with pytest.raises(TransferError, match="incomplete commit"):
+        stream.commit(timeout=20)
+    assert not lease.is_committed
+    r.assert_still_serving()
+
+
+def test_a_flipped_header_bit_is_refused(rx):
+    """The faults transport flips a bit of every commit notification's frame header (and
+    damages every write's bytes): refused by the header CRC; the lease stays uncommitted."""
+    r = rx(inner="nixl", policy=FaultPolicy(seed=3, corrupt_p=1.0, corrupt_header_share=1.0))
+    with pytest.raises(TransferError, match="header checksum mismatch"):
+        r.transfer(r.sender(), "req", [1, 2], [5, 6])
+    assert r.receiver.frames_rejected == 1 and r.receiver.frames_accepted == 0
+    assert not any(lease.is_committed for lease in r.leases._leases.values())
+    clean = Receiver.__new__(Receiver)  # the same receiver, reached without the faults
+    clean.__dict__.update(r.__dict__)
+    clean.server = r.server._inner
+    clean.assert_still_serving()
+
+
+def test_bytes_damaged_on_the_way_fail_the_digest(rx):
+    r = rx(inner="nixl", policy=FaultPolicy(seed=3, corrupt_p=0.5, corrupt_header_share=1.0))
+    refused = 0
+    for i in range(6):  # seed 3: some writes damaged with a clean commit among them
+        try:
+            lease, _ = r.transfer(r.sender(), f"r{i}", [1, 2], [5, 6])
+            r.leases.close(lease.lease_id)
+        except TransferError as e:
+            assert "digest" in str(e) or "header checksum" in str(e)
+            refused += "digest" in str(e)
+    assert refused >= 1
+
+
+def test_a_write_outside_the_lease_is_refused(rx):
+    r = rx()
+    sender = r.sender()
+    # 1. The sender names a position past the lease: nothing is written, the stream fails.
+    lease = r.leases.open("past", [1, 2])
+    stream = sender.open_stream("past", lease.lease_id)
+    stream.send_layer(0, [3], [2], *r.src[0])
+    with pytest.raises(TransferError, match="outside lease"):
+        stream.commit(timeout=20)
+    assert all(not k.any() for k, _ in r.dst)
+    # 2. A sender that wrote into another lease's blocks and commits this one: the leased
+    #    blocks do not hold what it hashed, so the commit is refused.
+    victim, other = r.leases.open("victim", [8, 9]), r.leases.open("other", [13, 14])
+    stream = sender.open_stream("victim", victim.lease_id)
+    channel = stream._channel  # a hostile sender: it aims at the other lease's addresses
+    channel._fetch_addresses()
+    other_channel = sender._link.open_channel("other", other.lease_id)
+    other_channel._fetch_addresses()
+    channel._k, channel._v = other_channel._k, other_channel._v
+    for layer, (k, v) in enumerate(r.src):
+        stream.send_layer(layer, [4, 5], [0, 1], k, v)
+    with pytest.raises(TransferError, match="digest"):
+        stream.commit(timeout=20)
+    assert not victim.is_committed and victim.commit_refused
+    # 3. A commit notification naming positions past its lease is refused.
+    lease = r.leases.open("forged", [6, 7])
+    stream = sender.open_stream("forged", lease.lease_id)
+    for layer, (k, v) in enumerate(r.src):
+        stream.send_layer(layer, [4, 5], [0, 1], k, v)
+    stream._channel._writes.append((0, [5]))
+    with pytest.raises(TransferError, match="outside lease"):
+        stream.commit(timeout=20)
+    assert not lease.is_committed
+    r.assert_still_serving()
+
+
+def test_a_notification_for_an_expired_lease_is_ignored(rx):
+    r = rx()
+
+    def expire(stream):
+        time.sleep(1.6)
+        assert [x.lease_id for x in r.receiver.pop_expired()] == [stream.lease_id]
+
+    with pytest.raises(TransferError, match="unknown lease"):
+        r.transfer(r.sender(), "req", [1, 2], [5, 6], ttl_s=1.5, before_commit=expire)
+    r.assert_still_serving()
+
+
+def test_a_peer_without_the_token_gets_no_metadata(rx):
+    r = rx()
+    for token in (None, "wrong-token"):
+        with pytest.raises(HandshakeError):
+            r.sender(token=token)
+    r.assert_still_serving()
+
+
+def test_a_notification_from_an_agent_that_proved_no_token_is_ignored(rx):
+    from kv_transfer.nixl.agent import NixlAgent
+    from kv_transfer.nixl.commit import encode_notification
+
+    r = rx()
+    lease = r.leases.open("req", [1, 2])
+    intruder = NixlAgent("intruder")  # holds the receiver's metadata (leaked), not the token
+    peer = intruder.add_remote(r.server.agent.metadata())
+    header, _ = encode_commit_frame("req", lease.lease_id, 0)
+    writes = [(layer, [0, 1]) for layer in range(LAYERS)]
+    intruder.notify(peer, encode_notification(header, lease.lease_id, writes, 0, -1))
+    deadline = time.monotonic() + 5
+    while not r.server.notifications_ignored and time.monotonic() < deadline:
+        intruder.progress()  # its notification goes out as its agent progresses
+        time.sleep(0.02)
+    assert r.server.notifications_ignored == 1
+    assert not lease.is_committed and lease.frames_received == 0
+    intruder.remove_remote(peer)
+    r.assert_still_serving()
+
+
+def test_a_dropped_write_fails_the_commit_and_a_cut_link_is_replaced(rx):
+    r = rx(inner="nixl", policy=FaultPolicy(seed=5, drop_p=1.0))
+    with pytest.raises(TransferError, match=f"expected {LAYERS} frames, got 0"):
+        r.transfer(r.sender(), "req", [1, 2], [5, 6])
+    cut = rx(inner="nixl", policy=FaultPolicy(seed=11, disconnect_p=0.2))
+    sender, delivered, failed = cut.sender(), 0, 0
+    for i in range(12):
+        try:
+            lease, _ = cut.transfer(sender, f"r{i}", [i % BLOCKS, (i + 5) % BLOCKS], [0, 1])
+        except TransferError as e:
+            assert "the link broke" in str(e)
+            failed += 1
+            continue
+        cut.assert_arrived([i % BLOCKS, (i + 5) % BLOCKS], [0, 1])
+        cut.leases.close(lease.lease_id)
+        delivered += 1
+    assert delivered and failed
