@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from engine.args import add_engine_args, engine_args, engine_settings_from_args
-from engine.settings import EngineSettings, LoadedModel
+from engine.settings import EngineSettings, LoadedModel, check_one_rank
 from grpc_plumbing import worker_process as process
 from kv_transfer.lease import DEFAULT_LEASE_TTL_S
 from kv_transfer.transports import WORKER_TRANSPORTS
@@ -30,6 +30,7 @@ def start_decode_worker(s: DecodeSettings, loaded: LoadedModel | None = None):
     from decode_worker.worker import DecodeWorker
     from engine.llm_engine import build_engine  # torch: only when a worker starts
 
+    check_one_rank(s.engine, "decode")
     srv = s.server
     worker = DecodeWorker(build_engine(s.engine, loaded), srv.worker_id, s.lease_ttl_s)
     if s.max_lease_s is not None:

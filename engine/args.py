@@ -49,6 +49,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=ACTIVATIONS,
         help="int8 / q4 weights' decode rows on CPU: int8 (byte dot products) or fp32 (exact)",
     )
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="ranks the model is split over (engine/tp_ranks.py); the workers take 1 for now",
+    )
 
 
 def engine_settings_from_args(args: argparse.Namespace) -> EngineSettings:
@@ -67,6 +73,7 @@ def engine_settings_from_args(args: argparse.Namespace) -> EngineSettings:
         kv_dtype=args.kv_dtype,
         prefill_gemm=args.prefill_gemm,
         activations=args.activations,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -82,6 +89,7 @@ def engine_args(s: EngineSettings) -> list[str]:
         *("--weights", s.weights, "--weight-group", str(s.weight_group)),
         *("--kv-dtype", s.kv_dtype, "--prefill-gemm", s.prefill_gemm),
         *("--activations", s.activations),
+        *("--tensor-parallel-size", str(s.tensor_parallel_size)),
     ]
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import UnsupportedModelError
+from engine.tensor_parallel import check_tensor_parallel
 
 # model_type -> whether q/k/v projections carry a bias. All are Llama-shaped decoders:
 # GQA attention, RoPE, RMSNorm, SwiGLU MLP.
@@ -192,6 +193,7 @@ class EngineConfig:
     kv_dtype: str = "fp32"  # the KV cache: fp32 | int8 | fp8 (a scale per token and head)
     prefill_gemm: str = "auto"  # prefill's many-row matmuls: fp32 | bf16 | int8 | auto
     activations: str = "int8"  # int8 / q4 weights' decode rows on CPU: int8 | fp32
+    tensor_parallel_size: int = 1  # ranks the model is split over (engine/tensor_parallel.py)
 
     def __post_init__(self):
         check_weights(self.weights, self.weight_group)
@@ -199,5 +201,6 @@ class EngineConfig:
         check_kv_dtype(self.kv_dtype)
         check_prefill_gemm(self.prefill_gemm)
         check_int8_prefill(self.prefill_gemm, self.weights, self.activations)
+        check_tensor_parallel(self.model, self.tensor_parallel_size)
         if self.kv_dtype == "fp8" and self.model.head_dim % 4:  # each row's fp32 scale aligned
             raise ValueError(f"kv_dtype fp8 needs head_dim % 4 == 0, not {self.model.head_dim}")

@@ -37,13 +37,23 @@ class RequestOutput:
 
 
 class LLMEngine(StepHooks):
-    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer: Tokenizer | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaModel,
+        tokenizer: Tokenizer | None = None,
+        runner: ModelRunner | None = None,
+    ):
+        """``runner``: one already built on ``model`` (a tensor-parallel rank 0's,
+        engine/tp_ranks.py); else a single-device one."""
         self.config = config
         self.tokenizer = tokenizer
         cache = config.cache
         self.blocks = BlockManager(cache.num_blocks, cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.blocks, config.max_model_len)
-        self.runner = ModelRunner(model, cache.num_blocks, cache.block_size, config.kv_dtype)
+        self.runner = runner or ModelRunner(
+            model, cache.num_blocks, cache.block_size, config.kv_dtype
+        )
         self.sampler = Sampler()
         self.executor = ModelExecutor(self.runner, self.sampler)
         self.step_loop = StepLoop(self.scheduler, self.executor, self)
@@ -105,6 +115,10 @@ class LLMEngine(StepHooks):
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def close(self) -> None:
+        """Release what outlives the object: a tensor-parallel engine's follower ranks."""
+        self.runner.close()
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -175,18 +189,31 @@ class LLMEngine(StepHooks):
 
 def build_engine(s: EngineSettings, loaded: LoadedModel | None = None) -> LLMEngine:
     """The engine ``s`` describes, on ``loaded``'s weights when given (else loaded now)."""
+    if s.tensor_parallel_size > 1:  # rank 0 here, the followers spawned (engine/tp_ranks.py)
+        from engine.tp_ranks import start_tensor_parallel
+
+        if loaded is not None:  # a shared whole model is no rank's shard
+            raise ValueError("tensor_parallel_size > 1: each rank loads its own shard")
+        loaded, runner = start_tensor_parallel(s)
+        config = engine_config(s, loaded.config)
+        return LLMEngine(config, loaded.weights, loaded.tokenizer, runner)
     if s.threads:
         torch.set_num_threads(s.threads)
     loaded = loaded or load_model_once(s)
-    cfg = EngineConfig(
-        loaded.config,
+    return LLMEngine(engine_config(s, loaded.config), loaded.weights, loaded.tokenizer)
+
+
+def engine_config(s: EngineSettings, model_cfg) -> EngineConfig:
+    """The ``EngineConfig`` of ``s`` for a model of ``model_cfg``'s (whole) shape."""
+    return EngineConfig(
+        model_cfg,
         s.cache,
         s.scheduler,
-        context_length(s, loaded.config),
+        context_length(s, model_cfg),
         weights=s.weights,
         weight_group=s.weight_group,
         kv_dtype=s.kv_dtype,
         prefill_gemm=s.prefill_gemm,
         activations=s.activations,
+        tensor_parallel_size=s.tensor_parallel_size,
     )
-    return LLMEngine(cfg, loaded.weights, loaded.tokenizer)

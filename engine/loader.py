@@ -19,6 +19,7 @@ from engine.config import (
 from engine.errors import ModelNotFoundError
 from engine.model import LlamaModel
 from engine.model_files import EMBEDDED_GGUF, EMBEDDED_MODEL, embedded_gguf_path, resolve_model_dir
+from engine.tensor_parallel import TPShard, read_hf_shard
 
 __all__ = [
     "EMBEDDED_GGUF",
@@ -60,38 +61,48 @@ def load_model(
     prefill_gemm: str = "auto",
     activations: str = "int8",
     load_format: str = "auto",
+    shard: TPShard | None = None,
 ) -> LlamaModel:
     """Weights on ``device``, stored as ``weights`` (fp32 | bf16 | int8 | q4, quantized at load
     from fp32; kernels/quant.py); on the CPU also pre-packed for oneDNN and the C++ layers.
     ``prefill_gemm`` (fp32 | bf16 | int8 | auto): the precision of prefill's many-row matmuls
     (engine/prefill_gemm.py; auto keeps fp32 weights fp32). ``activations`` (int8 | fp32): how
     int8 / q4 weights multiply a decode step's rows on CPU (engine.config.ACTIVATIONS).
-    ``load_format`` "dummy": random weights of ``cfg``'s shape, made on ``device`` (no files)."""
+    ``load_format`` "dummy": random weights of ``cfg``'s shape, made on ``device`` (no files).
+    ``shard``: one rank of tensor parallelism (engine/tensor_parallel.py): only its slices are
+    read (dummy: made whole one tensor at a time and cut, the same values as TP=1), and its
+    decoder layers run per layer (the fused C++ stack has no place for the all-reduces)."""
     check_prefill_gemm(prefill_gemm)
     check_activations(activations)
     check_int8_prefill(prefill_gemm, weights, activations)
     device = resolve_device(device)
     if check_load_format(load_format) == "dummy":
-        model = dummy_model(cfg, max_positions, device)
+        model = dummy_model(cfg, max_positions, device, shard=shard)
     else:
-        model = _checkpoint_model(model_dir, cfg, max_positions).float().eval().to(device)
+        model = _checkpoint_model(model_dir, cfg, max_positions, shard).float().eval().to(device)
     model.quantize_weights(weights, weight_group, activations)
     gemm = prefill_precision.choose(prefill_gemm, weights, device)
     model.use_prefill_gemm(gemm, prefill_precision.attention_bf16(gemm, weights))
     if model.embed_tokens.weight.device.type == "cpu":
-        model.pack_weights_for_cpu()
+        model.pack_weights_for_cpu(fused_layers=shard is None or shard.size == 1)
     return model
 
 
-def _checkpoint_model(model_dir: Path, cfg: ModelConfig, max_positions: int | None) -> LlamaModel:
+def _checkpoint_model(
+    model_dir: Path, cfg: ModelConfig, max_positions: int | None, shard: TPShard | None = None
+) -> LlamaModel:
     from safetensors.torch import load_file
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no .safetensors weights in {model_dir}")
     hf: dict[str, torch.Tensor] = {}
-    for f in files:
-        hf.update(load_file(str(f)))
+    if shard is not None and shard.size > 1:
+        hf = read_hf_shard(files, cfg, shard)
+        cfg = shard.local_config(cfg)
+    else:
+        for f in files:
+            hf.update(load_file(str(f)))
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions)
     model.load_state_dict(fuse_hf_state_dict(hf, cfg), assign=True, strict=False)
@@ -103,27 +114,37 @@ def _checkpoint_model(model_dir: Path, cfg: ModelConfig, max_positions: int | No
 
 
 def dummy_model(
-    cfg: ModelConfig, max_positions: int | None, device: str, seed: int = 0
+    cfg: ModelConfig,
+    max_positions: int | None,
+    device: str,
+    seed: int = 0,
+    shard: TPShard | None = None,
 ) -> LlamaModel:
     """Random fp32 weights of ``cfg``'s shape, allocated on ``device`` at once (an 8B model
     never passes through host memory): projections and embeddings N(0, 0.02), as Hugging Face
     initialises Llama, and norms 1, so activations keep a trained model's scale and a step
-    costs what it would."""
+    costs what it would. A ``shard`` makes each whole tensor in turn and keeps its slice."""
+    local = cfg if shard is None else shard.local_config(cfg)
     with torch.device("meta"):
-        model = LlamaModel(cfg, max_positions)
+        whole = LlamaModel(cfg, max_positions)
+        model = LlamaModel(local, max_positions) if shard is not None else whole
     model = model.to_empty(device=device).eval()
     if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor: tie them again
         model.lm_head.weight = model.embed_tokens.weight
     gen = torch.Generator(device=device).manual_seed(seed)
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, p in model.named_parameters():  # a tied head is listed once
+        for name, p in whole.named_parameters():  # a tied head is listed once
+            t = params[name] if shard is None else torch.empty(p.shape, device=device)
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                t.fill_(1.0)
             elif name.endswith("bias"):
-                p.zero_()
+                t.zero_()
             else:
-                p.normal_(0.0, 0.02, generator=gen)
-    _real_buffers(model, cfg, max_positions)
+                t.normal_(0.0, 0.02, generator=gen)
+            if shard is not None:
+                params[name].copy_(shard.shard_fused(name, t, cfg))
+    _real_buffers(model, local, max_positions)
     return model.to(device)
 
 

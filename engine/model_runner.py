@@ -24,16 +24,11 @@ class ModelRunner:
 
     def prepare(self, batch: Sequence[ScheduledSequence]):
         """Input ids, positions and attention metadata for a mixed prefill/decode batch."""
-        ids: list[int] = []
-        query_lens, seq_lens, tables = [], [], []
-        for s in batch:
-            req = s.request
-            start = req.num_computed_tokens
-            end = start + s.num_new_tokens
-            ids.extend(_token_slice(req, start, end))
-            query_lens.append(s.num_new_tokens)
-            seq_lens.append(end)
-            tables.append(req.block_table)
+        return self.inputs(*plan_lists(batch))
+
+    def inputs(self, ids: list[int], query_lens, seq_lens, tables):
+        """``prepare``'s tensors from ``plan_lists``' host lists (a tensor-parallel follower
+        gets those lists from rank 0: engine/tp_ranks.py)."""
         positions = torch.cat([torch.arange(e - q, e) for q, e in zip(query_lens, seq_lens)])
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
@@ -54,6 +49,9 @@ class ModelRunner:
         # Logits for the last token of sampling sequences only: the LM head is the largest
         # matmul of a decode step, and prefill positions before the last need none.
         return self.model.compute_logits(hidden[last[rows]]).float()
+
+    def close(self) -> None:
+        """Nothing to release on one device (a tensor-parallel runner stops its ranks)."""
 
     @torch.inference_mode()
     def copy_block(self, src: int, dst: int) -> None:
@@ -91,6 +89,22 @@ class ModelRunner:
                     req.prompt_token_ids[lo + 1 : hi + 1],
                     [k] * n,
                 )
+
+
+def plan_lists(batch: Sequence[ScheduledSequence]):
+    """The host lists a forward is built from: input ids, query lengths, sequence lengths
+    (cached + new) and block tables."""
+    ids: list[int] = []
+    query_lens, seq_lens, tables = [], [], []
+    for s in batch:
+        req = s.request
+        start = req.num_computed_tokens
+        end = start + s.num_new_tokens
+        ids.extend(_token_slice(req, start, end))
+        query_lens.append(s.num_new_tokens)
+        seq_lens.append(end)
+        tables.append(req.block_table)
+    return ids, query_lens, seq_lens, tables
 
 
 def _token_slice(req, start: int, end: int) -> list[int]:

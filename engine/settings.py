@@ -28,6 +28,10 @@ class EngineSettings:
     prefill_gemm: str = EngineConfig.prefill_gemm  # engine.config.PREFILL_GEMMS
     activations: str = EngineConfig.activations  # engine.config.ACTIVATIONS
     load_format: str = "auto"  # auto | dummy: random weights of config.json's shape
+    # Ranks of one engine (engine/tp_ranks.py); > 1 spawns the followers, each with
+    # ``threads`` torch threads (0: the cores split evenly), on 127.0.0.1 unless ``tp_host``.
+    tensor_parallel_size: int = EngineConfig.tensor_parallel_size
+    tp_host: str = "127.0.0.1"
 
     @property
     def cache(self) -> CacheConfig:
@@ -52,7 +56,9 @@ class LoadedModel:
     tokenizer: object | None  # engine.tokenizer.Tokenizer, when the folder has one
 
 
-def load_model_once(s: EngineSettings, progress: bool = False) -> LoadedModel:
+def load_model_once(s: EngineSettings, progress: bool = False, shard=None) -> LoadedModel:
+    """``shard`` (engine.tensor_parallel.TPShard): one tensor-parallel rank's slices only;
+    ``config`` stays the whole model's."""
     from engine.loader import load_config, load_model
     from engine.model_files import resolve_model_dir
     from engine.tokenizer import Tokenizer
@@ -69,9 +75,21 @@ def load_model_once(s: EngineSettings, progress: bool = False) -> LoadedModel:
         prefill_gemm=s.prefill_gemm,
         activations=s.activations,
         load_format=s.load_format,
+        shard=shard,
     )
     has_tokenizer = (model_dir / "tokenizer.json").is_file()
     return LoadedModel(cfg, weights, Tokenizer(model_dir) if has_tokenizer else None)
+
+
+def check_one_rank(s: EngineSettings, role: str) -> None:
+    """A worker is one process on one device for now: the tensor-parallel engine exists
+    (engine/tp_ranks.py), its wiring into the workers (their servers, KV streams between
+    degrees) does not yet."""
+    if s.tensor_parallel_size != 1:
+        raise ValueError(
+            f"tensor_parallel_size {s.tensor_parallel_size}: the {role} worker does not run "
+            "tensor-parallel ranks yet; give 1 and scale with more workers"
+        )
 
 
 def context_length(s: EngineSettings, model_cfg) -> int:

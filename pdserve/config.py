@@ -66,9 +66,16 @@ class PoolConfig(_Strict):
     num_gpus: float = Field(0.0, ge=0)
     threads: int = Field(1, ge=0, description="torch threads per worker (0: torch's default)")
     resources: dict[str, float] = Field(default_factory=dict, description="Ray custom resources")
+    # Ranks per worker: the engine runs TP=k (engine/tp_ranks.py), the workers not yet.
+    tensor_parallel_size: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _bounds(self) -> PoolConfig:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size}: workers do not run "
+                "tensor-parallel ranks yet; give 1 and scale with replicas"
+            )
         if self.min > self.max:
             raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
         if not self.min <= self.replicas <= self.max:

@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from engine.args import add_engine_args, engine_args, engine_settings_from_args
-from engine.settings import EngineSettings, LoadedModel
+from engine.settings import EngineSettings, LoadedModel, check_one_rank
 from grpc_plumbing import worker_process as process
 
 
@@ -23,6 +23,7 @@ def start_prefill_worker(s: PrefillSettings, loaded: LoadedModel | None = None):
     from prefill_worker.server import serve_prefill_worker
     from prefill_worker.worker import PrefillWorker
 
+    check_one_rank(s.engine, "prefill")
     srv = s.server
     worker = PrefillWorker(build_engine(s.engine, loaded), srv.worker_id)
     server, address, senders = serve_prefill_worker(

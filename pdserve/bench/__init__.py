@@ -17,6 +17,7 @@ BENCH_MODULES = (
     "loadgen.compare",
     "micro.transfer",
     "micro.engine",
+    "micro.tp_decode",
     "micro.router_overhead",
     "fidelity.cli",
     "fidelity.cpu_costs",
