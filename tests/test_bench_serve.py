@@ -396,3 +396,30 @@ def test_bench_compare_needs_an_slo_and_distinct_names(fake_server, capsys):
     assert "needs --slo-ttft" in capsys.readouterr().err
     assert bench_main([*base, "--slo-ttft", "1", "--name", "x", "--against", f"x={url}"]) == 2
     assert "names must differ" in capsys.readouterr().err
+
+
+def test_multiturn_sends_each_turn_with_the_whole_history_and_the_servers_answers(
+    fake_server, tmp_path
+):
+    url, seen = fake_server
+    out = tmp_path / "multiturn.json"
+    args = ["serve", "--url", url, "--workload", "multiturn", "--num-requests", "8"]
+    args += ["--turns", "4", "--think-s", "0.01", "--rate", "100", "--cold-start", "0"]
+    args += ["--no-progress", "--json", str(out)]
+    assert bench_main(args) == 0
+    res = json.loads(out.read_text())
+    assert res["completed"] == 8 and res["failed"] == 0
+    timed = seen[2:]  # after the two warm-ups
+    assert len(timed) == 8
+    conversations: dict[str, list[list[dict]]] = {}
+    for r in timed:
+        conversations.setdefault(r["messages"][0]["content"], []).append(r["messages"])
+    assert len(conversations) == 2 and all(len(turns) == 4 for turns in conversations.values())
+    for turns in conversations.values():
+        turns.sort(key=len)
+        for n, messages in enumerate(turns):
+            assert len(messages) == 2 * n + 1  # every earlier question and answer, then one
+            answers = [m["content"] for m in messages if m["role"] == "assistant"]
+            # The fake streams "w0 w1 ..." up to its chunk count: the answers are its own.
+            assert all(a == "".join(f"w{i} " for i in range(CHUNKS)) for a in answers)
+            assert messages[: 2 * n - 1] == turns[n - 1][: 2 * n - 1] if n else True

@@ -61,6 +61,8 @@ class ServeConfig:
         False  # not vLLM's default; for fixed-length runs against servers that know it
     )
     progress: bool = True
+    turns: int = 4  # multiturn: turns per conversation
+    think_s: float = 2.0  # multiturn: mean think time between an answer and the next question
 
     @property
     def base_url(self) -> str:
@@ -112,8 +114,9 @@ def _chunk_has_text(choice: dict) -> bool:
     return bool(choice.get("text"))
 
 
-def apply_sse_line(line: str, record: RequestRecord, now: float) -> bool:
-    """Update ``record`` from one SSE line; return False once the stream is done."""
+def apply_sse_line(line: str, record: RequestRecord, now: float, answer=None) -> bool:
+    """Update ``record`` from one SSE line; return False once the stream is done. ``answer``:
+    a list the text deltas are appended to (a multi-turn conversation keeps the answer)."""
     line = line.strip()
     if not line.startswith("data:"):
         return True
@@ -127,6 +130,9 @@ def apply_sse_line(line: str, record: RequestRecord, now: float) -> bool:
     choices = chunk.get("choices") or []
     if choices and _chunk_has_text(choices[0]):
         record.token_times.append(now)
+        if answer is not None:
+            choice = choices[0]
+            answer.append((choice.get("delta") or {}).get("content") or choice.get("text") or "")
     usage = chunk.get("usage")
     if usage:
         record.prompt_tokens = int(usage.get("prompt_tokens") or 0)
@@ -135,8 +141,11 @@ def apply_sse_line(line: str, record: RequestRecord, now: float) -> bool:
     return True
 
 
-async def send_request(client, path: str, payload: dict, kind: str = "") -> RequestRecord:
-    """POST one streaming request and time every chunk; never raises."""
+async def send_request(
+    client, path: str, payload: dict, kind: str = "", answer=None
+) -> RequestRecord:
+    """POST one streaming request and time every chunk; never raises. ``answer``: a list
+    the streamed text is appended to."""
     record = RequestRecord(send_time=time.perf_counter(), kind=kind)
     try:
         async with client.stream("POST", path, json=payload) as resp:
@@ -145,7 +154,7 @@ async def send_request(client, path: str, payload: dict, kind: str = "") -> Requ
                 record.error = f"HTTP {resp.status_code}: {body[:300]}"
                 return record
             async for line in resp.aiter_lines():
-                if not apply_sse_line(line, record, time.perf_counter()):
+                if not apply_sse_line(line, record, time.perf_counter(), answer):
                     break
         if not record.error:
             record.success = bool(record.token_times)
@@ -200,10 +209,9 @@ async def _timed_run(client, cfg: ServeConfig, model: str, workload: Workload):
     from tqdm.auto import tqdm
 
     path = ENDPOINTS[cfg.endpoint]
-    offsets = poisson_schedule(len(workload.requests), cfg.rate, cfg.seed)
     limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     bar = tqdm(
-        total=len(workload.requests),
+        total=workload.num_requests,
         desc="bench serve",
         unit="req",
         disable=not cfg.progress,
@@ -220,6 +228,11 @@ async def _timed_run(client, cfg: ServeConfig, model: str, workload: Workload):
         bar.update(1)
         return record
 
+    if workload.conversations is not None:
+        if cfg.endpoint != "chat":
+            raise ValueError("the multiturn workload needs the chat endpoint")
+        return await _conversations(client, cfg, model, workload, limit, bar)
+    offsets = poisson_schedule(len(workload.requests), cfg.rate, cfg.seed)
     start = time.perf_counter()
     tasks = []
     for offset, req in zip(offsets, workload.requests):
@@ -231,6 +244,28 @@ async def _timed_run(client, cfg: ServeConfig, model: str, workload: Workload):
     duration = time.perf_counter() - start
     bar.close()
     return list(records), duration
+
+
+async def _conversations(client, cfg: ServeConfig, model: str, workload: Workload, limit, bar):
+    from pdserve.bench.loadgen.multiturn import run_conversations
+
+    path = ENDPOINTS["chat"]
+
+    async def send(req: BenchRequest):
+        answer: list[str] = []
+        payload = build_payload(req, cfg, model)
+        if limit is None:
+            record = await send_request(client, path, payload, req.kind, answer)
+        else:
+            async with limit:
+                record = await send_request(client, path, payload, req.kind, answer)
+        return record, "".join(answer)
+
+    records, duration = await run_conversations(
+        workload.conversations, cfg.rate, cfg.seed, send, lambda: bar.update(1)
+    )
+    bar.close()
+    return records, duration
 
 
 def _client(cfg: ServeConfig):
@@ -248,7 +283,9 @@ async def run_benchmark(cfg: ServeConfig, workload: Workload | None = None) -> B
     if cfg.endpoint not in ENDPOINTS:
         raise ValueError(f"unknown endpoint {cfg.endpoint!r}; known: {', '.join(ENDPOINTS)}")
     if workload is None:
-        workload = get_workload(cfg.workload, cfg.num_requests, cfg.seed, cfg.nonce)
+        workload = get_workload(
+            cfg.workload, cfg.num_requests, cfg.seed, cfg.nonce, cfg.turns, cfg.think_s
+        )
     async with _client(cfg) as client:
         model = cfg.model or await fetch_model(client)
         cold = None
@@ -314,8 +351,14 @@ def plot_cdfs(result: BenchResult, path: str | Path, title: str = "") -> None:
 def add_load_args(p) -> None:
     """Arguments shared by `bench serve` and `bench sweep`."""
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--workload", default="mixed", help="chat | longdoc | mixed | a JSONL FILE")
+    p.add_argument(
+        "--workload", default="mixed", help="chat | longdoc | mixed | multiturn | a JSONL FILE"
+    )
     p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
+    p.add_argument(
+        "--think-s", type=float, default=2.0, help="multiturn: mean think time between turns"
+    )
     p.add_argument("--seed", type=int, default=0, help="fixes the workload's shape and schedule")
     p.add_argument("--nonce", default=None, help="prompt nonce (default: fresh per run)")
     p.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="chat")
@@ -359,6 +402,8 @@ def config_from_args(args, rate: float) -> ServeConfig:
         temperature=args.temperature,
         ignore_eos=args.ignore_eos,
         progress=not args.no_progress,
+        turns=args.turns,
+        think_s=args.think_s,
     )
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 WORKLOADS = ("chat", "longdoc", "mixed")
+MULTITURN = "multiturn"  # conversations: pdserve/bench/loadgen/multiturn.py
 MIXED_LONGDOC_FRACTION = 0.2
 DOC_WORDS = (700, 1000)  # inclusive range of words in a synthetic document
 DOC_MAX_TOKENS = (32, 64)
@@ -121,6 +122,14 @@ class Workload:
     name: str
     nonce: str
     requests: list[BenchRequest] = field(default_factory=list)
+    # multiturn: the conversations (their turns' requests depend on the server's answers)
+    conversations: list | None = None
+
+    @property
+    def num_requests(self) -> int:
+        if self.conversations is not None:
+            return sum(len(c.questions) for c in self.conversations)
+        return len(self.requests)
 
 
 def new_nonce() -> str:
@@ -224,13 +233,28 @@ def load_jsonl(
     return Workload(str(path), nonce or "", requests)
 
 
-def get_workload(spec: str, num_requests: int, seed: int = 0, nonce: str | None = None) -> Workload:
-    """A named workload, or a JSONL file (cycled to ``num_requests``)."""
+def get_workload(
+    spec: str,
+    num_requests: int,
+    seed: int = 0,
+    nonce: str | None = None,
+    turns: int = 4,
+    think_s: float = 2.0,
+) -> Workload:
+    """A named workload, or a JSONL file (cycled to ``num_requests``); ``multiturn``:
+    conversations of ``turns`` turns, ``think_s`` apart on average."""
+    if spec == MULTITURN:
+        from pdserve.bench.loadgen.multiturn import make_conversations
+
+        nonce = new_nonce() if nonce is None else nonce
+        conversations = make_conversations(num_requests, seed, nonce, turns, think_s)
+        return Workload(spec, nonce, conversations=conversations)
     if spec in WORKLOADS:
         return make_workload(spec, num_requests, seed, nonce)
     if Path(spec).is_file():
         return load_jsonl(spec, num_requests, nonce)
-    raise ValueError(f"unknown workload {spec!r}: not one of {', '.join(WORKLOADS)} nor a file")
+    known = ", ".join((*WORKLOADS, MULTITURN))
+    raise ValueError(f"unknown workload {spec!r}: not one of {known} nor a file")
 
 
 def warmup_requests(count: int, nonce: str) -> list[BenchRequest]:
