@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from engine.args import add_engine_args, engine_args, engine_settings_from_args
 from engine.settings import EngineSettings, LoadedModel, check_one_rank
 from grpc_plumbing import worker_process as process
+from grpc_plumbing.tracing import start_tracing
 from kv_transfer.lease import DEFAULT_LEASE_TTL_S
 from kv_transfer.transports import WORKER_TRANSPORTS
 
@@ -32,6 +33,7 @@ def start_decode_worker(s: DecodeSettings, loaded: LoadedModel | None = None):
 
     check_one_rank(s.engine, "decode")
     srv = s.server
+    tracing = start_tracing(srv.otlp_traces_endpoint, "pdserve-decode")
     worker = DecodeWorker(build_engine(s.engine, loaded), srv.worker_id, s.lease_ttl_s)
     if s.max_lease_s is not None:
         worker.leases.max_ttl_s = s.max_lease_s
@@ -44,8 +46,12 @@ def start_decode_worker(s: DecodeSettings, loaded: LoadedModel | None = None):
         kv_private_network=s.kv_private_network,
         tls=srv.cluster_tls,
         stall_timeout_s=srv.stall_timeout_s,
+        tracing=tracing,
     )
-    return process.RunningWorker(worker, address, server, (kv_server.stop,) if kv_server else ())
+    closers = ((kv_server.stop,) if kv_server else ()) + (
+        (tracing.shutdown,) if tracing is not None else ()
+    )
+    return process.RunningWorker(worker, address, server, closers)
 
 
 def decode_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ import time
 
 import grpc
 
+from decode_worker.spans import record_decode, start_decode_span
 from decode_worker.worker import CallerLeft, DecodeWorker, ReservationError
 from engine.errors import EngineError, InvalidRequestError
 from engine.wire import kv_events_status, logprob_message, logprob_messages
@@ -88,6 +89,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         self.kv_transport = kv_transport
         self.budget = budget
         self.liveness = None  # grpc_plumbing.health.Liveness, once the server is up
+        self.tracing = None  # grpc_plumbing.tracing.Tracing when traces are exported
 
     def Reserve(self, request, context):
         if not self.budget.has_room(len(self.worker.leases)):
@@ -126,10 +128,19 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
     def Decode(self, request, context):
         if not self.budget.enter(len(self.worker.leases), on_lease=bool(request.lease_id)):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.budget.full())
+        span, traced, error = None, None, None
+        if self.tracing is not None:  # tracing off: no span, nothing kept
+            span, traced = start_decode_span(self.tracing, request, context), []
         try:
-            yield from self._decode(request, context)
+            yield from self._decode(request, context, traced)
+        except Exception as e:  # an abort too: the span says how the call ended
+            error = e
+            raise
         finally:
             self.budget.leave()
+            if span is not None:
+                record_decode(self.tracing, span, traced[0] if traced else None)
+                self.tracing.end(span, error)
 
     def _open_stream(self, request, context):
         """The request's stream of tokens: on its lease once the lease's KV is in, or prefilled
@@ -166,10 +177,12 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         except EngineError as e:  # failed as it joined the batch; its blocks are back
             context.abort(grpc.StatusCode[e.status_code], str(e))
 
-    def _decode(self, request, context):
+    def _decode(self, request, context, traced: list | None = None):
         stream = self._open_stream(request, context)
         if stream is None:
             return
+        if traced is not None:  # its spans are made of the request's marks at the end
+            traced.append(stream.req)
         # Runs when the RPC ends for any reason; a no-op for a request that already finished.
         # If the caller left while we waited for the KV, abort now.
         if not context.add_callback(lambda: self.worker.abort(request.request_id)):
@@ -244,6 +257,7 @@ def serve_decode_worker(
     kv_private_network: bool = False,
     tls=None,
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+    tracing=None,
 ):
     """Start the worker's engine thread and gRPC server; returns (server, address, kv server).
     With a cluster token (argument or PDSERVE_CLUSTER_TOKEN), every call, KV streams included,
@@ -251,7 +265,8 @@ def serve_decode_worker(
     off loopback only with ``kv_private_network`` (their data paths are not encrypted). ``tls``
     (grpc_plumbing.tls.ClusterTls): mutual TLS on the worker API and gRPC/Flight KV.
     ``max_streams``: concurrent Decode streams (StreamBudget; default from max_num_seqs).
-    ``stall_timeout_s``: the watchdog's bound on one engine step (grpc_plumbing/health.py)."""
+    ``stall_timeout_s``: the watchdog's bound on one engine step (grpc_plumbing/health.py).
+    ``tracing``: a grpc_plumbing.tracing.Tracing to export each Decode's spans, or None."""
     token = resolve_cluster_token(cluster_token)
     budget = StreamBudget(max_streams or default_max_streams(worker))
     server, address = worker_server(host, port, token, budget.server_threads, tls)
@@ -268,6 +283,7 @@ def serve_decode_worker(
         kv_server = start_receiver_server(kv_transport, worker.receiver, host=host, **opts)
         kv_endpoint = kv_server.endpoint
     servicer = DecodeServicer(worker, kv_endpoint, kv_transport, budget)
+    servicer.tracing = tracing
     pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     worker.start()
     name = pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from grpc_plumbing.health import DEFAULT_STALL_TIMEOUT_S
 from grpc_plumbing.tls import ClusterTls, add_cluster_tls_args, cluster_tls_from_args
+from grpc_plumbing.tracing import add_tracing_arg
 
 log = logging.getLogger("pdserve.worker")
 
@@ -37,6 +38,8 @@ class ServerSettings:
     # On SIGTERM: no new work (health NOT_SERVING, a decode worker refuses reservations), and
     # running requests, leases and KV transfers get this long to end before the server stops.
     drain_grace_s: float = DEFAULT_DRAIN_GRACE_S
+    # OpenTelemetry: where the worker exports its spans (grpc_plumbing/tracing.py); None: off.
+    otlp_traces_endpoint: str | None = None
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -47,12 +50,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stall-timeout-s", type=float, default=d.stall_timeout_s)
     parser.add_argument("--drain-grace-s", type=float, default=d.drain_grace_s)
     add_cluster_tls_args(parser)
+    add_tracing_arg(parser)
 
 
 def server_settings_from_args(args: argparse.Namespace) -> ServerSettings:
     tls = cluster_tls_from_args(args)
     return ServerSettings(
-        args.host, args.port, None, tls, args.worker_id, args.stall_timeout_s, args.drain_grace_s
+        args.host,
+        args.port,
+        None,
+        tls,
+        args.worker_id,
+        args.stall_timeout_s,
+        args.drain_grace_s,
+        args.otlp_traces_endpoint,
     )
 
 
@@ -62,6 +73,8 @@ def server_args(s: ServerSettings) -> list[str]:
     out += ["--drain-grace-s", str(s.drain_grace_s)]
     if s.worker_id is not None:
         out += ["--worker-id", s.worker_id]
+    if s.otlp_traces_endpoint:
+        out += ["--otlp-traces-endpoint", s.otlp_traces_endpoint]
     tls = s.cluster_tls
     if tls is not None:
         out += ["--cluster-tls-cert", tls.cert, "--cluster-tls-key", tls.key]

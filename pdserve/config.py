@@ -27,6 +27,7 @@ from engine.config import (
 from engine.errors import PdserveError
 from engine.request import MAX_LOGPROBS
 from engine.settings import EngineSettings
+from grpc_plumbing.tracing import tracing_missing
 from grpc_plumbing.worker_process import ServerSettings
 from kv_transfer.lease import MAX_LEASE_TTL_S
 from kv_transfer.transports import WORKER_TRANSPORTS, transport_missing
@@ -239,6 +240,9 @@ class ClusterConfig(_Strict):
     step_stall_timeout_s: float = Field(_SERVER.stall_timeout_s, gt=0)
     api_key: str | None = None
     cluster_token: str | None = None  # null: the controller makes a random one per cluster
+    # OpenTelemetry traces (OTLP/gRPC, host:port or http(s)://host:port), from the router and
+    # every worker; null: off. Needs pip install 'pdserve[tracing]'.
+    otlp_traces_endpoint: str | None = None
     security: SecuritySection = SecuritySection()
     limits: LimitsSection = LimitsSection()
 
@@ -253,6 +257,14 @@ class ClusterConfig(_Strict):
     def _transport_installed(cls, value: str) -> str:
         # nixl needs its optional package: refused here, before any worker starts.
         if why := transport_missing(value):
+            raise ValueError(why)
+        return value
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _tracing_installed(cls, value: str | None) -> str | None:
+        # Refused here, before anything starts, rather than when the router starts.
+        if value and (why := tracing_missing()):
             raise ValueError(why)
         return value
 

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from engine.config import KV_DTYPES, WEIGHT_FORMATS
+from grpc_plumbing.tracing import add_tracing_arg
 from kv_transfer.transports import WORKER_TRANSPORTS
 
 API_KEY_ENV = "PDSERVE_API_KEY"  # router/app.py reads the same variable
@@ -32,6 +33,7 @@ FIELDS = {
     "--weights": ("weights", "weights"),
     "--kv-dtype": ("kv_dtype", "kv_dtype"),
     "--served-model-name": ("served_model_name", "model_name"),
+    "--otlp-traces-endpoint": ("otlp_traces_endpoint", "otlp_traces_endpoint"),
 }
 _POOL_HELP = "%s workers to start (the pool's min..max widen to include it where the YAML's do not)"
 
@@ -107,6 +109,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--weights", choices=WEIGHT_FORMATS, default=None, help="weight format, quantized at load"
     )
+    g = p.add_argument_group("observability (overrides the config)")
+    add_tracing_arg(g)
 
 
 def apply_serve_args(cfg, args: argparse.Namespace, environ=os.environ):

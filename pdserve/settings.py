@@ -57,6 +57,7 @@ def settings_from_config(cfg: ClusterConfig, host: str, model_dir: str | None = 
         cluster_tls=tls,
         stall_timeout_s=cfg.step_stall_timeout_s,
         drain_grace_s=cfg.drain_grace_s,
+        otlp_traces_endpoint=cfg.otlp_traces_endpoint,
     )
     return ClusterSettings(
         router=_router_settings(cfg, model, tls),
@@ -98,4 +99,5 @@ def _router_settings(cfg: ClusterConfig, model_dir: str, tls) -> RouterSettings:
         cluster_token=cfg.cluster_token,
         cluster_tls=tls,
         limits=request_limits(cfg),
+        otlp_traces_endpoint=cfg.otlp_traces_endpoint,
     )

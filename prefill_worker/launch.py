@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from engine.args import add_engine_args, engine_args, engine_settings_from_args
 from engine.settings import EngineSettings, LoadedModel, check_one_rank
 from grpc_plumbing import worker_process as process
+from grpc_plumbing.tracing import start_tracing
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ def start_prefill_worker(s: PrefillSettings, loaded: LoadedModel | None = None):
 
     check_one_rank(s.engine, "prefill")
     srv = s.server
+    tracing = start_tracing(srv.otlp_traces_endpoint, "pdserve-prefill")
     worker = PrefillWorker(build_engine(s.engine, loaded), srv.worker_id)
     server, address, senders = serve_prefill_worker(
         worker,
@@ -33,8 +35,10 @@ def start_prefill_worker(s: PrefillSettings, loaded: LoadedModel | None = None):
         cluster_token=srv.cluster_token,
         tls=srv.cluster_tls,
         stall_timeout_s=srv.stall_timeout_s,
+        tracing=tracing,
     )
-    return process.RunningWorker(worker, address, server, (senders.close,))
+    closers = (senders.close,) + ((tracing.shutdown,) if tracing is not None else ())
+    return process.RunningWorker(worker, address, server, closers)
 
 
 def prefill_parser() -> argparse.ArgumentParser:

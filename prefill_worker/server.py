@@ -22,6 +22,7 @@ from grpc_plumbing.server import worker_server
 from kv_transfer.errors import is_receiver_fault
 from kv_transfer.sender import TransferError
 from kv_transfer.sender_pool import SenderPool
+from prefill_worker.spans import record_prefill, start_prefill_span
 from prefill_worker.worker import PrefillWorker
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
@@ -34,8 +35,22 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self.worker = worker
         self.senders = senders
         self.liveness = None  # grpc_plumbing.health.Liveness, once the server is up
+        self.tracing = None  # grpc_plumbing.tracing.Tracing when traces are exported
 
     def Prefill(self, request, context):
+        if self.tracing is None:  # tracing off: no span, nothing timed
+            yield from self._prefill(request, context, None)
+            return
+        span, error = start_prefill_span(self.tracing, request, context), None
+        try:
+            yield from self._prefill(request, context, span)
+        except Exception as e:  # an abort too: the span says how the call ended
+            error = e
+            raise
+        finally:
+            self.tracing.end(span, error)
+
+    def _prefill(self, request, context, span):
         dest = request.destination
         if dest.block_size != self.worker.block_size:
             context.abort(
@@ -55,6 +70,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 sampling,
                 stream,
                 dest.num_blocks,
+                traced=span is not None,
             )
         except (ValueError, ConnectionError, OSError) as e:  # InvalidRequestError is a ValueError
             if stream is not None:  # its push call is open at the decode worker: end it
@@ -76,6 +92,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 stats = job.stream.commit()
             except TransferError as e:
                 _abort_transfer(context, e.receiver_fault, f"KV transfer failed: {e}")
+            if span is not None:
+                record_prefill(self.tracing, span, job, stats, dest)
             ev = job.req.events
             yield pb.PrefillEvent(
                 transfer_done=pb.TransferDone(
@@ -142,16 +160,19 @@ def serve_prefill_worker(
     cluster_token: str | None = None,
     tls=None,
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+    tracing=None,
 ):
     """Start the worker's engine thread and gRPC server; returns (server, address, senders).
     With a cluster token (argument or PDSERVE_CLUSTER_TOKEN), callers must send it, and KV
     streams carry it; without one the worker binds loopback only. ``tls``
     (grpc_plumbing.tls.ClusterTls): mutual TLS on the worker API and on gRPC/Flight KV.
-    ``stall_timeout_s``: the watchdog's bound on one engine step (grpc_plumbing/health.py)."""
+    ``stall_timeout_s``: the watchdog's bound on one engine step (grpc_plumbing/health.py).
+    ``tracing``: a grpc_plumbing.tracing.Tracing to export each Prefill's spans, or None."""
     token = resolve_cluster_token(cluster_token)
     server, address = worker_server(host, port, token, max_workers, tls)
     senders = SenderPool(token, tls)
     servicer = PrefillServicer(worker, senders)
+    servicer.tracing = tracing
     pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
     worker.start()
     name = pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name

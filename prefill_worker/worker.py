@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,9 @@ class PrefillJob:
     # chunk (whole blocks are idempotent to overwrite).
     next_block: int = 0
     events: queue.Queue = field(default_factory=queue.Queue)
+    # Traced requests only (else None, and nothing is timed): per chunk, [start, end
+    # (time.monotonic()), first token position, tokens]; the Prefill call makes them spans.
+    chunks: list | None = None
 
 
 class PrefillWorker(EngineWorker):
@@ -55,16 +59,18 @@ class PrefillWorker(EngineWorker):
         sampling,
         stream: KVStream,
         lease_blocks: int,
+        traced: bool = False,
     ) -> PrefillJob:
         """Queue a prefill whose KV goes to a lease of ``lease_blocks`` blocks through
-        ``stream`` (block i of the request to the lease's block i)."""
+        ``stream`` (block i of the request to the lease's block i); ``traced``: time its
+        chunks (``PrefillJob.chunks``)."""
         req = self.new_request(request_id, prompt, outputs, sampling)
         if lease_blocks < self.blocks.blocks_needed(req.num_tokens):
             raise InvalidRequestError(
                 "destination.num_blocks",
                 f"{lease_blocks} blocks cannot hold {req.num_tokens} tokens",
             )
-        job = PrefillJob(req, stream)
+        job = PrefillJob(req, stream, chunks=[] if traced else None)
         with self.loop.lock:
             self.scheduler.add(req)
             self._jobs[request_id] = job
@@ -88,7 +94,8 @@ class PrefillWorker(EngineWorker):
         self._apply_aborts()
 
     def layer_callback(self, plan: SchedulerOutput):
-        return self._send_after_each_layer(self._plan_sends(plan.scheduled))
+        sends, timed = self._plan_sends(plan.scheduled)
+        return self._send_after_each_layer(sends, timed)
 
     def on_updated(self, updated: list[Request]) -> None:
         for req in updated:
@@ -103,8 +110,9 @@ class PrefillWorker(EngineWorker):
                 job.events.put(req.output_token_ids[-1])
 
     def _plan_sends(self, batch: list[ScheduledSequence]):
-        """Per sequence with a destination: (stream, src block ids, lease positions) this step."""
-        sends = []
+        """Per sequence with a destination: (stream, src block ids, lease positions) this step;
+        and the traced ones' chunk records, started now."""
+        sends, timed = [], []
         bs = self.block_size
         for s in batch:
             job = self._jobs.get(s.request.request_id)
@@ -118,11 +126,15 @@ class PrefillWorker(EngineWorker):
             src = torch.tensor([s.request.block_table[i] for i in idx], dtype=torch.int64)
             sends.append((job.stream, src, list(idx)))
             job.next_block = end // bs
-        return sends
+            if job.chunks is not None:
+                job.chunks.append(chunk := [time.monotonic(), None, start, s.num_new_tokens])
+                timed.append(chunk)
+        return sends, timed
 
-    def _send_after_each_layer(self, sends):
+    def _send_after_each_layer(self, sends, timed=()):
         kv_caches = self.engine.runner.kv_caches
         ids = [stream.request_id for stream, _, _ in sends]
+        last = len(kv_caches) - 1
 
         def after_layer(layer: int) -> None:
             k_cache, v_cache = kv_caches[layer]
@@ -130,6 +142,9 @@ class PrefillWorker(EngineWorker):
                 stream.send_layer(layer, src, dst, k_cache, v_cache)
             if self.on_layer_computed is not None:
                 self.on_layer_computed(layer, ids)
+            if layer == last:
+                for chunk in timed:  # the chunk's forward is done (its KV is on its way)
+                    chunk[1] = time.monotonic()
 
         return after_layer
 

@@ -9,6 +9,7 @@ import signal
 
 from engine.model_files import resolve_model_dir
 from grpc_plumbing.tls import TlsFiles, add_cluster_tls_args, cluster_tls_from_args
+from grpc_plumbing.tracing import add_tracing_arg
 from router.app import start_router
 from router.limits import RequestLimits
 from router.security import ApiSecurity, OpenBindError
@@ -33,6 +34,7 @@ async def _serve(args) -> None:
         first_token_s_per_token=args.first_token_s_per_token,
         token_timeout_s=args.token_timeout_s,
         cluster_tls=cluster_tls_from_args(args),
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         limits=RequestLimits(
             max_request_bytes=args.max_request_bytes,
             max_prompt_tokens=args.max_prompt_tokens,
@@ -144,6 +146,7 @@ def main() -> None:
     )
     _add_liveness_args(parser, d)
     _add_security_args(parser)
+    add_tracing_arg(parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         asyncio.run(_serve(parser.parse_args()))

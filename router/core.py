@@ -7,6 +7,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,10 +16,12 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidRequestError
 from engine.request import SamplingParams, check_token_ids, sampling_from_message
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from grpc_plumbing.tracing import start_tracing
 from protos import pdserve_pb2 as pb
 from router.drain import Drain, Draining
 from router.flow.lifecycle import RequestFlow
 from router.flow.request import FlowRequest
+from router.flow.trace import RequestTrace
 from router.flow.types import FlowConfig, FlowTimings, Overloaded
 from router.limits import FirstTokenQueue, check_request_limits
 from router.metrics import Metrics
@@ -52,6 +55,7 @@ class GenerateInput:
     sampling: pb.SamplingParams
     params: SamplingParams
     request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex[:16]}")
+    trace_parent: object = None  # the client's trace context (its traceparent), when traced
 
 
 class Router:
@@ -89,6 +93,8 @@ class Router:
         self.recent_latencies: collections.deque = collections.deque(maxlen=4096)
         self.metrics = Metrics(self, cfg.model_name)
         self.drain = Drain()  # a graceful stop: no admission, then the rest ended (router/drain.py)
+        # OpenTelemetry (router/flow/trace.py): None when off, and then no request makes a span.
+        self.tracing = start_tracing(cfg.otlp_traces_endpoint, "pdserve-router")
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -100,6 +106,8 @@ class Router:
             self._poller.cancel()
         await self.prefill.close()
         await self.decode.close()
+        if self.tracing is not None:  # exports what is batched: off the loop
+            await asyncio.to_thread(self.tracing.shutdown)
 
     async def refresh(self) -> None:
         await asyncio.gather(self.prefill.poll(), self.decode.poll())
@@ -163,9 +171,15 @@ class Router:
 
     # ---- input -------------------------------------------------------------------------
     def prepare(
-        self, prompt_ids: list[int], sampling: pb.SamplingParams, request_id: str = ""
+        self,
+        prompt_ids: list[int],
+        sampling: pb.SamplingParams,
+        request_id: str = "",
+        trace_carrier=None,
     ) -> GenerateInput:
-        """Validate everything a request carries; raises InvalidRequestError naming the field."""
+        """Validate everything a request carries; raises InvalidRequestError naming the field.
+        ``trace_carrier``: the HTTP headers or gRPC metadata, read for a W3C traceparent
+        while tracing is on."""
         params = sampling_from_message(sampling, self.cfg.default_max_tokens)
         check_request_limits(self.cfg.limits, prompt_ids, params)
         if request_id and ("#" in request_id or len(request_id) > MAX_REQUEST_ID_LEN):
@@ -197,9 +211,12 @@ class Router:
         wire = pb.SamplingParams()
         wire.CopyFrom(sampling)
         wire.max_tokens = params.max_tokens
-        return GenerateInput(
+        inp = GenerateInput(
             list(prompt_ids), wire, params, request_id or f"req-{uuid.uuid4().hex[:16]}"
         )
+        if self.tracing is not None and trace_carrier is not None:
+            inp.trace_parent = self.tracing.context_from(trace_carrier)
+        return inp
 
     # ---- the request -------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Delta]:
@@ -207,25 +224,27 @@ class Router:
             # A second live request under one id would share the first's worker-side state
             # (aborts, leases) and could cancel it: refused, as vLLM does.
             raise InvalidRequestError("request_id", f"{inp.request_id!r} is already in flight")
-        if self.drain.draining:  # stopping: 429 / UNAVAILABLE with retry-after
-            self.metrics.rejected.inc()
-            raise Draining()
-        full = self.queue.full() or self._decode_streams_full()
-        if self.inflight >= self.cfg.max_inflight_requests:
-            full = f"{self.inflight} requests in flight (max {self.cfg.max_inflight_requests})"
-        if full is not None:
-            self.metrics.rejected.inc()
-            raise Overloaded(full, self.queue.retry_after_s())
+        trace = (
+            None if self.tracing is None else RequestTrace(self.tracing, inp, self.cfg.model_name)
+        )
+        try:
+            self._admit(trace)
+        except (Draining, Overloaded) as e:
+            if trace is not None:
+                trace.end(e)
+            raise
         self.inflight += 1
         self._active_ids.add(inp.request_id)
         tracker = self.metrics.track()
         ticket = self.queue.enter()
-        deltas = self._generate(inp)
+        deltas = self._generate(inp, trace)
         try:
             # the items of ``deltas`` (None at the end); a WorkerFailure once a drain's grace is over
             while (delta := await self.drain.next(deltas)) is not None:
                 self.queue.served(ticket)
                 tracker.on_delta(delta)
+                if trace is not None and delta.usage is not None:
+                    trace.finish(delta)
                 yield delta
         except Overloaded:
             self.metrics.rejected.inc()
@@ -234,6 +253,27 @@ class Router:
             self.queue.leave(ticket)
             self.inflight -= 1
             self._active_ids.discard(inp.request_id)
+            if trace is not None:
+                trace.end(sys.exc_info()[1])
+
+    def _admit(self, trace) -> None:
+        """Admission: raise Draining or Overloaded (counted as rejected) where the request may
+        not start now."""
+        if self.drain.draining:  # stopping: 429 / UNAVAILABLE with retry-after
+            self.metrics.rejected.inc()
+            if trace is not None:
+                trace.refused("draining")
+            raise Draining()
+        full = self.queue.full() or self._decode_streams_full()
+        if self.inflight >= self.cfg.max_inflight_requests:
+            full = f"{self.inflight} requests in flight (max {self.cfg.max_inflight_requests})"
+        if full is not None:
+            self.metrics.rejected.inc()
+            if trace is not None:
+                trace.refused(full)
+            raise Overloaded(full, self.queue.retry_after_s())
+        if trace is not None:
+            trace.admitted(self.inflight)
 
     def _decode_streams_full(self) -> str | None:
         """Every request ends on a decode worker, holding one of its streams (a worker refuses
@@ -246,7 +286,7 @@ class Router:
             return None
         return f"{self.inflight} requests in flight fill the decode pool's {sum(budgets)} streams"
 
-    async def _generate(self, inp: GenerateInput) -> AsyncIterator[Delta]:
+    async def _generate(self, inp: GenerateInput, trace=None) -> AsyncIterator[Delta]:
         """Deltas of the request's n sequences; each one's last has its finish reason, and
         the request's last has the usage (summed over sequences) and timings too."""
         timings = FlowTimings()
@@ -254,7 +294,8 @@ class Router:
         texts = [_StopText(self.tokenizer, inp.params.stop) for _ in range(inp.params.n)]
         running = set(range(inp.params.n))
         n_out = 0
-        flow = self.flow.run(FlowRequest(inp.request_id, inp.prompt_ids, inp.sampling, timings))
+        request = FlowRequest(inp.request_id, inp.prompt_ids, inp.sampling, timings, trace=trace)
+        flow = self.flow.run(request)
         try:
             async for item in flow:
                 i, tokens, reason, logprobs = item.index, item.ids, item.reason, item.logprobs

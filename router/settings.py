@@ -57,3 +57,5 @@ class RouterSettings:
     # The circuit breaker never takes more than this share of a pool out of routing at once
     # (Envoy's max_ejection_percent): past it a failing worker stays in (router.pool).
     max_ejection_percent: float = 50.0
+    # OpenTelemetry: where the router exports its spans (grpc_plumbing/tracing.py); None: off.
+    otlp_traces_endpoint: str | None = None

@@ -40,7 +40,8 @@ _pdserve_install() (
     "$py" -m pip install -q --upgrade pip
     # torch first, pinned: an unpinned requirement with no torch present pulls a CUDA build.
     "$py" -m pip install -q "torch==2.13.0"
-    "$py" -m pip install -q -e ".[test]"
+    # test: the suite's tools; tracing: OpenTelemetry, which tests/test_tracing.py exercises
+    "$py" -m pip install -q -e ".[test,tracing]"
     # NIXL for the nixl KV transport, where its wheel exists (Linux x86_64 / aarch64); the
     # tests run that transport where it is installed. Without it grpc, flight, torch_dist work.
     case "$(uname -s)-$(uname -m)" in

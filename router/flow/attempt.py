@@ -36,6 +36,10 @@ class Attempt:
     loads: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     outcome: AttemptOutcome | None = None  # set once the attempt is over
     ended: AttemptEnded | None = None  # the worker call that ended it early, if one did
+    # Tracing on only (router/flow/trace.py): the attempt's span, and its worker calls' spans
+    # (ended with the attempt at the latest).
+    span: object = None
+    spans: list = field(default_factory=list)
 
     @property
     def lease_id(self) -> str:
@@ -70,6 +74,9 @@ class Attempt:
             call.cancel()
         for waiter in self.waiters:
             waiter.cancel()
+        for span in self.spans:
+            if span.is_recording():  # a call the attempt's end cut short
+                span.end()
         if self.transfer is not None and not self.transfer.done():
             self.transfer.cancel()
         self.loads.close()
@@ -81,14 +88,17 @@ class Attempt:
             log.warning("release of lease %s failed: %s", self.lease_id, e.code().name)
 
 
-async def transfer_done(call, request: FlowRequest, prefill: WorkerHandle) -> None:
+async def transfer_done(call, request: FlowRequest, prefill: WorkerHandle, span=None) -> None:
     """The Prefill call's second event: the KV is delivered (or the call fails, and with it
-    the transfer: see raise_if_transfer_lost)."""
+    the transfer: see raise_if_transfer_lost). ``span``: the call's, when traced."""
     event = await call.read()
     if event is not grpc.aio.EOF and event.HasField("transfer_done"):
         request.timings.kv_transfer_s += event.transfer_done.exposed_s
         request.timings.kv_bytes += event.transfer_done.bytes
         prefill.mark_succeeded()  # prefilled and delivered: its circuit breaker closes
+        if span is not None:
+            span.set_attribute("pdserve.kv.bytes", event.transfer_done.bytes)
+            span.end()
 
 
 async def wait_first_chunk_or_lost_transfer(call, attempt: Attempt, budget: float) -> None:

@@ -90,9 +90,13 @@ class RequestFlow:
         previous = None
         for _ in range(self.cfg.max_attempts):
             attempt = self._plan(request, previous)
-            async with contextlib.aclosing(self._attempt(request, attempt)) as steps:
-                async for tokens in steps:
-                    yield tokens
+            try:
+                async with contextlib.aclosing(self._attempt(request, attempt)) as steps:
+                    async for tokens in steps:
+                        yield tokens
+            finally:
+                if request.trace is not None:
+                    request.trace.end_attempt(attempt)
             if attempt.outcome is Outcome.FINISHED:
                 return
             self._account(request, attempt)
@@ -149,9 +153,10 @@ class RequestFlow:
                     if tokens.ids:
                         yield tokens
                     return
+                if tokens.reason is not None:  # before the yield: the consumer may stop there
+                    attempt.end(Outcome.FINISHED)
                 yield tokens
                 if tokens.reason is not None:
-                    attempt.end(Outcome.FINISHED)
                     return
         if attempt.outcome is None:  # the Decode stream ended without a finish reason
             attempt.end(Outcome.PREEMPTED)
@@ -160,6 +165,8 @@ class RequestFlow:
         """The attempt's path, its tokens as the workers send them. A worker call that ends
         the attempt sets its outcome; whatever happens, the attempt is cleaned up here."""
         path = self._local if attempt.local else self._disaggregated
+        if request.trace is not None:
+            request.trace.start_attempt(attempt, request.attempts)
         try:
             async with contextlib.aclosing(path(request, attempt)) as steps:
                 async for tokens in steps:
@@ -214,16 +221,20 @@ class RequestFlow:
         local = self.prefill_locally(request.num_tokens)
         # Reserve first (not concurrently): the forks grow past the lease.
         attempt = Attempt(request.begin_attempt(), local, concurrent=False)
-        async with contextlib.aclosing(self._steps(request, attempt)) as steps:
-            async for tokens in steps:
-                request.took(tokens)
-                if tokens.index:
-                    outputs[tokens.index].extend(tokens.ids)
-                if tokens.reason == WIRE_PREEMPTED:
-                    tokens.reason = None
-                    request.timings.preemptions += 1
-                finished[tokens.index] = finished[tokens.index] or tokens.reason is not None
-                yield tokens
+        try:
+            async with contextlib.aclosing(self._steps(request, attempt)) as steps:
+                async for tokens in steps:
+                    request.took(tokens)
+                    if tokens.index:
+                        outputs[tokens.index].extend(tokens.ids)
+                    if tokens.reason == WIRE_PREEMPTED:
+                        tokens.reason = None
+                        request.timings.preemptions += 1
+                    finished[tokens.index] = finished[tokens.index] or tokens.reason is not None
+                    yield tokens
+        finally:
+            if request.trace is not None:
+                request.trace.end_attempt(attempt)
         if attempt.outcome is not None and attempt.outcome is not Outcome.FINISHED:
             self._account(request, attempt)  # every unfinished sequence goes around alone
         for i in (i for i in range(n) if not finished[i]):
@@ -231,6 +242,7 @@ class RequestFlow:
             sequence = FlowRequest(
                 f"{request.request_id}#n{i}", request.prompt, alone, request.timings, outputs[i]
             )
+            sequence.trace = request.trace
             async with contextlib.aclosing(self.run(sequence)) as flow:
                 async for tokens in flow:
                     tokens.index = i
@@ -245,7 +257,8 @@ class RequestFlow:
             # The decode worker prefills here: the first token's budget counts the prompt.
             budgets = (self.cfg.first_token_budget(request.num_tokens), self.cfg.token_timeout_s)
             with w.load():
-                call = w.stub.Decode(request.decode_message(attempt.attempt_id))
+                md = None if request.trace is None else request.trace.call("decode", attempt, w)
+                call = w.stub.Decode(request.decode_message(attempt.attempt_id), metadata=md)
                 try:
                     async for tokens in stream_tokens(call, request, budgets, w):
                         yield tokens
@@ -326,12 +339,16 @@ class RequestFlow:
         w.free_blocks -= attempt.destination.num_blocks
         attempt.hold_load(w)
         attempt.reservation = asyncio.ensure_future(reserve)
+        if request.trace is not None:
+            request.trace.reservation(attempt, w, attempt.reservation)
 
     async def _reserve(self, request: FlowRequest, attempt: Attempt) -> None:
         """Decode first: never prefill into a pool that has no room. Waits, then 429."""
         deadline = time.monotonic() + self.cfg.reserve_timeout_s
         num_blocks = blocks_for(request.num_tokens, self.cfg.block_size)
         req = pb.ReserveRequest(request_id=attempt.attempt_id, num_tokens=request.num_tokens)
+        if request.trace is not None:  # ended once a lease is held, or with the attempt
+            span = request.trace.reserve(attempt)
         delay = 0.005
         while True:
             for w in self._decode_candidates(request, num_blocks):
@@ -343,6 +360,8 @@ class RequestFlow:
                         raise
                     continue
                 self._hold_lease(attempt, w, lease)
+                if request.trace is not None:
+                    request.trace.leased(span, w, lease)
                 return
             if time.monotonic() > deadline:
                 raise Overloaded(f"no decode worker could hold {request.num_tokens} tokens of KV")
@@ -376,7 +395,8 @@ class RequestFlow:
         budget = self.cfg.first_token_budget(p.inflight_tokens + request.num_tokens)
         with p.load(request.num_tokens):
             try:
-                call = p.stub.Prefill(msg)
+                md = None if request.trace is None else request.trace.call("prefill", attempt, p)
+                call = p.stub.Prefill(msg, metadata=md)
                 attempt.calls.append(call)
                 attempt.prefill = p
                 if after_send is not None:
@@ -389,7 +409,8 @@ class RequestFlow:
         if event is grpc.aio.EOF or not event.HasField("first_token"):
             raise AttemptEnded(Outcome.WORKER_LOST, p, "the prefill ended without a first token")
         request.took_first_token(event.first_token)
-        attempt.transfer = asyncio.ensure_future(transfer_done(call, request, p))
+        span = None if request.trace is None else request.trace.call_span(attempt, "prefill")
+        attempt.transfer = asyncio.ensure_future(transfer_done(call, request, p, span))
         return event.first_token
 
     async def _decode(self, request: FlowRequest, attempt: Attempt, forks=()):
@@ -397,7 +418,10 @@ class RequestFlow:
             attempt.end(Outcome.LEASE_REFUSED)
             return
         msg = request.decode_message(attempt.attempt_id, attempt.lease_id, forks)
-        call = attempt.decode.stub.Decode(msg)
+        md = (
+            None if request.trace is None else request.trace.call("decode", attempt, attempt.decode)
+        )
+        call = attempt.decode.stub.Decode(msg, metadata=md)
         attempt.calls.append(call)
         # The first chunk waits for the KV and a place in the decode batch: a first token's
         # budget (the prompt is in the KV already); then each chunk within token_timeout_s.

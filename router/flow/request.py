@@ -22,6 +22,7 @@ class FlowRequest:
     started: float = field(default_factory=time.monotonic)  # for the time to first token
     # Workers whose attempts failed, by how (AttemptOutcome): see charges_worker.
     failed_on: dict = field(default_factory=dict)
+    trace: object = None  # router.flow.trace.RequestTrace while tracing is on, else None
     _hashes: tuple = field(default=(-1, []), repr=False)  # (tokens hashed, hashes): block_hashes
 
     def block_hashes(self, block_size: int) -> list[bytes]:

@@ -132,7 +132,7 @@ class OpenAIHandlers:
             )
         return req
 
-    async def completions(self, raw: bytes) -> Response:
+    async def completions(self, raw: bytes, headers=None) -> Response:
         req = self._parse(CompletionRequest, raw)
         tok = self.router.tokenizer
         try:
@@ -150,9 +150,9 @@ class OpenAIHandlers:
                 ]
             )
         shape = ResponseShape(self.router.cfg.model_name, with_logprobs=req.logprobs is not None)
-        return await self._respond(req, ids, shape, echoes)
+        return await self._respond(req, ids, shape, echoes, headers)
 
-    async def chat(self, raw: bytes) -> Response:
+    async def chat(self, raw: bytes, headers=None) -> Response:
         req = self._parse(ChatCompletionRequest, raw)
         messages = [m.as_template_input() for m in req.messages]
         try:
@@ -162,17 +162,18 @@ class OpenAIHandlers:
         except Exception as e:  # noqa: BLE001 - a template's raise_exception on these messages
             raise ApiError(400, f"messages: the chat template failed: {e}", "messages") from None
         shape = ChatResponseShape(self.router.cfg.model_name, with_logprobs=req.logprobs)
-        return await self._respond(req, [ids], shape)
+        return await self._respond(req, [ids], shape, headers=headers)
 
-    async def _respond(self, req, prompts: list[list[int]], shape: ResponseShape, echoes=None):
-        """Run the request's prompts (a batch on completions) and answer, whole or streamed."""
+    async def _respond(self, req, prompts, shape: ResponseShape, echoes=None, headers=None):
+        """Run the request's prompts (a batch on completions) and answer, whole or streamed;
+        ``headers``: the HTTP request's, for a W3C traceparent while tracing is on."""
         cfg = self.router.cfg
         try:
             req.check_supported()
             inputs = []
             for ids in prompts:
                 sampling = req.to_sampling(len(ids), cfg.max_model_len, cfg.default_max_tokens)
-                inputs.append(self.router.prepare(ids, sampling))
+                inputs.append(self.router.prepare(ids, sampling, trace_carrier=headers))
             max_tokens = [inp.params.max_tokens for inp in inputs]
             check_batch_limits(self.router.cfg.limits, req.n, max_tokens)  # n x prompts
         except InvalidRequestError as e:
@@ -290,11 +291,14 @@ def build_app(router: Router, api_key: str | None = None) -> FastAPI:
 
     @v1.post("/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
-        return await _unless_client_leaves(request, handlers.completions(await request.body()))
+        body = await request.body()
+        return await _unless_client_leaves(request, handlers.completions(body, request.headers))
 
     @v1.post("/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        return await _unless_client_leaves(request, handlers.chat(await request.body()))
+        return await _unless_client_leaves(
+            request, handlers.chat(await request.body(), request.headers)
+        )
 
     @v1.get("/models")
     async def models() -> dict:
