@@ -218,6 +218,9 @@ class ClusterConfig(_Strict):
     # dummy: random weights from the model folder's config.json alone (profiles, benchmarks)
     load_format: Literal[LOAD_FORMATS] = _ENGINE.load_format
     lease_ttl_s: float = Field(_DECODE.lease_ttl_s, gt=0, allow_inf_nan=False)
+    # false: prefill sends a chunk's KV after its whole forward, not layer by layer as it is
+    # computed (no overlap of transfer and compute; for measuring what the overlap saves)
+    prefill_layerwise_kv: bool = True
     host: str | None = Field(None, description="bind address; null: each node's own IP")
     grpc_port: int = Field(50051, ge=0, le=65535)
     http_port: int | None = Field(8000, ge=0, le=65535)

@@ -61,7 +61,9 @@ def settings_from_config(cfg: ClusterConfig, host: str, model_dir: str | None = 
     )
     return ClusterSettings(
         router=_router_settings(cfg, model, tls),
-        prefill=PrefillSettings(engine=worker_engine("prefill"), server=server),
+        prefill=PrefillSettings(
+            engine=worker_engine("prefill"), server=server, layerwise_kv=cfg.prefill_layerwise_kv
+        ),
         decode=DecodeSettings(
             engine=worker_engine("decode"),
             server=server,

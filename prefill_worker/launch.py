@@ -16,6 +16,7 @@ from grpc_plumbing.tracing import start_tracing
 class PrefillSettings:
     engine: EngineSettings = field(default_factory=EngineSettings)
     server: process.ServerSettings = field(default_factory=process.ServerSettings)
+    layerwise_kv: bool = True  # PrefillWorker.layerwise_kv
 
 
 def start_prefill_worker(s: PrefillSettings, loaded: LoadedModel | None = None):
@@ -27,7 +28,7 @@ def start_prefill_worker(s: PrefillSettings, loaded: LoadedModel | None = None):
     check_one_rank(s.engine, "prefill")
     srv = s.server
     tracing = start_tracing(srv.otlp_traces_endpoint, "pdserve-prefill")
-    worker = PrefillWorker(build_engine(s.engine, loaded), srv.worker_id)
+    worker = PrefillWorker(build_engine(s.engine, loaded), srv.worker_id, s.layerwise_kv)
     server, address, senders = serve_prefill_worker(
         worker,
         srv.host,
@@ -45,14 +46,25 @@ def prefill_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m prefill_worker")
     add_engine_args(parser)
     process.add_server_args(parser)
+    parser.add_argument(
+        "--no-layerwise-kv",
+        dest="layerwise_kv",
+        action="store_false",
+        help="send the KV after the whole forward instead of layer by layer (to measure it)",
+    )
     return parser
 
 
 def prefill_settings_from_args(args: argparse.Namespace) -> PrefillSettings:
-    return PrefillSettings(engine_settings_from_args(args), process.server_settings_from_args(args))
+    return PrefillSettings(
+        engine_settings_from_args(args),
+        process.server_settings_from_args(args),
+        getattr(args, "layerwise_kv", True),
+    )
 
 
 def prefill_args(s: PrefillSettings) -> list[str]:
     """The flags ``prefill_parser`` reads back as ``s`` (the cluster token travels in
     $PDSERVE_CLUSTER_TOKEN, never on a command line)."""
-    return [*engine_args(s.engine), *process.server_args(s.server)]
+    layerwise = [] if s.layerwise_kv else ["--no-layerwise-kv"]
+    return [*engine_args(s.engine), *process.server_args(s.server), *layerwise]

@@ -44,8 +44,12 @@ class PrefillJob:
 class PrefillWorker(EngineWorker):
     role = "prefill"
 
-    def __init__(self, engine: LLMEngine, worker_id: str | None = None):
+    def __init__(self, engine: LLMEngine, worker_id: str | None = None, layerwise_kv: bool = True):
         super().__init__(engine, worker_id)
+        # False: every layer's blocks leave after the chunk's last layer, not as each layer is
+        # computed: the transfer no longer overlaps compute (what layer-wise streaming saves,
+        # measured by pdserve bench netns-cluster link).
+        self.layerwise_kv = layerwise_kv
         self._jobs: dict[str, PrefillJob] = {}
         # Hook for tests that check ordering: called as (layer, request ids) after each layer.
         self.on_layer_computed = None
@@ -137,9 +141,14 @@ class PrefillWorker(EngineWorker):
         last = len(kv_caches) - 1
 
         def after_layer(layer: int) -> None:
-            k_cache, v_cache = kv_caches[layer]
-            for stream, src, dst in sends:
-                stream.send_layer(layer, src, dst, k_cache, v_cache)
+            if self.layerwise_kv:
+                ready = (layer,)
+            else:  # every layer at once, after the last one
+                ready = range(layer + 1) if layer == last else ()
+            for sent in ready:
+                k_cache, v_cache = kv_caches[sent]
+                for stream, src, dst in sends:
+                    stream.send_layer(sent, src, dst, k_cache, v_cache)
             if self.on_layer_computed is not None:
                 self.on_layer_computed(layer, ids)
             if layer == last:
