@@ -43,3 +43,16 @@ def test_bare_relay_answers_with_the_prefill_workers_first_token():
             proc.stdin.close()
             proc.terminate()
             proc.wait(timeout=10)
+
+
+def test_the_benchmark_runs_a_traced_router_beside_the_untraced_one():
+    """Tracing on vs off in the same rounds: the traced router really exports (the sink took
+    batches), and each row says both and their difference."""
+    import pytest
+
+    pytest.importorskip("opentelemetry.sdk", reason="needs pip install 'pdserve[tracing]'")
+    result = asyncio.run(measure(n=20, prompt_tokens=64, traced=True))
+    assert result["traced_exports"] >= 1
+    for r in result["rows"]:
+        traced = r["traced_added_p50_ms"]
+        assert abs(r["routed_minus_traced_p50_ms"] - (r["router_added_p50_ms"] - traced)) < 1e-9

@@ -109,9 +109,12 @@ async def _first_token_seconds(call_factory, n: int, gap_s: float = 0.0) -> list
     return out
 
 
-def _spawn(args: list[str]) -> tuple[subprocess.Popen, list[str]]:
-    """Start a child that prints ``READY addr...`` and serves until its stdin closes."""
+def _spawn(args: list[str], tree: str | None = None) -> tuple[subprocess.Popen, list[str]]:
+    """Start a child that prints ``READY addr...`` and serves until its stdin closes; with
+    ``tree``, its modules come from that source tree."""
     env = {**os.environ, "GRPC_VERBOSITY": "ERROR"}
+    if tree is not None:
+        env["PYTHONPATH"] = os.path.abspath(tree)
     proc = subprocess.Popen(
         [sys.executable, *args],
         stdin=subprocess.PIPE,
@@ -119,6 +122,7 @@ def _spawn(args: list[str]) -> tuple[subprocess.Popen, list[str]]:
         stderr=subprocess.DEVNULL,
         text=True,
         env=env,
+        cwd=tree,
     )
     return proc, wait_ready(proc)
 
@@ -154,7 +158,11 @@ async def serve_relay(prefill_address: str) -> None:
     await server.stop(None)
 
 
-def _router(prefill: str, decode: str, headroom: float) -> tuple[subprocess.Popen, list[str]]:
+def _router(
+    prefill: str, decode: str, headroom: float, extra=(), tree: str | None = None
+) -> tuple[subprocess.Popen, list[str]]:
+    """A router process; ``tree``: run the router of another source tree (a checkout from
+    before a change, to compare in the same run)."""
     cmd = ["-m", "router", "--model", _tokenizer_dir(), "--prefill", prefill, "--decode", decode]
     cmd += [
         "--port",
@@ -163,8 +171,43 @@ def _router(prefill: str, decode: str, headroom: float) -> tuple[subprocess.Pope
         "4096",
         "--concurrent-reserve-headroom",
         str(headroom),
+        *extra,
     ]
-    return _spawn(cmd)
+    return _spawn(cmd, tree)
+
+
+class SpanSink(grpc.GenericRpcHandler):
+    """An OTLP/gRPC trace endpoint that takes every export and keeps nothing: what a traced
+    router's exporter costs it, without a collector's own CPU in the measurement. (An empty
+    reply is an empty ExportTraceServiceResponse.)"""
+
+    EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+
+    def __init__(self):
+        self.exports = 0  # batches taken: proof that the traced router did export
+
+    def service(self, details):
+        if details.method != self.EXPORT:
+            return None
+        return grpc.unary_unary_rpc_method_handler(self._take)
+
+    def _take(self, request: bytes, context) -> bytes:
+        self.exports += 1
+        return b""
+
+
+def serve_span_sink(count_path: str) -> None:
+    """The sink's process: print its address, take exports until stdin closes, then write
+    how many batches it took to ``count_path``."""
+    sink = SpanSink()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[sink])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(f"READY 127.0.0.1:{port}", flush=True)
+    sys.stdin.read()
+    server.stop(None)
+    with open(count_path, "w") as f:
+        f.write(str(sink.exports))
 
 
 PATTERNS = {"back to back": 0.0, "spaced 10 ms": 0.01}
@@ -196,20 +239,43 @@ async def _rounds(p_addr: str, routers: dict[str, str], n: int, prompt_tokens: i
             await ch.close()
 
 
-async def measure(n: int, prompt_tokens: int) -> dict:
-    fakes, (p_addr, d_addr) = _spawn(["-m", "pdserve.measure.router_overhead"])
+async def measure(
+    n: int, prompt_tokens: int, traced: bool = False, baseline_tree: str | None = None
+) -> dict:
+    """``traced``: a third default router beside the others, exporting its spans over OTLP to
+    a sink (tracing on vs off, same run; needs pdserve[tracing]). ``baseline_tree``: a router
+    from that source tree beside them too (e.g. a checkout from before a change)."""
+    me = ["-m", "pdserve.measure.router_overhead"]
+    fakes, (p_addr, d_addr) = _spawn(me)
     routed, reserve_first = (_router(p_addr, d_addr, h) for h in (0.1, -1.0))
-    relay = _spawn(["-m", "pdserve.measure.router_overhead", "--relay", p_addr])
+    relay = _spawn([*me, "--relay", p_addr])
     paths = {"routed": routed, "reserve_first": reserve_first, "relay": relay}
+    sink = None
+    if traced:
+        count_path = os.path.join(tempfile.mkdtemp(prefix="pdserve-span-sink-"), "exports")
+        sink, (sink_addr,) = _spawn([*me, "--span-sink", count_path])
+        paths["traced"] = _router(p_addr, d_addr, 0.1, ["--otlp-traces-endpoint", sink_addr])
+    if baseline_tree is not None:
+        paths["baseline"] = _router(p_addr, d_addr, 0.1, tree=baseline_tree)
     try:
         addresses = {name: addrs[0] for name, (_, addrs) in paths.items()}
         times = await _rounds(p_addr, addresses, n, prompt_tokens)
     finally:
-        for proc in [fakes, *(proc for proc, _ in paths.values())]:
+        for proc in [fakes, *(proc for proc, _ in paths.values())]:  # routers flush first
             proc.stdin.close()
             proc.terminate()
             proc.wait(timeout=10)
-    return _summary(times, prompt_tokens)
+    summary = _summary(times, prompt_tokens)
+    if sink is not None:  # after the traced router's last export
+        summary["traced_exports"] = _sink_exports(sink, count_path)
+    return summary
+
+
+def _sink_exports(sink: subprocess.Popen, count_path: str) -> int:
+    sink.stdin.close()
+    sink.wait(timeout=10)
+    with open(count_path) as f:
+        return int(f.read())
 
 
 def _p(xs: list[float], q: int) -> float:
@@ -233,6 +299,12 @@ def _summary(times: dict, prompt_tokens: int) -> dict:
                 "router_beyond_relay_p50_ms": _p(routed, 50) - _p(relay, 50),
             }
         )
+        for other in ("traced", "baseline"):  # beside the default router, when measured
+            if (pattern, other) in times:
+                rows[-1][f"{other}_added_p50_ms"] = _p(times[pattern, other], 50) - _p(direct, 50)
+                rows[-1][f"routed_minus_{other}_p50_ms"] = _p(routed, 50) - _p(
+                    times[pattern, other], 50
+                )
     return {
         "prompt_tokens": prompt_tokens,
         "separate_processes": True,
@@ -256,5 +328,7 @@ def serve_fakes() -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--relay"]:
         asyncio.run(serve_relay(sys.argv[2]))
+    elif sys.argv[1:2] == ["--span-sink"]:
+        serve_span_sink(sys.argv[2])
     else:
         serve_fakes()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+from grpc_plumbing.tracing import tracing_missing
 from pdserve.measure.router_overhead import measure
 
 
@@ -14,11 +15,25 @@ def add_parser(sub) -> None:
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--no-tracing",
+        dest="tracing",
+        action="store_false",
+        help="skip the router with OpenTelemetry tracing on (run beside the default one)",
+    )
+    p.add_argument(
+        "--baseline-tree",
+        default=None,
+        help="also run the router of this source tree (e.g. a checkout from before a change)",
+    )
     p.set_defaults(func=_main)
 
 
 def _main(args) -> int:
-    result = asyncio.run(measure(args.requests, args.prompt_tokens))
+    traced = args.tracing and tracing_missing() is None
+    if args.tracing and not traced:
+        print(f"tracing on: not measured ({tracing_missing()})")
+    result = asyncio.run(measure(args.requests, args.prompt_tokens, traced, args.baseline_tree))
     print(
         f"prompt {result['prompt_tokens']} tokens; workers, router and client in separate processes"
     )
@@ -37,6 +52,18 @@ def _main(args) -> int:
         f"one bare grpc.aio hop adds {result['relay_added_p50_ms']:.2f} ms "
         f"(router / hop: {result['router_added_p50_ms'] / result['relay_added_p50_ms']:.2f}x)"
     )
+    for r in result["rows"]:  # the same rounds, so the differences are like for like
+        if "traced_added_p50_ms" in r:
+            print(
+                f"{r['pattern']:<14}tracing on adds {r['traced_added_p50_ms']:.2f} ms at p50: "
+                f"on - off {-r['routed_minus_traced_p50_ms']:+.3f} ms"
+            )
+        if "baseline_added_p50_ms" in r:
+            print(
+                f"{r['pattern']:<14}the baseline tree's router adds "
+                f"{r['baseline_added_p50_ms']:.2f} ms at p50: this tree's (tracing off) - "
+                f"baseline {r['routed_minus_baseline_p50_ms']:+.3f} ms"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
