@@ -22,6 +22,7 @@ from pdserve.bench.micro.transfer_limits import (
 )
 from pdserve.measure.kv_push import KVShape
 from tests.conftest import tiny_llama_dir
+from tests.transport_params import requires_transport
 
 SMALL = KVShape(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, tokens=30)
 
@@ -69,7 +70,8 @@ def test_transfer_report_covers_every_transport_and_bytes_match():
     assert all(name in text for name in TRANSPORT_NAMES) and "x loopback" in text
     assert "x stack" in text and "bare grpcio stream" in text
     assert "bare Arrow Flight stream" in text
-    assert len(logs) == 3 + len(TRANSPORT_NAMES)
+    assert report.memcpy_best_mb_s > 0 and "single-thread memcpy" in text and "x memcpy" in text
+    assert len(logs) == 4 + len(TRANSPORT_NAMES)
     d = report.to_dict()
     assert d["shape"]["bytes_per_push"] == SMALL.bytes_per_push and d["shape"]["dtype"] == "float32"
     json.dumps(d)
@@ -142,3 +144,20 @@ def test_bench_transfer_command_writes_json(tmp_path, capsys):
     assert [t["transport"] for t in res["transports"]] == ["local", "grpc"]
     assert res["ttft"] == [] and all(t["bytes_ok"] for t in res["transports"])
     assert "KV Transfer Benchmark" in capsys.readouterr().out
+
+
+@requires_transport("nixl")
+def test_transfer_between_two_processes_moves_every_byte():
+    """--processes: the receiver in a second process; nixl and grpc deliver every byte."""
+    report = run_transfer_bench(
+        SMALL,
+        ["local", "nixl", "grpc"],
+        repeats=1,
+        loopback_bytes=4 * MiB,
+        ttft_model=None,
+        log=lambda _: None,
+        processes=True,
+    )
+    assert report.processes and [t.transport for t in report.transports] == ["nixl", "grpc"]
+    assert all(t.bytes_ok and t.bytes_per_push == SMALL.bytes_per_push for t in report.transports)
+    assert "receivers in a second process" in format_report(report)

@@ -11,6 +11,11 @@ limits for the gRPC transports (transfer_limits.py): a bare grpcio client stream
 ``bytes`` messages and a bare Arrow Flight stream of 4 MiB batches (no frames, no cache,
 nothing but each stack) over the same bytes.
 
+The second limit is a single-thread memcpy of the same bytes (numpy, one thread, best of the
+repeats): what a transport that writes into the receiver's memory (nixl) is held against.
+``--processes`` puts each receiver in a second process (pdserve/bench/micro/transfer_procs.py),
+as between two worker processes, and runs the TTFT cluster's workers as processes too.
+
 Then the transfer's share of TTFT with layer-wise streaming: a local cluster (one prefill and
 one decode worker) serves prompts of the same length with ``include_timings``; kv_transfer_s
 is the transfer time *not* hidden behind prefill compute, so share = kv_transfer_s / ttft_s.
@@ -28,16 +33,18 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import KV_DTYPES, CacheConfig
-from kv_transfer.transports import WORKER_TRANSPORTS
+from kv_transfer.transports import WORKER_TRANSPORTS, transport_missing
 from pdserve.bench.micro.transfer_limits import (
     MiB,
     flight_stack_seconds,
     grpc_stack_seconds,
     loopback_mb_s,
 )
+from pdserve.bench.micro.transfer_procs import measure_transport_processes, memcpy_mb_s
 from pdserve.measure.kv_push import KVShape, TransportResult, measure_transport
 
-TRANSPORT_NAMES = (*WORKER_TRANSPORTS, "local")  # the registry's, less the test-only faults
+# The registry's, less the test-only faults and any whose package is not installed (nixl).
+TRANSPORT_NAMES = (*(t for t in WORKER_TRANSPORTS if not transport_missing(t)), "local")
 
 
 @dataclass
@@ -60,6 +67,8 @@ class TransferReport:
     loopback_median_mb_s: float
     grpc_stack_best_mb_s: float  # a bare grpcio stream of bytes messages, same process
     flight_stack_best_mb_s: float = 0.0  # a bare Arrow Flight stream of the same messages
+    memcpy_best_mb_s: float = 0.0  # one thread copying bytes_per_push, same process
+    processes: bool = False  # each receiver ran in a second process
     transports: list[TransportResult] = field(default_factory=list)
     ttft: list[TTFTShare] = field(default_factory=list)
 
@@ -71,11 +80,17 @@ class TransferReport:
 
 
 def measure_ttft_share(
-    model: str, transport: str, prompt_tokens: int, runs: int, seed: int = 0, kv_dtype="fp32"
+    model: str,
+    transport: str,
+    prompt_tokens: int,
+    runs: int,
+    seed: int = 0,
+    kv_dtype="fp32",
+    processes: bool = False,
 ) -> TTFTShare:
     """Prompts of ``prompt_tokens`` random token ids (fresh per request: no prefix-cache hits)
     through a one-prefill, one-decode local cluster whose KV cache is ``kv_dtype``; one
-    warm-up request first."""
+    warm-up request first. ``processes``: the workers run as processes."""
     from engine.loader import load_config
     from pdserve.client import Client
     from pdserve.cluster.local import ClusterSpec, LocalCluster
@@ -90,6 +105,7 @@ def measure_ttft_share(
         max_model_len=per_request * block_size,
         max_num_batched_tokens=max(512, prompt_tokens),
         kv_dtype=kv_dtype,
+        separate_processes=processes,
     )
     rng = np.random.default_rng(seed)
     rows = []
@@ -123,9 +139,11 @@ def run_transfer_bench(
     ttft_runs: int = 3,
     log=print,
     kv_dtypes=("fp32",),
+    processes: bool = False,
 ) -> TransferReport:
     """Every transport, then every TTFT transport, once per KV format in ``kv_dtypes`` (the
-    report's shape is ``shape``'s; each result names its format and bytes)."""
+    report's shape is ``shape``'s; each result names its format and bytes). ``processes``:
+    each receiver in a second process ("local" cannot cross one and is left out)."""
     loop = loopback_mb_s(loopback_bytes, repeats)
     report = TransferReport(
         {
@@ -137,14 +155,20 @@ def run_transfer_bench(
         statistics.median(loop),
         loopback_bytes / grpc_stack_seconds(loopback_bytes, calls=repeats) / 1e6,
         loopback_bytes / flight_stack_seconds(loopback_bytes, calls=repeats) / 1e6,
+        max(memcpy_mb_s(shape.bytes_per_push, max(repeats, 3))),
+        processes,
     )
     log(f"loopback TCP: {report.loopback_best_mb_s:,.0f} MB/s (best of {repeats})")
     log(f"bare gRPC stream: {report.grpc_stack_best_mb_s:,.0f} MB/s")
     log(f"bare Flight stream: {report.flight_stack_best_mb_s:,.0f} MB/s")
+    log(f"single-thread memcpy: {report.memcpy_best_mb_s:,.0f} MB/s")
+    measure = measure_transport_processes if processes else measure_transport
     for kv_dtype in kv_dtypes:
         dtype_shape = replace(shape, kv_dtype=kv_dtype)
         for name in transports:
-            res = measure_transport(name, dtype_shape, repeats, report.loopback_best_mb_s)
+            if processes and name == "local":
+                continue
+            res = measure(name, dtype_shape, repeats, report.loopback_best_mb_s)
             report.transports.append(res)
             log(
                 f"{name:>10} {kv_dtype}: {res.best_mb_s:,.0f} MB/s = "
@@ -152,7 +176,9 @@ def run_transfer_bench(
             )
     for kv_dtype in kv_dtypes if ttft_model else ():
         for name in ttft_transports:
-            share = measure_ttft_share(ttft_model, name, shape.tokens, ttft_runs, kv_dtype=kv_dtype)
+            share = measure_ttft_share(
+                ttft_model, name, shape.tokens, ttft_runs, kv_dtype=kv_dtype, processes=processes
+            )
             report.ttft.append(share)
             log(f"{name:>10} {kv_dtype}: kv_transfer_s / ttft_s = {share.share_of_ttft:.1%}")
     return report
@@ -182,11 +208,14 @@ def format_report(r: TransferReport) -> str:
         f"{r.grpc_stack_best_mb_s:,.0f} MB/s = {r.grpc_stack_best_mb_s / r.loopback_best_mb_s:.2f} x loopback\n"
         f"bare Arrow Flight stream of 4 MiB batches (the flight transport's stack): "
         f"{r.flight_stack_best_mb_s:,.0f} MB/s = "
-        f"{r.flight_stack_best_mb_s / r.loopback_best_mb_s:.2f} x loopback"
+        f"{r.flight_stack_best_mb_s / r.loopback_best_mb_s:.2f} x loopback\n"
+        f"single-thread memcpy of the same bytes (limit of a write into memory): "
+        f"{r.memcpy_best_mb_s:,.0f} MB/s"
+        + ("\nreceivers in a second process" if r.processes else "")
     )
     header = (
         f"{'transport':<12}{'KV':>6}{'MiB':>7}{'best MB/s':>12}{'median MB/s':>13}{'x loopback':>12}"
-        f"{'x stack':>9}{'frames':>8}{'bytes ok':>10}"
+        f"{'x stack':>9}{'x memcpy':>10}{'frames':>8}{'bytes ok':>10}"
     )
     lines = [f"{' KV Transfer Benchmark ':=^78}", kv, limit, header]
     d = r.to_dict()
@@ -194,6 +223,7 @@ def format_report(r: TransferReport) -> str:
         lines.append(
             f"{t.transport:<12}{t.kv_dtype:>6}{t.bytes_per_push / MiB:>7.1f}{t.best_mb_s:>12,.0f}{t.median_mb_s:>13,.0f}"
             f"{t.ratio_to_loopback:>12.2f}{own_stack_ratio(d, t.transport, t.best_mb_s):>9}"
+            f"{t.best_mb_s / max(r.memcpy_best_mb_s, 1e-9):>10.2f}"
             f"{t.frames_per_push:>8}{t.bytes_ok!s:>10}"
         )
     if r.ttft:
@@ -229,6 +259,11 @@ def add_parser(sub) -> None:
         default="fp32",
         help=f"comma-separated KV cache formats to push and serve, side by side: {KV_DTYPES}",
     )
+    p.add_argument(
+        "--processes",
+        action="store_true",
+        help="each receiver (and the TTFT cluster's workers) in a second process",
+    )
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=cmd_transfer)
 
@@ -262,6 +297,7 @@ def cmd_transfer(args) -> int:
         args.ttft_runs,
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
         kv_dtypes=kv_dtypes,
+        processes=args.processes,
     )
     print(format_report(report))
     if args.json_out:
