@@ -23,7 +23,7 @@ def tiny_model(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("num_decode", [1, 2])
+@pytest.mark.parametrize("num_decode", [1, 2])  # 1P2D under Ray: tests/test_ray_multinode.py
 def test_nixl_between_worker_processes_matches_engine(tiny_model, num_decode):
     prompts = mixed_prompts(12, seed=4)
     ref = engine_reference(tiny_model, prompts)

@@ -1,6 +1,8 @@
 """Several Ray nodes on one machine (``ray.cluster_utils.Cluster``), each with its own custom
 resource: the prefill pool lands on one node, the decode pool on another, and the KV cache
-crosses between them over gRPC with outputs equal to the single-process engine's."""
+crosses between them over gRPC, and over nixl (one-sided WRITEs into the decode workers'
+blocks) where NIXL is installed, with outputs equal to the single-process engine's and every
+block free after."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from ray.cluster_utils import Cluster
 from pdserve.cluster.ray_controller import NAMESPACE
 from pdserve.cluster.ray_launcher import launch
 from tests.conftest import tiny_llama_dir
-from tests.ray_utils import engine_reference, generate, make_prompts, tiny_config
+from tests.ray_utils import engine_reference, generate, make_prompts, tiny_config, wait_for
+from tests.transport_params import transport_params
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +30,8 @@ def nodes():
     cluster.shutdown()
 
 
-def test_pools_on_their_own_nodes_with_kv_over_grpc(nodes, tmp_path):
+@pytest.mark.parametrize("transport", transport_params(["grpc", "nixl"]))
+def test_pools_on_their_own_nodes_with_kv_over_the_transport(nodes, tmp_path, transport):
     model, _ = tiny_llama_dir(tmp_path, num_kv_heads=2, layers=2, seed=5)
     prompts = make_prompts(6, seed=1)
     reference = engine_reference(model, prompts)
@@ -41,7 +45,8 @@ def test_pools_on_their_own_nodes_with_kv_over_grpc(nodes, tmp_path):
         }
         for role, n in (("prefill", 1), ("decode", 2))
     }
-    with launch(tiny_config(model, pools=pools, kv_transport="grpc"), progress=False) as cluster:
+    config = tiny_config(model, pools=pools, kv_transport=transport)
+    with launch(config, progress=False) as cluster:
         st = cluster.status()
         for role, node_id in nodes.items():
             workers = st["pools"][role]["workers"]
@@ -52,3 +57,9 @@ def test_pools_on_their_own_nodes_with_kv_over_grpc(nodes, tmp_path):
         assert all(o.timings.kv_bytes > 0 for o in outs)
         for pool in cluster.status()["pools"].values():
             assert sum(w["served_requests"] for w in pool["workers"]) >= len(prompts)
+
+        def every_block_free() -> bool:  # as the workers' last status reports say
+            rows = [w for p in cluster.status()["pools"].values() for w in p["workers"]]
+            return all(w["kv_usage"] == 0 and not w["running"] for w in rows)
+
+        wait_for(every_block_free, 10, "every block free")
