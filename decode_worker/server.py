@@ -128,9 +128,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
     def Decode(self, request, context):
         if not self.budget.enter(len(self.worker.leases), on_lease=bool(request.lease_id)):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.budget.full())
-        span, traced, error = None, None, None
-        if self.tracing is not None:  # tracing off: no span, nothing kept
-            span, traced = start_decode_span(self.tracing, request, context), []
+        span = None if self.tracing is None else start_decode_span(self.tracing, request, context)
+        traced, error = ([] if span is not None else None), None  # off: no span, nothing kept
         try:
             yield from self._decode(request, context, traced)
         except Exception as e:  # an abort too: the span says how the call ended

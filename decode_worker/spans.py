@@ -15,8 +15,11 @@ import time
 
 
 def start_decode_span(tracing, request, context):
-    """The Decode call's span, child of the caller's (its metadata's traceparent)."""
+    """The Decode call's span, child of the caller's (its metadata's traceparent); None for a
+    caller that sent none (a router tracing nothing: no stray one-span traces)."""
     parent = tracing.context_from(context.invocation_metadata())
+    if parent is None:
+        return None
     attributes = {
         "gen_ai.request.id": request.request_id,
         "gen_ai.request.max_tokens": request.sampling.max_tokens,

@@ -38,10 +38,11 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self.tracing = None  # grpc_plumbing.tracing.Tracing when traces are exported
 
     def Prefill(self, request, context):
-        if self.tracing is None:  # tracing off: no span, nothing timed
+        span = None if self.tracing is None else start_prefill_span(self.tracing, request, context)
+        if span is None:  # tracing off, or an untraced caller: no span, nothing timed
             yield from self._prefill(request, context, None)
             return
-        span, error = start_prefill_span(self.tracing, request, context), None
+        error = None
         try:
             yield from self._prefill(request, context, span)
         except Exception as e:  # an abort too: the span says how the call ended
@@ -71,6 +72,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 stream,
                 dest.num_blocks,
                 traced=span is not None,
+                first_block=dest.first_block,
             )
         except (ValueError, ConnectionError, OSError) as e:  # InvalidRequestError is a ValueError
             if stream is not None:  # its push call is open at the decode worker: end it

@@ -84,13 +84,17 @@ def _root(spans, request_id: str):
     return roots[0] if roots else None
 
 
-def _complete_trace(receiver, request_id: str, *names: str):
-    """The request's trace once its root and the named spans are in."""
+WORKER_SPANS = (("pdserve-prefill", "prefill"), ("pdserve-decode", "decode"))
+
+
+def _complete_trace(receiver, request_id: str, *wanted: tuple[str, str]):
+    """The request's trace once its root and the ``wanted`` (service, name) spans are in (a
+    worker's call span ends after its children, the router's request span after the rest)."""
 
     def ready(spans) -> bool:
         root = _root(spans, request_id)
-        have = {s.name for s in spans if root is not None and s.trace_id == root.trace_id}
-        return root is not None and set(names) <= have
+        have = {(s.service, s.name) for s in spans if root and s.trace_id == root.trace_id}
+        return root is not None and set(wanted) <= have
 
     root = _root(receiver.wait_for(ready), request_id)
     return root, receiver.trace(root.trace_id)
@@ -107,7 +111,7 @@ def test_one_request_is_one_trace_across_router_and_both_workers(traced_cluster,
         token_ids=PROMPT, max_tokens=12, ignore_eos=True, request_id="traced-one"
     )
     assert len(out.token_ids) == 12
-    root, spans = _complete_trace(receiver, "traced-one", "kv_transfer", "decode.run")
+    root, spans = _complete_trace(receiver, "traced-one", *WORKER_SPANS)
     assert {s.service for s in spans} == SERVICES  # router, prefill worker, decode worker
     by_id = {s.span_id: s for s in spans}
     assert root.parent_id == "" and root.service == "pdserve-router"
@@ -147,14 +151,46 @@ def test_an_http_traceparent_is_the_request_spans_parent(traced_cluster, receive
     url = f"http://{traced_cluster.http_address}/v1/completions"
     assert httpx.post(url, json=body, headers=headers, timeout=60).status_code == 200
 
-    def ready(spans) -> bool:
-        return any(s.trace_id == trace_id and s.name == "decode.run" for s in spans)
+    def ready(spans) -> bool:  # the workers' spans and the router's request span, which
+        have = {(s.service, s.name) for s in spans if s.trace_id == trace_id}  # ends last
+        return {*WORKER_SPANS, ("pdserve-router", "llm_request")} <= have
 
     receiver.wait_for(ready)
     spans = receiver.trace(trace_id)
     root = _one(spans, "pdserve-router", "llm_request")
     assert root.parent_id == parent_id  # the client's span is the request span's parent
     assert {s.service for s in spans} == SERVICES
+    assert_all_blocks_free(traced_cluster)
+
+
+def test_a_worker_makes_no_span_for_an_untraced_caller(traced_cluster, receiver):
+    """A Decode straight to a traced decode worker without a traceparent (a router tracing
+    nothing) makes no stray trace; the worker exports in order, so once a later traced
+    request's decode spans are in, the untraced call's would be too."""
+    from protos import pdserve_pb2 as pb
+    from protos import pdserve_pb2_grpc as pb_grpc
+    from tests.cluster_utils import _worker_channel
+
+    address = traced_cluster.decode_addresses[0]
+    with _worker_channel(traced_cluster, address) as channel:
+        request = pb.DecodeRequest(
+            request_id="untraced-direct",
+            prompt_token_ids=PROMPT,
+            sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True),
+        )
+        chunks = list(pb_grpc.DecodeWorkerStub(channel).Decode(request, timeout=60))
+    assert sum(len(c.token_ids) for c in chunks) == 4
+    workers = []
+    while address not in workers:  # a traced request decoded on the same worker, later
+        assert len(workers) < 8, f"no request routed to {address} in 8: {workers}"
+        request_id = f"traced-after-{len(workers)}"
+        Client(traced_cluster.address).generate(
+            token_ids=PROMPT, max_tokens=2, request_id=request_id
+        )
+        _, spans = _complete_trace(receiver, request_id, WORKER_SPANS[1])
+        workers.append(_one(spans, "pdserve-router", "attempt").attributes["pdserve.decode.worker"])
+    ids = {s.attributes.get("gen_ai.request.id") for s in receiver.spans}
+    assert "untraced-direct" not in ids
     assert_all_blocks_free(traced_cluster)
 
 
@@ -184,7 +220,7 @@ def test_a_migrated_request_shows_both_attempts(traced_cluster, receiver):
 
     out = asyncio.run(stream())
     assert killed and len(out) == 200  # one unbroken stream despite the kill
-    root, spans = _complete_trace(receiver, "traced-migrated", "decode.run")
+    root, spans = _complete_trace(receiver, "traced-migrated", WORKER_SPANS[1])
     attempts = sorted(
         (s for s in spans if s.name == "attempt"),
         key=lambda s: s.attributes["pdserve.attempt.number"],
