@@ -74,11 +74,24 @@ def example_trace(n: int = 2000, rate: float = 40.0, seed: int = 0) -> list[Trac
 
 def add_parser(sub) -> None:
     p = sub.add_parser("gpu-profile", help="the hand-made H100 profile and example trace")
-    p.add_argument("--out", required=True, help="folder for the profile and the trace")
+    p.add_argument("--out", default=None, help="folder for the profile and the trace")
+    p.add_argument(
+        "--catalog",
+        default=None,
+        help="folder for the roofline profiles per GPU, model and TP degree (cluster_configs/"
+        "profiles)",
+    )
     p.set_defaults(func=write)
 
 
 def write(args) -> int:
+    if args.catalog:
+        from pdserve.planner.gpu_catalog import write_catalog
+
+        for path in write_catalog(args.catalog):
+            print(f"wrote {path}")
+    if not args.out:
+        return 0
     out = Path(args.out)
     meta = {"note": "hand-written from published figures; not measured"}
     analytic_profile(H100, LLAMA3_8B, ENGINE, meta).save(out / "profile_h100_llama3_8b.json")

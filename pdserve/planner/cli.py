@@ -147,8 +147,15 @@ def cmd_profile(args) -> int:
 
 
 def add_plan(sub) -> None:
+    from pdserve.planner.cli_size import add_sizing_args
+
     p = sub.add_parser("plan", help="which prefill:decode split a workload needs (simulated)")
-    p.add_argument("--profile", required=True, help="from `pdserve profile`, or hand-written")
+    p.add_argument(
+        "--profile",
+        action="append",
+        default=None,
+        help="from `pdserve profile`, or hand-written; repeat to size several worker shapes",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
         "--workload",
@@ -164,7 +171,13 @@ def add_plan(sub) -> None:
     )
     p.add_argument("--slo-ttft", type=positive_float, default=None, help="seconds")
     p.add_argument("--slo-tpot", type=positive_float, default=None, help="seconds")
-    p.add_argument("--max-workers", type=positive_int, required=True)
+    p.add_argument(
+        "--max-workers",
+        type=positive_int,
+        default=None,
+        help="search every split up to this many workers (without it: the fewest devices for "
+        "--rate, or the most goodput within --budget)",
+    )
     p.add_argument("--out", default=None, help="folder for plan.txt/json and the PNG plots")
     p.add_argument(
         "--unit-max",
@@ -205,6 +218,7 @@ def add_plan(sub) -> None:
         help="leading tokens every prompt shares (system prompt, chat template): served from "
         "the workers' prefix caches",
     )
+    add_sizing_args(p)
     p.set_defaults(func=cmd_plan)
 
 
@@ -214,17 +228,21 @@ def _plan_inputs(args, parser_error):
     from pdserve.planner.workload import read_trace
     from router.policies import get_policy
 
-    if args.slo_ttft is None and args.slo_tpot is None:
+    if args.max_workers is not None and args.slo_ttft is None and args.slo_tpot is None:
         parser_error("give --slo-ttft and/or --slo-tpot")
     for kind, name in (("prefill", args.prefill_policy), ("decode", args.decode_policy)):
         try:
             get_policy(kind, name)
         except ValueError as e:
             parser_error(f"argument --{kind}-policy: {e}")
-    try:
-        prof = load_profile(args.profile)
-    except ValueError as e:
-        parser_error(f"argument --profile: {e}")
+    prof = None
+    if args.max_workers is not None:
+        if not args.profile or len(args.profile) > 1:
+            parser_error("argument --profile: the split search (--max-workers) takes one")
+        try:
+            prof = load_profile(args.profile[0])
+        except ValueError as e:
+            parser_error(f"argument --profile: {e}")
     sizes = {"duration_s": args.duration, "max_requests": args.max_requests}
     if args.trace:
         try:
@@ -258,6 +276,8 @@ def cmd_plan(args) -> int:
         raise SystemExit(2)
 
     prof, workload, rate = _plan_inputs(args, error)
+    if args.budget is not None and args.max_workers is not None:
+        error("argument --budget: not with --max-workers (the split search)")
     base = SimConfig(
         Split(1, 1),
         decode_num_blocks=args.decode_num_blocks,
@@ -268,6 +288,10 @@ def cmd_plan(args) -> int:
         temperature=args.temperature,
         shared_prefix_tokens=args.shared_prefix_tokens,
     )
+    if args.max_workers is None:
+        from pdserve.planner.cli_size import cmd_size
+
+        return cmd_size(args, base, workload, rate, error)
     started = time.time()
     result = plan(
         prof,

@@ -142,6 +142,31 @@ class Profile:
     cpu: CpuCorrections = field(default_factory=CpuCorrections)
     meta: dict = field(default_factory=dict)  # hardware, model, dtype, versions, date
 
+    @property
+    def devices_per_worker(self) -> int:
+        """Devices one worker spans: its tensor-parallel degree (``meta["tp"]``; 1 for a CPU
+        or one-GPU worker)."""
+        return int(self.meta.get("tp") or getattr(self.engine, "tensor_parallel_size", 1) or 1)
+
+    @property
+    def shape_label(self) -> str:
+        """Hardware and TP degree, as a plan names a pool's worker shape."""
+        hw = self.meta.get("hardware")
+        name = hw.get("name") if isinstance(hw, dict) else hw
+        return f"{name or self.meta.get('device', '?')} x{self.devices_per_worker}"
+
+    @property
+    def validation(self) -> dict:
+        """What this profile's validation measured: ``{"p50_ttft": 0.074, ..., "how": "..."}``
+        as relative errors, or ``{"none": why}`` (a roofline, a profile never checked)."""
+        v = self.meta.get("validation")
+        if isinstance(v, dict) and v:
+            return v
+        source = str(self.meta.get("source", ""))
+        if "roofline" in source or "analytic" in source:
+            return {"none": "roofline from published figures, not measured"}
+        return {"none": "not validated against live runs"}
+
     def with_cpu(self, **corrections) -> Profile:
         """This profile with some of its CPU corrections replaced."""
         return replace(self, cpu=replace(self.cpu, **corrections))

@@ -73,6 +73,54 @@ class Plan:
         return not self.recommended.split.colocated
 
 
+@dataclass(frozen=True)
+class SyntheticWorkload:
+    """A named or ranged length mix at any rate (a class, not a closure: probes run in other
+    processes and take it with them)."""
+
+    spec: str
+    seed: int = 0
+    arrival: str = "poisson"
+    cv: float = 1.0
+    duration_s: float = 300.0
+    min_requests: int = 200
+    max_requests: int = 4000
+
+    def __call__(self, rate: float) -> list[TraceRequest]:
+        n = requests_for(rate, self.duration_s, self.min_requests, self.max_requests)
+        return synthetic(self.spec, n, rate, self.seed, self.arrival, self.cv)
+
+    def longer(self, factor: float) -> SyntheticWorkload:
+        """The same traffic over ``factor`` x the duration (a fresh seed: a check, not a fit)."""
+        return replace(
+            self,
+            duration_s=self.duration_s * factor,
+            max_requests=int(self.max_requests * factor),
+            seed=self.seed + 1,
+        )
+
+
+@dataclass(frozen=True)
+class TraceWorkload:
+    """The trace's lengths and arrival pattern, time-scaled to each rate (cycled to length)."""
+
+    trace: tuple[TraceRequest, ...]
+    duration_s: float = 300.0
+    min_requests: int = 200
+    max_requests: int = 4000
+
+    def __call__(self, rate: float) -> list[TraceRequest]:
+        n = requests_for(
+            rate, self.duration_s, max(self.min_requests, len(self.trace)), self.max_requests
+        )
+        return at_rate(repeat_trace(list(self.trace), n), rate)
+
+    def longer(self, factor: float) -> TraceWorkload:
+        return replace(
+            self, duration_s=self.duration_s * factor, max_requests=int(self.max_requests * factor)
+        )
+
+
 def synthetic_workload(
     spec: str,
     seed: int = 0,
@@ -81,12 +129,8 @@ def synthetic_workload(
     duration_s: float = 300.0,
     min_requests: int = 200,
     max_requests: int = 4000,
-) -> WorkloadAt:
-    def at(rate: float) -> list[TraceRequest]:
-        n = requests_for(rate, duration_s, min_requests, max_requests)
-        return synthetic(spec, n, rate, seed, arrival, cv)
-
-    return at
+) -> SyntheticWorkload:
+    return SyntheticWorkload(spec, seed, arrival, cv, duration_s, min_requests, max_requests)
 
 
 def trace_workload(
@@ -94,14 +138,8 @@ def trace_workload(
     duration_s: float = 300.0,
     min_requests: int = 200,
     max_requests: int = 4000,
-) -> WorkloadAt:
-    """The trace's lengths and arrival pattern, time-scaled to each rate (cycled to length)."""
-
-    def at(rate: float) -> list[TraceRequest]:
-        n = requests_for(rate, duration_s, max(min_requests, len(trace)), max_requests)
-        return at_rate(repeat_trace(trace, n), rate)
-
-    return at
+) -> TraceWorkload:
+    return TraceWorkload(tuple(trace), duration_s, min_requests, max_requests)
 
 
 def candidate_splits(max_workers: int, colocated_sizes: str = "all") -> list[Split]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from engine.block_manager import blocks_for
 from pdserve.metrics import SLO, BenchResult, RequestRecord, compute_result
 from pdserve.planner.cpu_share import CpuShare
+from pdserve.planner.kv_link import KvLink, LinkQueue
 from pdserve.planner.profile import EngineSettings, Profile
 from pdserve.planner.sim_workers import Clock, SimDecodeWorker, SimPrefillWorker
 from pdserve.planner.workload import TraceRequest
@@ -87,6 +88,9 @@ class SimConfig:
     # The tokens every prompt begins with (a chat template's preamble): the workers' prefix
     # caches serve its full blocks, so a prompt computes the rest only. 0: prompts share none.
     shared_prefix_tokens: int = 0
+    # The KV link as a shared, queueing resource; None: each transfer priced alone by the
+    # profile's table (what the CPU validation ran with).
+    kv_link: KvLink | None = None
 
 
 @dataclass
@@ -120,7 +124,12 @@ class SimRun:
 
 
 class SimCluster:
-    def __init__(self, profile: Profile, cfg: SimConfig):
+    """``profile`` prices the prefill workers (and the router), ``decode_profile`` the decode
+    workers (default: the same): pools on different hardware or tensor-parallel degrees."""
+
+    def __init__(self, profile: Profile, cfg: SimConfig, decode_profile: Profile | None = None):
+        decode_profile = decode_profile or profile
+        check_compatible(profile, decode_profile)
         self.profile = profile
         self.cfg = cfg
         self.engine = cfg.engine or profile.engine
@@ -146,16 +155,26 @@ class SimCluster:
         self.cpu_per_token_s = c.router_cpu_per_token_s + c.stream_cpu_per_token_s
         args = (self.clock, profile, self.engine)
         kw = {"temperature": cfg.temperature, "shared_prefix": cfg.shared_prefix_tokens}
+        links = self._links(cfg)
         self.prefill = [
             SimPrefillWorker(
-                *args, self.engine.num_blocks, f"p{i}", cpu, on_first_token=self._first, **kw
+                *args,
+                self.engine.num_blocks,
+                f"p{i}",
+                cpu,
+                on_first_token=self._first,
+                link=links[i] if links else None,
+                **kw,
             )
             for i in range(cfg.split.num_prefill)
         ]
-        decode_blocks = cfg.decode_num_blocks or self.engine.num_blocks
+        decode_engine = cfg.engine or decode_profile.engine
+        decode_blocks = cfg.decode_num_blocks or decode_engine.num_blocks
         self.decode = [
             SimDecodeWorker(
-                *args,
+                self.clock,
+                decode_profile,
+                decode_engine,
                 decode_blocks,
                 f"d{i}",
                 cpu,
@@ -166,6 +185,16 @@ class SimCluster:
             for i in range(cfg.split.num_decode)
         ]
         self.waiting: deque[_Req] = deque()  # no decode worker could reserve yet
+
+    @staticmethod
+    def _links(cfg: SimConfig) -> list[LinkQueue]:
+        """One queue per prefill worker's NIC, or one the whole cluster shares."""
+        link = cfg.kv_link
+        if link is None:
+            return []
+        if link.scope == "cluster":
+            return [LinkQueue(link)] * cfg.split.num_prefill
+        return [LinkQueue(link) for _ in range(cfg.split.num_prefill)]
 
     # ---- arrivals and dispatch ------------------------------------------------------------
     def arrive(self, req: _Req) -> None:
@@ -279,12 +308,29 @@ class SimCluster:
 
 
 def simulate(
-    profile: Profile, trace: list[TraceRequest], cfg: SimConfig | Split, slo: SLO = NO_SLO
+    profile: Profile,
+    trace: list[TraceRequest],
+    cfg: SimConfig | Split,
+    slo: SLO = NO_SLO,
+    decode_profile: Profile | None = None,
 ) -> SimRun:
     """Serve ``trace`` on a simulated cluster; ``cfg`` may be just a Split."""
     if isinstance(cfg, Split):
         cfg = SimConfig(cfg)
-    return SimCluster(profile, cfg).run(trace, slo)
+    return SimCluster(profile, cfg, decode_profile).run(trace, slo)
+
+
+def check_compatible(prefill: Profile, decode: Profile) -> None:
+    """Two pools serve one model only if their KV has the same shape per token."""
+    if (prefill.kv_bytes_per_token, prefill.num_layers) != (
+        decode.kv_bytes_per_token,
+        decode.num_layers,
+    ):
+        raise ValueError(
+            "prefill and decode profiles are of different models: KV "
+            f"{prefill.kv_bytes_per_token} vs {decode.kv_bytes_per_token} bytes a token, "
+            f"{prefill.num_layers} vs {decode.num_layers} layers"
+        )
 
 
 def with_split(cfg: SimConfig, split: Split) -> SimConfig:

@@ -26,6 +26,7 @@ from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step import StepHooks, StepLoop, TokensDone
 from pdserve.planner.cpu_share import CpuShare
+from pdserve.planner.kv_link import LinkQueue
 from pdserve.planner.profile import EngineSettings, Profile
 
 TOKEN = 3  # what every simulated sample returns; never an EOS id (none are set)
@@ -167,10 +168,11 @@ class SimPrefillWorker(SimWorker):
 
     check_stop = False
 
-    def __init__(self, *args, on_first_token: Callable, **kw):
+    def __init__(self, *args, on_first_token: Callable, link: LinkQueue | None = None, **kw):
         super().__init__(*args, **kw)
         self.step_slowdown = self.profile.cpu.prefill_worker_slowdown
         self.on_first_token = on_first_token
+        self.link = link  # None: the profile's transfer table, each transfer alone on the link
         self._started: dict[str, float] = {}
 
     def submit(self, owner, rid: str, prompt: int, outputs: int, max_tokens: int) -> None:
@@ -187,10 +189,18 @@ class SimPrefillWorker(SimWorker):
         for req in updated:
             table = self.scheduler.detach(req)
             req.status = RequestStatus.FINISHED_LENGTH
-            compute_s = now - self._started.pop(req.request_id)
-            exposed = self.profile.exposed_transfer_s(req.num_tokens - 1, compute_s)
+            started = self._started.pop(req.request_id)
+            exposed = self._exposed_transfer_s(req.num_tokens - 1, started, now)
             self.clock.at(now + exposed, self._transfer_done, table)
             self.on_first_token(self.owner.pop(req.request_id), self, now, now + exposed)
+
+    def _exposed_transfer_s(self, num_tokens: int, started: float, now: float) -> float:
+        """The transfer's part after the first token: alone on the link (the profile's
+        table), or queued behind the transfers already on a shared one."""
+        if self.link is None:
+            return self.profile.exposed_transfer_s(num_tokens, now - started)
+        nbytes = num_tokens * self.profile.kv_bytes_per_token
+        return self.link.push(started, now, nbytes, self.profile.num_layers) - now
 
     def _transfer_done(self, table: list[int]) -> None:
         self.blocks.free(table)
