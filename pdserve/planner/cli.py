@@ -218,7 +218,7 @@ def add_plan(sub) -> None:
         help="leading tokens every prompt shares (system prompt, chat template): served from "
         "the workers' prefix caches",
     )
-    add_sizing_args(p)
+    add_sizing_args(p, positive_float, positive_int)
     p.set_defaults(func=cmd_plan)
 
 

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 
-def add_sizing_args(p) -> None:
-    from pdserve.planner.cli import positive_float, positive_int
-
+def add_sizing_args(p, positive_float, positive_int) -> None:
+    """The sizing flags on ``plan``'s parser (the argument types are cli.py's, passed in: this
+    module must not import it back)."""
     p.add_argument(
         "--prefill-profile",
         action="append",
