@@ -105,6 +105,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 request.num_tokens,
                 request.lease_seconds or None,
                 request.lease_id or None,
+                list(request.block_hashes),
             )
         except ReservationError as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
@@ -120,6 +121,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             kv_endpoint=self.kv_endpoint,
             kv_transport=self.kv_transport,
             deadline_s=max(0.0, lease.deadline - time.monotonic()),
+            cached_blocks=lease.first_block,
         )
 
     def Release(self, request, context):

@@ -122,6 +122,28 @@ class BlockManager:
             found.append(block)
         return found
 
+    def match_hashes(self, hashes: Sequence[bytes]) -> list[int]:
+        """The cached blocks holding the run of ``hashes`` (chained, from the first) held."""
+        found = []
+        for h in hashes if self.enable_prefix_caching else ():
+            block = self._block_of_hash.get(h)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def take_cached(self, hashes: Sequence[bytes], num_fresh: int) -> tuple[list[int], int]:
+        """The cached blocks holding the run of ``hashes`` (chained block hashes, from the
+        first) this cache has, one reference each, then ``num_fresh`` fresh blocks: (the
+        blocks, how many were cached). NoFreeBlocksError, taking nothing, if they do not fit."""
+        cached = self.match_hashes(hashes)
+        reclaimable = sum(1 for b in cached if self._ref_counts[b] == 0)
+        if num_fresh + reclaimable > self.num_free:
+            raise NoFreeBlocksError(f"need {num_fresh + reclaimable} blocks, {self.num_free} free")
+        for block in cached:
+            self._take_ref(block)
+        return cached + self.allocate(num_fresh), len(cached)
+
     def append_slots(self, block_table: list[int], num_tokens: int) -> None:
         """Grow ``block_table`` in place so it can hold ``num_tokens`` tokens."""
         extra = self.blocks_needed(num_tokens) - len(block_table)

@@ -97,12 +97,19 @@ class Lease:
     covered: bytearray = field(default_factory=bytearray)  # [layer * blocks + block] filled
     num_covered: int = 0
     commit_refused: str | None = None  # why the commit was refused (final)
+    # Its first blocks hold their KV already (the decode worker's prefix cache, shared with
+    # other sequences): no frame may write them, and the commit counts them as covered.
+    first_block: int = 0
     decodes: int = 0  # Decode calls on the lease now (waiting for its KV, or attaching)
     attached: bool = False  # a Decode took its blocks (closed with attached=True)
 
     @property
     def is_committed(self) -> bool:
         return self.committed.is_set()
+
+    def __post_init__(self) -> None:
+        for layer in range(self.num_layers or 0) if self.first_block else ():
+            self.cover(layer, range(self.first_block))
 
     def cover(self, layer: int, positions) -> None:
         """Frames filled ``positions`` (in the lease) of ``layer``."""
@@ -165,9 +172,15 @@ class LeaseTable:
         self._changed = threading.Condition(self._lock)
 
     def open(
-        self, request_id: str, block_ids, ttl_s: float | None = None, lease_id: str | None = None
+        self,
+        request_id: str,
+        block_ids,
+        ttl_s: float | None = None,
+        lease_id: str | None = None,
+        first_block: int = 0,
     ) -> Lease:
-        """Open a lease on ``block_ids``; ``lease_id`` is the caller's (unique) or a new one."""
+        """Open a lease on ``block_ids``; ``lease_id`` is the caller's (unique) or a new one;
+        the first ``first_block`` blocks hold their KV already (see Lease.first_block)."""
         ttl = self.default_ttl_s if ttl_s is None else ttl_s
         self._check_ttl(ttl)
         lease = Lease(
@@ -177,6 +190,7 @@ class LeaseTable:
             deadline=time.monotonic() + ttl,
             ttl_s=ttl,
             num_layers=self.num_layers,
+            first_block=first_block,
         )
         with self._changed:
             if lease.lease_id in self._leases:

@@ -102,10 +102,7 @@ class KVReceiver:
     def _check_cells(self, h: FrameHeader, lease: Lease, layer: int, positions) -> None:
         if not 0 <= layer < self.num_layers:
             raise FrameError(f"layer {layer} out of range [0, {self.num_layers})")
-        n = len(lease.block_ids)
-        outside = [b for b in positions if b >= n]
-        if outside:
-            raise FrameError(f"blocks {outside[:8]} outside lease {h.lease_id} of {n} blocks")
+        _check_positions(h, lease, positions)
 
     def _record_writes(self, lease: Lease, commit) -> None:
         for layer, positions in commit.writes:
@@ -150,10 +147,7 @@ class KVReceiver:
         if not 0 <= h.layer < self.num_layers:
             raise FrameError(f"layer {h.layer} out of range [0, {self.num_layers})")
         k_cache, v_cache = self.kv_caches[h.layer]
-        n = len(lease.block_ids)
-        outside = [b for b in h.blocks if b >= n]
-        if outside:
-            raise FrameError(f"blocks {outside[:8]} outside lease {h.lease_id} of {n} blocks")
+        _check_positions(h, lease, h.blocks)
         expected = (2, len(h.blocks), *k_cache.shape[1:])
         if tuple(h.shape) != expected:
             raise FrameError(f"shape {list(h.shape)} does not match cache {list(expected)}")
@@ -167,3 +161,16 @@ class KVReceiver:
         if lease.first_frame_at is None:
             lease.first_frame_at = time.monotonic()
         self.bytes_received += nbytes
+
+
+def _check_positions(h: FrameHeader, lease: Lease, positions) -> None:
+    """Frames may fill only the lease's own blocks, and not those holding cached KV."""
+    n, first = len(lease.block_ids), lease.first_block
+    outside = [b for b in positions if not 0 <= b < n]
+    if outside:
+        raise FrameError(f"blocks {outside[:8]} outside lease {h.lease_id} of {n} blocks")
+    cached = [b for b in positions if b < first]
+    if cached:
+        raise FrameError(
+            f"blocks {cached[:8]} of lease {h.lease_id} hold cached KV (its first {first})"
+        )

@@ -35,6 +35,8 @@ class PrefillJob:
     # First block index not yet sent; a partially filled block is sent again with the next
     # chunk (whole blocks are idempotent to overwrite).
     next_block: int = 0
+    # The lease's blocks before this one hold their KV already (the decode worker's cache).
+    first_block: int = 0
     events: queue.Queue = field(default_factory=queue.Queue)
     # Traced requests only (else None, and nothing is timed): per chunk, [start, end
     # (time.monotonic()), first token position, tokens]; the Prefill call makes them spans.
@@ -64,17 +66,24 @@ class PrefillWorker(EngineWorker):
         stream: KVStream,
         lease_blocks: int,
         traced: bool = False,
+        first_block: int = 0,
     ) -> PrefillJob:
         """Queue a prefill whose KV goes to a lease of ``lease_blocks`` blocks through
-        ``stream`` (block i of the request to the lease's block i); ``traced``: time its
-        chunks (``PrefillJob.chunks``)."""
+        ``stream`` (block i of the request to the lease's block i, from ``first_block``: the
+        lease's blocks before it hold their KV already); ``traced``: time its chunks
+        (``PrefillJob.chunks``)."""
         req = self.new_request(request_id, prompt, outputs, sampling)
         if lease_blocks < self.blocks.blocks_needed(req.num_tokens):
             raise InvalidRequestError(
                 "destination.num_blocks",
                 f"{lease_blocks} blocks cannot hold {req.num_tokens} tokens",
             )
-        job = PrefillJob(req, stream, chunks=[] if traced else None)
+        if not 0 <= first_block <= (req.num_tokens - 1) // self.block_size:
+            raise InvalidRequestError(
+                "destination.first_block",
+                f"{first_block}: the block of the last of {req.num_tokens} tokens must be sent",
+            )
+        job = PrefillJob(req, stream, first_block, first_block, chunks=[] if traced else None)
         with self.loop.lock:
             self.scheduler.add(req)
             self._jobs[request_id] = job
@@ -124,12 +133,14 @@ class PrefillWorker(EngineWorker):
                 continue
             start = s.request.num_computed_tokens
             end = start + s.num_new_tokens
-            # After a preemption the prompt is recomputed from ``start``: send from there again.
-            job.next_block = min(job.next_block, start // bs)
+            # After a preemption the prompt is recomputed from ``start``: send from there again
+            # (never the blocks the destination holds already).
+            job.next_block = max(job.first_block, min(job.next_block, start // bs))
             idx = range(job.next_block, (end - 1) // bs + 1)
-            src = torch.tensor([s.request.block_table[i] for i in idx], dtype=torch.int64)
-            sends.append((job.stream, src, list(idx)))
-            job.next_block = end // bs
+            if idx:  # else this chunk computed only blocks the destination holds
+                src = torch.tensor([s.request.block_table[i] for i in idx], dtype=torch.int64)
+                sends.append((job.stream, src, list(idx)))
+                job.next_block = end // bs
             if job.chunks is not None:
                 job.chunks.append(chunk := [time.monotonic(), None, start, s.num_new_tokens])
                 timed.append(chunk)

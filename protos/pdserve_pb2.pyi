@@ -298,32 +298,36 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_leases: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., num_transfers: _Optional[int] = ..., block_size: _Optional[int] = ..., cpu_kernels: _Optional[str] = ..., open_streams: _Optional[int] = ..., max_streams: _Optional[int] = ..., kv_events: _Optional[_Union[KvCacheEvents, _Mapping]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "lease_seconds", "lease_id")
+    __slots__ = ("request_id", "num_tokens", "lease_seconds", "lease_id", "block_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
     lease_seconds: float
     lease_id: str
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., lease_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("lease_id", "block_ids", "block_size", "kv_endpoint", "kv_transport", "deadline_s")
+    __slots__ = ("lease_id", "block_ids", "block_size", "kv_endpoint", "kv_transport", "deadline_s", "cached_blocks")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     kv_endpoint: str
     kv_transport: str
     deadline_s: float
-    def __init__(self, lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+    cached_blocks: int
+    def __init__(self, lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., deadline_s: _Optional[float] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -374,18 +378,20 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., decode_queue_s: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., index: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KvDestination(_message.Message):
-    __slots__ = ("endpoint", "transport", "lease_id", "block_size", "num_blocks")
+    __slots__ = ("endpoint", "transport", "lease_id", "block_size", "num_blocks", "first_block")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     endpoint: str
     transport: str
     lease_id: str
     block_size: int
     num_blocks: int
-    def __init__(self, endpoint: _Optional[str] = ..., transport: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    first_block: int
+    def __init__(self, endpoint: _Optional[str] = ..., transport: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "destination")

@@ -5,7 +5,6 @@ outputs stay the single-process engine's, token for token, whatever the router's
 
 from __future__ import annotations
 
-import asyncio
 import signal
 
 import pytest
@@ -20,6 +19,7 @@ from router.policies import KV_MISSING_BLOCK_WEIGHT, kv_aware_decode, kv_aware_p
 from tests.cluster_utils import assert_all_blocks_free, generate_concurrently
 from tests.conftest import tiny_llama_dir
 from tests.test_disagg import engine_reference
+from tests.transport_params import transport_params
 
 BS = 16
 NEW_TOKENS = 12
@@ -116,13 +116,13 @@ def tiny_model(tmp_path_factory):
 
 
 def _spec(tiny_model, **kw) -> ClusterSpec:
-    fields = dict(
-        num_decode=2,
-        num_blocks=256,
-        max_model_len=512,
-        prefill_policy="kv_aware",
-        decode_policy="kv_aware",
-    )
+    fields = {
+        "num_decode": 2,
+        "num_blocks": 256,
+        "max_model_len": 512,
+        "prefill_policy": "kv_aware",
+        "decode_policy": "kv_aware",
+    }
     return ClusterSpec(model=str(tiny_model), **{**fields, **kw})
 
 
@@ -161,7 +161,7 @@ def _chat(cluster, conversations, between_turns=None):
         for i, conv in enumerate(conversations):
             histories[i] = histories[i] + conv[turn]
         requests = [
-            dict(token_ids=h, max_tokens=NEW_TOKENS, ignore_eos=True, include_timings=True)
+            {"token_ids": h, "max_tokens": NEW_TOKENS, "ignore_eos": True, "include_timings": True}
             for h in histories
         ]
         for i, c in enumerate(generate_concurrently(cluster, requests)):
@@ -199,8 +199,10 @@ def test_a_stale_picture_or_an_evicted_history_costs_a_hit_not_the_output(tiny_m
     (a flood of other prompts through a small cache) and the router has not polled since."""
     conversations = _conversations(2, seed=2)
     ref = _reference(tiny_model, conversations)
-    flood = [torch.randint(3, 128, (120,), generator=torch.Generator().manual_seed(i)).tolist()
-             for i in range(12)]
+    flood = [
+        torch.randint(3, 128, (120,), generator=torch.Generator().manual_seed(i)).tolist()
+        for i in range(12)
+    ]
     spec = _spec(tiny_model, decode_num_blocks=40)
 
     with LocalCluster(spec) as cluster:
@@ -209,7 +211,9 @@ def test_a_stale_picture_or_an_evicted_history_costs_a_hit_not_the_output(tiny_m
         def evict_behind_the_routers_back(turn):
             _refresh(cluster)  # the picture: the history is there
             for i in range(0, len(flood), 2):  # then evict it, unseen (no poll)
-                reqs = [dict(token_ids=p, max_tokens=2, ignore_eos=True) for p in flood[i : i + 2]]
+                reqs = [
+                    {"token_ids": p, "max_tokens": 2, "ignore_eos": True} for p in flood[i : i + 2]
+                ]
                 generate_concurrently(cluster, reqs)
 
         outs, completions = _chat(cluster, conversations, evict_behind_the_routers_back)
@@ -243,3 +247,27 @@ def test_a_dead_decode_worker_between_turns_loses_nothing(tiny_model):
         outs, _ = _chat(cluster, conversations, kill_the_holder)
         assert_all_blocks_free(cluster, dead=killed)
     assert killed and outs == ref
+
+
+@pytest.mark.parametrize(
+    "transport", transport_params(["grpc", "flight", "torch_dist", "nixl", "local"])
+)
+def test_a_longer_next_turn_ships_only_the_blocks_the_decode_worker_lacks(tiny_model, transport):
+    """With no local tail (kv_local_tail_tokens 0) every turn goes through a prefill worker:
+    the reservation pins the history blocks the decode worker holds and the prefill sends the
+    rest only."""
+    conversations = _conversations(2, seed=4)
+    ref = _reference(tiny_model, conversations)
+    spec = _spec(tiny_model, kv_transport=transport, kv_local_tail_tokens=0)
+    with LocalCluster(spec) as cluster:
+        outs, completions = _chat(cluster, conversations, lambda turn: _refresh(cluster))
+        assert_all_blocks_free(cluster)
+    assert outs == ref
+    for conv in completions:
+        first = conv[0]
+        per_block = first.timings.kv_bytes // -(-first.usage.prompt_tokens // BS)
+        for c in conv[1:]:
+            held = c.timings.decode_cached_tokens
+            assert held >= BS and held % BS == 0  # whole blocks, pinned on the decode side
+            shipped_blocks = -(-c.usage.prompt_tokens // BS) - held // BS
+            assert c.timings.kv_bytes == per_block * shipped_blocks

@@ -343,3 +343,31 @@ def test_torch_dist_pair_survives_idle_periods_via_pings():
     finally:
         sender.close()
         server.stop()
+
+
+def test_a_lease_s_cached_blocks_take_no_writes_and_its_commit_counts_them(endpoints, transport):
+    """Reserve by content (issue 51): a lease whose first blocks hold cached KV (shared with
+    the decode worker's prefix cache) refuses any frame or write into them, whatever the
+    transport, and commits with only the blocks after them sent."""
+    src, dst = make_cache(), make_cache(zero=True)
+    ep = endpoints(dst)
+    ep.leases.num_layers = LAYERS  # commits must cover every layer x block, as a worker's do
+    cached_before = [t.clone() for pair in dst for t in pair]
+    lease = ep.leases.open("req-c", [3, 4, 5, 6], first_block=2)
+    stream = ep.sender.open_stream("req-c", lease.lease_id)
+    for layer, (k_cache, v_cache) in enumerate(src):
+        stream.send_layer(layer, [10, 11], [2, 3], k_cache, v_cache)  # only past the cached
+    stream.commit(timeout=30)
+    assert lease.is_committed
+    assert_blocks_equal(src, dst, [10, 11], [5, 6])
+    after = [t for pair in dst for t in pair]
+    assert all(torch.equal(a[[3, 4]], b[[3, 4]]) for a, b in zip(after, cached_before))
+
+    bad = ep.leases.open("req-d", [7, 8, 9], first_block=1)
+    stream = ep.sender.open_stream("req-d", bad.lease_id)
+    with pytest.raises((TransferError, ValueError)):
+        for layer, (k_cache, v_cache) in enumerate(src):
+            stream.send_layer(layer, [10, 11, 12], [0, 1, 2], k_cache, v_cache)
+        stream.commit(timeout=30)
+    assert not bad.is_committed
+    assert all(torch.equal(a[7], b[7]) for a, b in zip(after, cached_before))  # untouched

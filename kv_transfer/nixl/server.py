@@ -208,9 +208,13 @@ class NixlReceiverServer(ReceiverServer):
         ids = np.array(lease.block_ids, dtype=np.uint64) * np.uint64(self.layout["block_bytes"])
         k = self._bases[:, 0:1] + ids[None, :]
         v = self._bases[:, 1:2] + ids[None, :]
+        # Blocks the lease holds from the prefix cache (shared, their KV in): no address.
+        k[:, : lease.first_block] = 0
+        v[:, : lease.first_block] = 0
         return {
             "ok": True,
             "blocks": len(lease.block_ids),
+            "first_block": lease.first_block,
             "k": k.astype("<u8").tobytes(),
             "v": v.astype("<u8").tobytes(),
             "seconds_left": max(0.0, lease.deadline - time.monotonic()),

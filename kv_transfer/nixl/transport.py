@@ -102,6 +102,7 @@ class NixlChannel(Channel):
         if k.size != layers * n or v.size != layers * n:
             raise ConnectionError("nixl receiver sent addresses that do not fit its layout")
         self._k, self._v = k.reshape(layers, n), v.reshape(layers, n)
+        self._first = int(reply.get("first_block", 0))  # before it: cached, never written
         left = float(field(reply, "seconds_left", float))
         self._deadline = time.monotonic() + left - DEADLINE_MARGIN_S
 
@@ -117,9 +118,12 @@ class NixlChannel(Channel):
         n = self._k.shape[1]
         if not 0 <= layer < self._k.shape[0]:
             raise ValueError(f"layer {layer} out of range [0, {self._k.shape[0]})")
-        outside = [p for p in dst if not 0 <= p < n]
+        outside = [p for p in dst if not self._first <= p < n]
         if outside:
-            raise ValueError(f"lease positions {outside[:8]} outside lease {self.lease_id} of {n}")
+            raise ValueError(
+                f"lease positions {outside[:8]} outside lease {self.lease_id}'s writable "
+                f"[{self._first}, {n})"
+            )
         if time.monotonic() > self._deadline:
             raise TimeoutError(f"lease {self.lease_id} is at its deadline: not writing into it")
         self._finish(layer)  # a block written twice (a chunk's partial last block): in order

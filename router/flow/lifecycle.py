@@ -36,6 +36,7 @@ import grpc
 
 from engine.block_manager import blocks_for
 from protos import pdserve_pb2 as pb
+from router.flow import kv_route
 from router.flow.attempt import (
     Attempt,
     raise_if_transfer_lost,
@@ -59,7 +60,6 @@ from router.flow.types import (
     lease_destination,
     sequence_sampling,
 )
-from router.policies import is_kv_aware
 from router.pool import SUSPECT_S, WorkerPool
 
 log = logging.getLogger("pdserve.router")
@@ -105,36 +105,16 @@ class RequestFlow:
 
     def _plan(self, request: FlowRequest, previous: AttemptOutcome | None) -> Attempt:
         attempt_id = request.begin_attempt()
-        if self.prefill_locally(request.num_tokens) or self._decode_holds_all_but_tail(request):
+        routable = self.decode.routable()
+        if self.prefill_locally(request.num_tokens) or kv_route.holds_all_but_tail(
+            self.cfg, routable, request
+        ):
             return Attempt(attempt_id, local=True)
         # After a refused concurrent reservation, the safe way: reserve first.
         return Attempt(attempt_id, local=False, concurrent=previous is not Outcome.LEASE_REFUSED)
 
-    def _kv_args(self, policy, request: FlowRequest) -> dict:
-        """What a kv_aware policy takes beside the workers: the blocks to prefill, hashed."""
-        if not is_kv_aware(policy):
-            return {}
-        bs = self.cfg.block_size
-        return {"hashes": request.block_hashes(bs), "block_size": bs}
-
-    def _decode_candidates(self, request: FlowRequest, num_blocks: int):
-        policy = self.cfg.decode_policy
-        return policy(self.decode.routable(), num_blocks, **self._kv_args(policy, request))
-
-    def _decode_holds_all_but_tail(self, request: FlowRequest) -> bool:
-        """KV-aware routing: the decode worker it would pick holds all of the prompt (as last
-        polled) but a tail of at most kv_local_tail_tokens, which it prefills itself. A stale
-        picture only costs a bigger tail: the worker matches its own cache."""
-        policy = self.cfg.decode_policy
-        if not is_kv_aware(policy) or request.sampling.n > 1:
-            return False
-        num_blocks = blocks_for(request.num_tokens, self.cfg.block_size)
-        candidates = self._decode_candidates(request, num_blocks)
-        if not candidates:
-            return False
-        held = candidates[0].kv.cached_blocks(request.block_hashes(self.cfg.block_size))
-        tail = request.num_tokens - held * self.cfg.block_size
-        return held > 0 and tail <= self.cfg.kv_local_tail_tokens
+    def _decode_candidates(self, request: FlowRequest, num_blocks: int) -> list:
+        return kv_route.decode_candidates(self.cfg, self.decode.routable(), request)
 
     def prefill_locally(self, num_tokens: int) -> bool:
         """Colocated pool (no prefill worker up), or a prompt too short to be worth a transfer."""
@@ -324,6 +304,9 @@ class RequestFlow:
                 lease_id=uuid.uuid4().hex,
                 block_size=st.block_size,
                 num_blocks=num_blocks,
+                # Blocks its cache holds (as last polled) are not sent; it refuses the lease
+                # if it no longer holds them all, and the request reserves first.
+                first_block=kv_route.expected_cached_blocks(self.cfg, w, request),
             )
             return True
         return False
@@ -332,11 +315,15 @@ class RequestFlow:
         """Reserve the planned lease without waiting for the answer (sent just after the
         Prefill, so the prefill worker starts first)."""
         w = attempt.decode
+        first = attempt.destination.first_block
         req = pb.ReserveRequest(
-            request_id=attempt.attempt_id, num_tokens=request.num_tokens, lease_id=attempt.lease_id
+            request_id=attempt.attempt_id,
+            num_tokens=request.num_tokens,
+            lease_id=attempt.lease_id,
+            block_hashes=request.block_hashes(self.cfg.block_size)[:first],
         )
         reserve = w.stub.Reserve(req, timeout=self.cfg.reserve_timeout_s)
-        w.free_blocks -= attempt.destination.num_blocks
+        w.free_blocks -= attempt.destination.num_blocks - first
         attempt.hold_load(w)
         attempt.reservation = asyncio.ensure_future(reserve)
         if request.trace is not None:
@@ -346,12 +333,15 @@ class RequestFlow:
         """Decode first: never prefill into a pool that has no room. Waits, then 429."""
         deadline = time.monotonic() + self.cfg.reserve_timeout_s
         num_blocks = blocks_for(request.num_tokens, self.cfg.block_size)
-        req = pb.ReserveRequest(request_id=attempt.attempt_id, num_tokens=request.num_tokens)
+        base = pb.ReserveRequest(request_id=attempt.attempt_id, num_tokens=request.num_tokens)
         if request.trace is not None:  # ended once a lease is held, or with the attempt
             span = request.trace.reserve(attempt)
         delay = 0.005
         while True:
             for w in self._decode_candidates(request, num_blocks):
+                req = pb.ReserveRequest()
+                req.CopyFrom(base)  # and the blocks this one should hold: it pins those it does
+                req.block_hashes.extend(kv_route.expected_hashes(self.cfg, w, request))
                 try:
                     # A hung worker: try the next one.
                     lease = await w.stub.Reserve(req, timeout=RESERVE_CALL_TIMEOUT_S)
@@ -369,7 +359,7 @@ class RequestFlow:
             delay = min(delay * 2, 0.2)
 
     def _hold_lease(self, attempt: Attempt, w, lease: pb.ReserveResponse) -> None:
-        w.free_blocks -= len(lease.block_ids)
+        w.free_blocks -= len(lease.block_ids) - lease.cached_blocks
         attempt.hold_load(w)
         attempt.decode = w
         attempt.destination = lease_destination(lease)
@@ -382,7 +372,7 @@ class RequestFlow:
         awaited. The prefill worker counts the prompt's tokens until the first token."""
         policy = self.cfg.prefill_policy
         tokens = request.prompt + request.outputs if request.outputs else request.prompt
-        kv_args = self._kv_args(policy, request)
+        kv_args = kv_route.kv_args(self.cfg, policy, request)
         candidates = policy(self.prefill.routable(), tokens, **kv_args)
         if not candidates:
             # Routable when the attempt began, not now: a prefill worker too busy to answer its
@@ -391,6 +381,7 @@ class RequestFlow:
             raise Overloaded("no prefill worker is available")
         p = candidates[0]
         msg = request.prefill_message(attempt.attempt_id, attempt.destination)
+        request.note_decode_cached(attempt.destination.first_block * self.cfg.block_size)
         # Its budget: the prompt tokens the router has queued there before it, and its own.
         budget = self.cfg.first_token_budget(p.inflight_tokens + request.num_tokens)
         with p.load(request.num_tokens):

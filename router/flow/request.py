@@ -76,6 +76,12 @@ class FlowRequest:
         t.cached_tokens = max(t.cached_tokens, first.cached_tokens)
         self.outputs.append(first.token_id)
 
+    def note_decode_cached(self, tokens: int) -> None:
+        """The decode worker holds ``tokens`` of the prompt already: they are not shipped."""
+        t = self.timings
+        t.decode_cached_tokens = max(t.decode_cached_tokens, tokens)
+        t.cached_tokens = max(t.cached_tokens, tokens)
+
     def prefill_message(self, attempt_id: str, destination: pb.KvDestination) -> pb.PrefillRequest:
         return pb.PrefillRequest(
             request_id=attempt_id,

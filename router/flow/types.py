@@ -139,6 +139,7 @@ def lease_destination(lease: pb.ReserveResponse) -> pb.KvDestination:
         lease_id=lease.lease_id,
         block_size=lease.block_size,
         num_blocks=len(lease.block_ids),
+        first_block=lease.cached_blocks,  # held by its prefix cache already: not sent
     )
 
 

@@ -7,6 +7,7 @@ router has no HTTP API (the serve benchmarks are then skipped).
     python -m pdserve.bench cluster --model embedded --transport grpc            # 1P + 1D
     python -m pdserve.bench cluster --num-prefill 0 --threads 2                  # colocated
     python -m pdserve.bench cluster --weights q4 --prefill-gemm auto             # quantized
+    python -m pdserve.bench cluster --num-decode 2 --prefill-policy kv_aware --decode-policy kv_aware
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--kv-dtype", default="fp32", help="the KV cache: fp32 | int8 | fp8 (engine.config)"
     )
+    p.add_argument("--prefill-policy", default="least_queued", help="router.policies")
+    p.add_argument("--decode-policy", default="most_free_blocks", help="router.policies")
     p.add_argument("--in-process", action="store_true", help="workers as threads of this process")
     p.set_defaults(func=run)
 
@@ -70,6 +73,8 @@ def run(args) -> int:
         weights=args.weights,
         prefill_gemm=args.prefill_gemm,
         kv_dtype=args.kv_dtype,
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

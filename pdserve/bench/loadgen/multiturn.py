@@ -18,7 +18,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdserve.bench.loadgen.workloads import _TOPICS, BenchRequest, _preamble, synth_document
+from pdserve.bench.loadgen.workloads import (
+    _TOPICS,
+    MULTITURN,
+    BenchRequest,
+    Workload,
+    _preamble,
+    new_nonce,
+    synth_document,
+)
 from pdserve.metrics import RequestRecord
 
 TURNS = 4  # turns per conversation
@@ -56,6 +64,14 @@ class Conversation:
         return BenchRequest(self.max_tokens[turn], messages, kind=f"turn{turn + 1}", words=words)
 
 
+def multiturn_workload(
+    num_requests: int, seed: int, nonce: str | None, turns: int = TURNS, think_s: float = THINK_S
+) -> Workload:
+    nonce = new_nonce() if nonce is None else nonce
+    conversations = make_conversations(num_requests, seed, nonce, turns, think_s)
+    return Workload(MULTITURN, nonce, conversations=conversations)
+
+
 def make_conversations(
     num_requests: int, seed: int, nonce: str, turns: int = TURNS, think_s: float = THINK_S
 ) -> list[Conversation]:
@@ -77,13 +93,10 @@ def make_conversations(
     return out
 
 
-async def run_conversations(conversations, rate: float, seed: int, send, on_done=None):
-    """Run every conversation; ``send(BenchRequest) -> (RequestRecord, answer text)``.
+async def run_conversations(conversations, starts, send, on_done=None):
+    """Run every conversation, each from its offset in ``starts`` (seconds; a Poisson
+    schedule at rate / turns); ``send(BenchRequest) -> (RequestRecord, answer text)``.
     Returns (records in send order, duration)."""
-    from pdserve.bench.loadgen.serve import poisson_schedule
-
-    turns = max((len(c.questions) for c in conversations), default=1)
-    starts = poisson_schedule(len(conversations), rate / turns, seed)
     records: list[tuple[float, RequestRecord]] = []
     start = time.perf_counter()
 

@@ -20,7 +20,14 @@ import httpx
 import numpy as np
 
 from kernels import cpu_extension
-from pdserve.bench.loadgen.workloads import BenchRequest, Workload, get_workload, warmup_requests
+from pdserve.bench.loadgen.multiturn import multiturn_workload, run_conversations
+from pdserve.bench.loadgen.workloads import (
+    MULTITURN,
+    BenchRequest,
+    Workload,
+    get_workload,
+    warmup_requests,
+)
 from pdserve.measure.cold_start import (
     DEFAULT_FOLLOWERS,
     PROBE_MAX_TOKENS,
@@ -247,8 +254,6 @@ async def _timed_run(client, cfg: ServeConfig, model: str, workload: Workload):
 
 
 async def _conversations(client, cfg: ServeConfig, model: str, workload: Workload, limit, bar):
-    from pdserve.bench.loadgen.multiturn import run_conversations
-
     path = ENDPOINTS["chat"]
 
     async def send(req: BenchRequest):
@@ -261,8 +266,11 @@ async def _conversations(client, cfg: ServeConfig, model: str, workload: Workloa
                 record = await send_request(client, path, payload, req.kind, answer)
         return record, "".join(answer)
 
+    conversations = workload.conversations
+    turns = max((len(c.questions) for c in conversations), default=1)
+    starts = poisson_schedule(len(conversations), cfg.rate / turns, cfg.seed)
     records, duration = await run_conversations(
-        workload.conversations, cfg.rate, cfg.seed, send, lambda: bar.update(1)
+        conversations, starts, send, lambda: bar.update(1)
     )
     bar.close()
     return records, duration
@@ -283,9 +291,12 @@ async def run_benchmark(cfg: ServeConfig, workload: Workload | None = None) -> B
     if cfg.endpoint not in ENDPOINTS:
         raise ValueError(f"unknown endpoint {cfg.endpoint!r}; known: {', '.join(ENDPOINTS)}")
     if workload is None:
-        workload = get_workload(
-            cfg.workload, cfg.num_requests, cfg.seed, cfg.nonce, cfg.turns, cfg.think_s
-        )
+        if cfg.workload == MULTITURN:
+            workload = multiturn_workload(
+                cfg.num_requests, cfg.seed, cfg.nonce, cfg.turns, cfg.think_s
+            )
+        else:
+            workload = get_workload(cfg.workload, cfg.num_requests, cfg.seed, cfg.nonce)
     async with _client(cfg) as client:
         model = cfg.model or await fetch_model(client)
         cold = None

@@ -233,22 +233,9 @@ def load_jsonl(
     return Workload(str(path), nonce or "", requests)
 
 
-def get_workload(
-    spec: str,
-    num_requests: int,
-    seed: int = 0,
-    nonce: str | None = None,
-    turns: int = 4,
-    think_s: float = 2.0,
-) -> Workload:
-    """A named workload, or a JSONL file (cycled to ``num_requests``); ``multiturn``:
-    conversations of ``turns`` turns, ``think_s`` apart on average."""
-    if spec == MULTITURN:
-        from pdserve.bench.loadgen.multiturn import make_conversations
-
-        nonce = new_nonce() if nonce is None else nonce
-        conversations = make_conversations(num_requests, seed, nonce, turns, think_s)
-        return Workload(spec, nonce, conversations=conversations)
+def get_workload(spec: str, num_requests: int, seed: int = 0, nonce: str | None = None) -> Workload:
+    """A named workload, or a JSONL file (cycled to ``num_requests``); ``multiturn`` is made
+    by pdserve/bench/loadgen/multiturn.py (its requests depend on the server's answers)."""
     if spec in WORKLOADS:
         return make_workload(spec, num_requests, seed, nonce)
     if Path(spec).is_file():
