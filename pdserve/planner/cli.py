@@ -303,7 +303,10 @@ def cmd_plan(args) -> int:
         progress=lambda label: print(f"  simulated {label}", file=sys.stderr),
         unit_max=args.unit_max,
     )
+    from pdserve.planner.sizing_report import trust_line
+
     print(format_plan(result))
+    print(trust_line(prof))
     if args.out:
         for path in write_report(result, args.out):
             print(f"wrote {path}")

@@ -27,6 +27,13 @@ def trust(profile: Profile, figure: str) -> str:
     return "error unknown: not in the profile's validation"
 
 
+def trust_line(profile: Profile) -> str:
+    """Every figure's error from the profile's record, on one line (the split search's table)."""
+    cells = ", ".join(f"{name} {trust(profile, name)}" for name in FIGURES)
+    how = profile.validation.get("how")
+    return f"the profile's validation: {cells}" + (f" ({how})" if how else "")
+
+
 def shape(dep: Deployment, profiles: dict[str, Profile]) -> str:
     d = profiles[dep.decode]
     if dep.colocated:

@@ -66,6 +66,12 @@ def add_parser(sub) -> None:
         help="with --resimulate: simulate each run on live costs calibrated from the step "
         "traces (this folder, as --step-trace wrote it) of the other runs",
     )
+    ap.add_argument(
+        "--record-validation",
+        action="store_true",
+        help="with --resimulate: write the MAPE into the profile's record (meta.validation), "
+        "which `pdserve plan` prints beside each figure it derives from the profile",
+    )
     ap.set_defaults(func=lambda args: main(args, ap.error))
 
 

@@ -40,7 +40,26 @@ def rescore(args, profile, slos: dict, tokenizer) -> int:
     print(format_mape(report["mape"]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    if getattr(args, "record_validation", False):
+        record_validation(args.profile, profile, report)
     return 0
+
+
+def record_validation(path: str, profile, report: dict) -> None:
+    """The profile with the MAPE a re-scoring measured as its ``meta.validation``: the error
+    `pdserve plan` prints beside each figure (keys as the plan's: p50_ttft, ..., goodput)."""
+    import dataclasses
+
+    runs = len(report["fidelity"])
+    how = "each fitted on the others" if report.get("leave_one_out") else "as calibrated"
+    validation = {k.removesuffix("_ms"): v for k, v in report["mape"].items()}
+    validation["how"] = (
+        f"MAPE over {runs} live runs re-simulated {how} ({report['resimulated']}; "
+        "pdserve bench fidelity --resimulate)"
+    )
+    meta = {**profile.meta, "validation": validation}
+    dataclasses.replace(profile, meta=meta).save(path)
+    print(f"recorded the validation in {path}: {json.dumps(validation)}")
 
 
 def compare_repeat(args) -> int:
