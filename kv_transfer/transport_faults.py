@@ -39,6 +39,7 @@ from kv_transfer.interfaces import Channel, Link, ReceiverServer
 from kv_transfer.transports import transport_module
 
 POLICY_ENV = "PDSERVE_KV_FAULTS"  # a policy string, for workers started as processes
+INNER_ENV = "PDSERVE_KV_FAULTS_INNER"  # the transport it wraps in workers (default grpc)
 
 # What this process injected, by fault kind (tests read it; summed over every link).
 injected: Counter = Counter()
@@ -217,12 +218,14 @@ def serve(
     receiver,
     host: str,
     port: int,
-    inner: str = "grpc",
+    inner: str | None = None,
     policy: FaultPolicy | str | None = None,
     **opts,
 ) -> ReceiverServer:
-    """Serve ``receiver`` over the ``inner`` transport; senders inject ``policy`` (default:
-    the policy string in $PDSERVE_KV_FAULTS, else no faults)."""
+    """Serve ``receiver`` over the ``inner`` transport (default: $PDSERVE_KV_FAULTS_INNER,
+    else grpc); senders inject ``policy`` (default: the policy string in $PDSERVE_KV_FAULTS,
+    else no faults)."""
+    inner = inner or os.environ.get(INNER_ENV, "grpc")
     if policy is None:
         policy = os.environ.get(POLICY_ENV, "")
     if isinstance(policy, str):

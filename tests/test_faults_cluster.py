@@ -17,6 +17,7 @@ from router.pool import WorkerHandle
 from tests.cluster_utils import assert_all_blocks_free, generate_concurrently, worker_statuses
 from tests.conftest import tiny_llama_dir
 from tests.test_disagg import engine_reference, mixed_prompts
+from tests.transport_params import transport_params
 
 NEW_TOKENS = 16
 # Within this every request has finished or failed; a hang fails the test instead of it.
@@ -29,9 +30,10 @@ def tiny_model(tmp_path_factory):
     return path
 
 
-def _cluster(tiny_model, monkeypatch, policy: FaultPolicy) -> LocalCluster:
+def _cluster(tiny_model, monkeypatch, policy: FaultPolicy, inner: str = "grpc") -> LocalCluster:
     # The decode worker's "faults" server publishes the policy in its endpoint.
     monkeypatch.setenv(faults.POLICY_ENV, policy.encode())
+    monkeypatch.setenv(faults.INNER_ENV, inner)
     spec = ClusterSpec(
         model=str(tiny_model),
         num_prefill=2,
@@ -52,7 +54,8 @@ async def _bounded(cluster, prompts):
     )
 
 
-def test_faulty_transfers_are_sent_again_and_outputs_stay_exact(tiny_model, monkeypatch):
+@pytest.mark.parametrize("inner", transport_params(["grpc", "nixl"]))
+def test_faulty_transfers_are_sent_again_and_outputs_stay_exact(tiny_model, monkeypatch, inner):
     policy = FaultPolicy(
         seed=7, delay_p=0.3, delay_s=0.02, drop_p=0.1, corrupt_p=0.1, disconnect_p=0.05
     )
@@ -62,7 +65,7 @@ def test_faulty_transfers_are_sent_again_and_outputs_stay_exact(tiny_model, monk
     # nothing crosses the faulty link. Keep them in routing so every attempt meets the link.
     marked = []
     monkeypatch.setattr(WorkerHandle, "mark_failed", lambda self, *a: marked.append(self))
-    with _cluster(tiny_model, monkeypatch, policy) as cluster:
+    with _cluster(tiny_model, monkeypatch, policy, inner) as cluster:
         # Half of all transfers fail here; no request may run out of migrations or attempts
         # for it (the giving-up path is the next test's).
         cluster.router.flow.cfg.max_migrations = 100

@@ -111,16 +111,25 @@ class NixlAgent:
         with self._lock:
             self._agent.remove_remote_agent(name)
 
-    def write(self, local: np.ndarray, remote: np.ndarray, kinds: tuple[str, str], peer: str):
+    def write(
+        self,
+        local: np.ndarray,
+        remote: np.ndarray,
+        kinds: tuple[str, str],
+        peer: str,
+        notification: bytes = b"",
+    ):
         """Post a WRITE of ``local`` descriptors (N x 3: address, bytes, device) into
-        ``remote`` ones of agent ``peer``; ``kinds``: their memory types (DRAM, VRAM).
-        Returns its handle (poll with ``state``)."""
+        ``remote`` ones of agent ``peer``; ``kinds``: their memory types (DRAM, VRAM);
+        ``notification``: delivered to the peer once the data is in place. Returns its handle
+        (poll with ``state``: polling also moves the write and its notification along)."""
         with self._lock:
             handle = self._agent.initialize_xfer(
                 "WRITE",
                 self._agent.get_xfer_descs(local, kinds[0]),
                 self._agent.get_xfer_descs(remote, kinds[1]),
                 peer,
+                notification,
             )
             state = self._agent.transfer(handle)
         if state == "ERR":

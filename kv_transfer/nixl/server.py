@@ -86,7 +86,7 @@ class NixlReceiverServer(ReceiverServer):
         max_pairs: int = 64,
         max_pending: int = 64,
         handshake_timeout_s: float = 5.0,
-        ack_timeout_s: float = 30.0,
+        ack_timeout_s: float = 10.0,
     ):
         check_exposure(host, token, private_network)
         self._receiver = receiver

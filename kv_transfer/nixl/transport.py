@@ -89,6 +89,7 @@ class NixlChannel(Channel):
         self._bytes = 0
         self._host = True  # the sender's cache is in host memory (digest affordable)
         self._errors: list[str] | None = None
+        self._last = None  # the last write's first descriptor (local, remote, kinds)
         self._lock = threading.Lock()
 
     def _fetch_addresses(self) -> None:
@@ -131,12 +132,13 @@ class NixlChannel(Channel):
         offsets = np.array(src, dtype=np.uint64) * np.uint64(block_bytes)
         local = np.concatenate([k_cache.data_ptr() + offsets, v_cache.data_ptr() + offsets])
         remote = np.concatenate([self._k[layer][dst], self._v[layer][dst]])
-        self._pending[layer] = link.agent.write(
+        descs = (
             _descs(local, block_bytes, local_dev),
             _descs(remote, block_bytes, link.layout["device"]),
             (local_kind, link.layout["mem_type"]),
-            link.peer,
         )
+        self._pending[layer] = link.agent.write(*descs, link.peer)
+        self._last = tuple(d[:1] for d in descs[:2]) + descs[2:]  # the commit rewrites it
         self._host = self._host and local_kind == "DRAM"
         if self._host:
             crcs = cell_crcs(block_rows(k_cache), block_rows(v_cache), src)
@@ -162,13 +164,25 @@ class NixlChannel(Channel):
                 self._finish(layer)
             dig = digest(self._cells) if self._host else NO_DIGEST
             message = encode_notification(header, self.lease_id, self._writes, self._bytes, dig)
-            self._link.agent.notify(self._link.peer, message)
+            self._send_notification(message)
             ack = {"op": "ack", "notification": crc32c.crc32c(message)}
             reply = self._link.request(ack, progress=True)  # the notification must go out
         errors = reply.get("errors")
         if not isinstance(errors, list) or not all(isinstance(e, str) for e in errors):
             raise ConnectionError("nixl receiver answered the commit with no verdict")
         self._errors = errors
+
+    def _send_notification(self, message: bytes) -> None:
+        """The commit rides on a WRITE of the last block written (the same bytes into the same
+        block again): NIXL delivers a transfer's notification once its data is in place, and
+        polling the transfer moves both along (a bare notification may wait in the agent's
+        queue until something progresses it). A stream that wrote nothing sends it bare."""
+        link = self._link
+        if self._last is None:
+            link.agent.notify(link.peer, message)
+            return
+        local, remote, kinds = self._last
+        link.wait_done(link.agent.write(local, remote, kinds, link.peer, message))
 
     def wait_ack(self, timeout: float) -> list[str]:
         return list(self._errors or [])  # push_commit waited for the verdict
@@ -263,12 +277,16 @@ class NixlLink(Link):
         meanwhile (a notification sent just before goes out only as the agent progresses)."""
         with self._lock:
             try:
+                if self._closed:
+                    raise ConnectionError("nixl link was closed here (replaced after a break)")
                 self._conn.send(message)
                 if progress:
                     self._progress_until_readable()
                 return self._conn.recv(self._timeout_s)
-            except OSError as e:
+            except (OSError, ValueError) as e:  # ValueError: select on a socket closed here
                 self.broken = True
+                if self._closed:  # this side closed it: the receiver did nothing wrong
+                    raise ConnectionError(f"nixl link was closed here: {e}") from e
                 raise ReceiverFault(f"nixl control connection failed: {e}") from e
             except ConnectionError:
                 self.broken = True
