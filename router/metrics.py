@@ -214,4 +214,21 @@ class PoolCollector:
             P + "num_requests_inflight", "Requests in the router.", value=self.router.inflight
         )
         breaker = [circuit_open, circuit_trips]
-        return [running, waiting, ready, usage, hits, queries, preempt, kernels, inflight, *breaker]
+        planner = self._planner_prediction()
+        return [
+            running, waiting, ready, usage, hits, queries, preempt, kernels, inflight, *breaker,
+            planner,
+        ]  # fmt: skip
+
+    def _planner_prediction(self) -> GaugeMetricFamily:
+        """What the planner predicted for the traffic served over what was measured, less 1,
+        per figure (the controller computes it with the profile and sets it on the router)."""
+        g = GaugeMetricFamily(
+            P + "planner_prediction_error",
+            "Planner's prediction for the recent traffic / measured - 1, per figure.",
+            labels=["metric"],
+        )
+        pred = getattr(self.router, "planner_prediction", None) or {}
+        for metric, value in sorted(pred.get("error", {}).items()):
+            g.add_metric([metric], value)
+        return g

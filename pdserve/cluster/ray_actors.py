@@ -136,6 +136,15 @@ class RouterActor:
         prompt tokens, output tokens), on this process's monotonic clock, and that clock now."""
         return self._run(_call(lambda: (list(self.router.recent_latencies), time.monotonic())))
 
+    def set_planner_prediction(self, prediction: dict | None) -> None:
+        """The planner's prediction for the recent traffic beside what was measured
+        (pdserve/planner/drift.py), exported as ``pdserve:planner_prediction_error``."""
+
+        def put():
+            self.router.planner_prediction = prediction
+
+        self._run(_call(put))
+
     def drain(self, grace_s: float) -> int:
         """A graceful stop's first half (RouterServers.drain); returns the requests ended."""
         if self.servers is None:

@@ -71,6 +71,7 @@ class Controller:
         bounds = {role: (self.cfg.pools[role].min, self.cfg.pools[role].max) for role in ROLES}
         self.autoscaler = Autoscaler(self.cfg.autoscaler, bounds)
         self._profile = planner_profile(self.cfg.autoscaler.planner_profile)
+        self.prediction: dict | None = None  # the planner's, for the recent traffic (drift.py)
         self._ids = {role: itertools.count() for role in ROLES}
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -326,6 +327,7 @@ class Controller:
             return  # the last change has not landed yet
         observations, now = await self.router.recent_requests.remote()
         a, bounds = self.cfg.autoscaler, self.autoscaler.bounds
+        await self._check_prediction(observations, now, a.window_s)
         target = await asyncio.to_thread(plan_pools, a, self._profile, observations, now, bounds)
         if target is None:
             return  # too little traffic in the window to plan for
@@ -335,6 +337,21 @@ class Controller:
             self._apply(
                 self.autoscaler.move_to(role, self.targets[role], wanted, time.monotonic(), reason)
             )
+
+    async def _check_prediction(self, observations, now: float, window_s: float) -> None:
+        """The planner's prediction for the window's traffic on the pools as they serve,
+        beside what the router measured: into ``status`` and the router's metrics."""
+        from pdserve.planner.drift import prediction_error
+        from pdserve.planner.sim import Split
+
+        serving = {role: sum(r.state == "ready" for r in self._pool(role)) for role in ROLES}
+        if not serving["decode"]:
+            return
+        split = Split(serving["prefill"], serving["decode"])
+        self.prediction = await asyncio.to_thread(
+            prediction_error, self._profile, observations, now, window_s, split
+        )
+        await self.router.set_planner_prediction.remote(self.prediction)
 
     def _apply(self, decision) -> None:
         """An autoscaler Decision (None: keep the pool): its new target, then reconcile."""
@@ -348,6 +365,7 @@ class Controller:
         out = {
             "router": dict(self.addresses),
             "autoscaler": self.cfg.autoscaler.enabled,
+            "planner_prediction": self.prediction,
             "events": list(self.events),
             "drained": list(self.drained),
             "pools": {},

@@ -242,6 +242,10 @@ def format_status(st: dict) -> str:
                 f"{w['kv_usage']:>5.0%} {w['running']:>4} {w['waiting']:>4} "
                 f"{w['served_requests']:>6}"
             )
+    if st.get("autoscaler") and "planner_prediction" in st:
+        from pdserve.planner.drift import format_prediction
+
+        lines.append(format_prediction(st["planner_prediction"]))
     if st.get("events"):
         lines.append("recent events:")
         lines += [f"  {e}" for e in st["events"][-10:]]
