@@ -213,7 +213,9 @@ def serve_span_sink(count_path: str) -> None:
 PATTERNS = {"back to back": 0.0, "spaced 10 ms": 0.01}
 
 
-async def _rounds(p_addr: str, routers: dict[str, str], n: int, prompt_tokens: int) -> dict:
+async def _rounds(
+    p_addr: str, routers: dict[str, str], n: int, prompt_tokens: int, rounds: int = 2
+) -> dict:
     prompt = (list(range(1, 128)) * (prompt_tokens // 127 + 1))[:prompt_tokens]
     direct_req = pb.PrefillRequest(request_id="x", prompt_token_ids=prompt)
     routed_req = pb.GenerateRequest(
@@ -229,10 +231,10 @@ async def _rounds(p_addr: str, routers: dict[str, str], n: int, prompt_tokens: i
         for call in calls.values():  # warm up every path
             await _first_token_seconds(call, 20)
         times = {(p, name): [] for p in PATTERNS for name in calls}
-        for _ in range(2):  # two rounds, interleaved, so a noisy stretch hits every path
+        for _ in range(rounds):  # interleaved, so a noisy stretch hits every path
             for pattern, gap in PATTERNS.items():
                 for name, call in calls.items():
-                    times[pattern, name] += await _first_token_seconds(call, n // 2, gap)
+                    times[pattern, name] += await _first_token_seconds(call, n // rounds, gap)
         return times
     finally:
         for ch in [direct_channel, *channels.values()]:
@@ -240,11 +242,17 @@ async def _rounds(p_addr: str, routers: dict[str, str], n: int, prompt_tokens: i
 
 
 async def measure(
-    n: int, prompt_tokens: int, traced: bool = False, baseline_tree: str | None = None
+    n: int,
+    prompt_tokens: int,
+    traced: bool = False,
+    baseline_tree: str | None = None,
+    rounds: int = 2,
 ) -> dict:
     """``traced``: a third default router beside the others, exporting its spans over OTLP to
     a sink (tracing on vs off, same run; needs pdserve[tracing]). ``baseline_tree``: a router
-    from that source tree beside them too (e.g. a checkout from before a change)."""
+    from that source tree beside them too (e.g. a checkout from before a change). ``rounds``:
+    each path's ``n`` requests a pattern go in this many interleaved blocks (more: a noisy
+    stretch of a shared machine spreads over every path)."""
     me = ["-m", "pdserve.measure.router_overhead"]
     fakes, (p_addr, d_addr) = _spawn(me)
     routed, reserve_first = (_router(p_addr, d_addr, h) for h in (0.1, -1.0))
@@ -259,7 +267,7 @@ async def measure(
         paths["baseline"] = _router(p_addr, d_addr, 0.1, tree=baseline_tree)
     try:
         addresses = {name: addrs[0] for name, (_, addrs) in paths.items()}
-        times = await _rounds(p_addr, addresses, n, prompt_tokens)
+        times = await _rounds(p_addr, addresses, n, prompt_tokens, rounds)
     finally:
         for proc in [fakes, *(proc for proc, _ in paths.values())]:  # routers flush first
             proc.stdin.close()

@@ -16,6 +16,12 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--json", default=None)
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="interleaved blocks each path's requests are split into (more on a busy machine)",
+    )
+    p.add_argument(
         "--no-tracing",
         dest="tracing",
         action="store_false",
@@ -33,7 +39,9 @@ def _main(args) -> int:
     traced = args.tracing and tracing_missing() is None
     if args.tracing and not traced:
         print(f"tracing on: not measured ({tracing_missing()})")
-    result = asyncio.run(measure(args.requests, args.prompt_tokens, traced, args.baseline_tree))
+    result = asyncio.run(
+        measure(args.requests, args.prompt_tokens, traced, args.baseline_tree, args.rounds)
+    )
     print(
         f"prompt {result['prompt_tokens']} tokens; workers, router and client in separate processes"
     )
