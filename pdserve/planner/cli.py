@@ -86,6 +86,9 @@ def add_profile(sub) -> None:
         "(workers sharing this machine's cores); default: the tables only",
     )
     p.add_argument("--no-progress", action="store_true")
+    from pdserve.planner.sweep_import import add_import_args
+
+    add_import_args(p)
     p.set_defaults(func=cmd_profile)
 
 
@@ -121,6 +124,10 @@ def cmd_profile(args) -> int:
     from pdserve.config import load_config
     from pdserve.planner.measure import run_profile
 
+    if args.from_sweep:
+        from pdserve.planner.sweep_import import cmd_import
+
+        return cmd_import(args)
     cfg = load_config(args.config)
     if args.model:
         cfg = cfg.with_overrides(model=args.model)
