@@ -426,4 +426,7 @@ class DecodeWorker(EngineWorker):
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_leases": len(self.leases),
                 "frames_rejected": self.receiver.frames_rejected,
+                # Its prefix cache: prompts it prefilled itself, and leases' pinned blocks.
+                "prefix_hit_tokens": self.blocks.prefix_hit_tokens,
+                "prefix_query_tokens": self.blocks.prefix_query_tokens,
             }

@@ -142,6 +142,8 @@ class BlockManager:
             raise NoFreeBlocksError(f"need {num_fresh + reclaimable} blocks, {self.num_free} free")
         for block in cached:
             self._take_ref(block)
+        self.prefix_query_tokens += len(hashes) * self.block_size
+        self.prefix_hit_tokens += len(cached) * self.block_size
         return cached + self.allocate(num_fresh), len(cached)
 
     def append_slots(self, block_table: list[int], num_tokens: int) -> None:

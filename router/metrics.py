@@ -164,12 +164,15 @@ class PoolCollector:
             labels=["pool", "worker"],
         )
         hits = CounterMetricFamily(
-            P + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels=["worker"]
+            P + "prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (decode: prefilled there, or pinned by a "
+            "lease and not shipped).",
+            labels=["pool", "worker"],
         )
         queries = CounterMetricFamily(
             P + "prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
-            labels=["worker"],
+            labels=["pool", "worker"],
         )
         preempt = CounterMetricFamily(
             P + "num_preemptions", "Decode preemptions.", labels=["worker"]
@@ -205,10 +208,9 @@ class PoolCollector:
                 )
                 if s.cpu_kernels:
                     kernels.add_metric([pool.role, w.address, s.cpu_kernels], 1)
-                if pool.role == "prefill":
-                    hits.add_metric([w.address], s.prefix_hit_tokens)
-                    queries.add_metric([w.address], s.prefix_query_tokens)
-                else:
+                hits.add_metric([pool.role, w.address], s.prefix_hit_tokens)
+                queries.add_metric([pool.role, w.address], s.prefix_query_tokens)
+                if pool.role == "decode":
                     preempt.add_metric([w.address], s.num_preemptions)
         inflight = GaugeMetricFamily(
             P + "num_requests_inflight", "Requests in the router.", value=self.router.inflight

@@ -128,12 +128,18 @@ def test_prefix_cache_counters_follow_the_workers(cluster):
     deadline = time.monotonic() + 5
     while True:  # the router sees worker counters at its next status poll
         samples = scrape(cluster)
-        hits = [value(s, "prefix_cache_hits_total", worker=worker) for s in (before, samples)]
+        hits = [
+            value(s, "prefix_cache_hits_total", pool="prefill", worker=worker)
+            for s in (before, samples)
+        ]
         if hits[1] > hits[0]:
             break
         assert time.monotonic() < deadline, "prefix cache hits never moved"
         time.sleep(0.05)
-    queries = [value(s, "prefix_cache_queries_total", worker=worker) for s in (before, samples)]
+    queries = [
+        value(s, "prefix_cache_queries_total", pool="prefill", worker=worker)
+        for s in (before, samples)
+    ]
     assert queries[1] - queries[0] >= hits[1] - hits[0]
 
 
