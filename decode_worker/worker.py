@@ -73,6 +73,8 @@ class DecodeWorker(EngineWorker):
         self.leases = LeaseTable(lease_ttl_s, num_layers=len(engine.runner.kv_caches))
         self.receiver = KVReceiver(engine.runner.kv_caches, self.leases)
         self._streams: dict[str, _Stream] = {}
+        # Released leases whose blocks one-sided writers may still reach (Lease.remote_writers)
+        self._parked: list = []
         self.stop_strings = StopStrings(engine.tokenizer)
 
     # ---- reservations ------------------------------------------------------------------
@@ -150,8 +152,25 @@ class DecodeWorker(EngineWorker):
         with self.loop.lock, self.receiver.lock:
             lease = self.leases.close(lease_id)
             if lease is not None:
-                self.blocks.free(lease.block_ids)
+                self._free_when_settled(lease)
         return lease is not None
+
+    def _free_when_settled(self, lease) -> None:
+        """Free a released lease's blocks now, or once no one-sided write can land in them."""
+        if lease.writes_may_land_until() is None:
+            self.blocks.free(lease.block_ids)
+        else:
+            self._parked.append(lease)
+
+    def _free_settled(self) -> None:
+        now, parked = time.monotonic(), self._parked
+        self._parked = []
+        for lease in parked:
+            until = lease.writes_may_land_until()
+            if until is None or until < now:
+                self.blocks.free(lease.block_ids)
+            else:
+                self._parked.append(lease)
 
     def _expire_leases(self) -> None:
         with self.receiver.lock:  # no frame may land in a block once it is free again
@@ -162,7 +181,8 @@ class DecodeWorker(EngineWorker):
                     lease.request_id,
                     len(lease.block_ids),
                 )
-                self.blocks.free(lease.block_ids)
+                self.blocks.free(lease.block_ids)  # its writers post nothing past the deadline
+            self._free_settled()
 
     # ---- decode ------------------------------------------------------------------------
     def attach(

@@ -102,6 +102,11 @@ class Lease:
     first_block: int = 0
     decodes: int = 0  # Decode calls on the lease now (waiting for its KV, or attaching)
     attached: bool = False  # a Decode took its blocks (closed with attached=True)
+    # Senders handed the addresses of its blocks for one-sided writes (nixl) that may still
+    # be writing: a write cannot be refused once posted, so its blocks are not reused before
+    # they settle (their commit notification came, their link is gone) or the deadline passes
+    # (they post nothing within a second of it).
+    remote_writers: int = 0
 
     @property
     def is_committed(self) -> bool:
@@ -136,6 +141,10 @@ class Lease:
             f"{empty} of {self.num_layers} x {n} (layer x block) cells have no KV "
             f"(first: layer {layer}, blocks {blocks[:8]})"
         )
+
+    def writes_may_land_until(self) -> float | None:
+        """Until when a one-sided write into its blocks may still land (None: none can)."""
+        return self.deadline if self.remote_writers > 0 else None
 
     def is_expired(self, now: float) -> bool:
         return now > self.deadline

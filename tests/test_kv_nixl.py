@@ -242,3 +242,59 @@ def test_a_dropped_write_fails_the_commit_and_a_cut_link_is_replaced(rx):
         cut.leases.close(lease.lease_id)
         delivered += 1
     assert delivered and failed
+
+
+def _until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_lease_counts_its_writer_until_it_settles(rx):
+    """Blocks a one-sided writer holds addresses of are not reused before it is done: the
+    lease counts its writer from the address hand-out until its commit notification, its
+    stream's end without one, or the end of its link (DecodeWorker parks a released lease's
+    blocks until then)."""
+    r = rx()
+    sender = r.sender()
+    leases = [r.leases.open(f"req{i}", [1 + i]) for i in range(3)]
+    streams = [sender.open_stream(f"req{i}", x.lease_id) for i, x in enumerate(leases)]
+    for stream in streams:
+        stream.send_layer(0, [3], [0], *r.src[0])
+    _until(lambda: all(x.remote_writers for x in leases))  # the sender thread asked for them
+    assert leases[0].writes_may_land_until() == leases[0].deadline
+    for layer in range(1, LAYERS):
+        streams[0].send_layer(layer, [3], [0], *r.src[layer])
+    streams[0].commit(timeout=20)
+    assert leases[0].writes_may_land_until() is None  # its commit came: it writes no more
+    streams[1].abort()
+    _until(lambda: leases[1].writes_may_land_until() is None)  # ended without a commit
+    assert leases[2].remote_writers == 1
+    sender.close()  # the third never ends: its link closing settles it
+    _until(lambda: leases[2].writes_may_land_until() is None)
+
+
+def test_the_decode_worker_reuses_a_released_leases_blocks_only_once_its_writer_settled(
+    tmp_path, make_engine
+):
+    from decode_worker.worker import DecodeWorker
+    from tests.conftest import tiny_llama_dir
+
+    path, _ = tiny_llama_dir(tmp_path, seed=6)
+    worker = DecodeWorker(make_engine(path, num_blocks=16))
+    total = worker.blocks.num_free
+    lease = worker.reserve("req", 20)  # 2 blocks of 16 tokens
+    lease.remote_writers = 1  # a nixl sender holds its addresses (its server counts it so)
+    assert worker.release(lease.lease_id)
+    worker._expire_leases()
+    assert worker.blocks.num_free == total - len(lease.block_ids)  # parked, not reusable
+    lease.remote_writers = 0  # its commit came, or its link went away
+    worker._expire_leases()
+    assert worker.blocks.num_free == total
+    lease = worker.reserve("req2", 20, ttl_s=0.2)
+    lease.remote_writers = 1
+    worker.release(lease.lease_id)
+    time.sleep(0.3)  # past its deadline no writer posts anything
+    worker._expire_leases()
+    assert worker.blocks.num_free == total

@@ -107,6 +107,7 @@ class NixlReceiverServer(ReceiverServer):
         self._drain_lock = threading.Lock()
         self._stopping = threading.Event()
         self.notifications_ignored = 0
+        self._handed: dict[str, dict] = {}  # lease id -> its writer's handed map
         self._busy_until = 0.0
         self.death: str | None = None
         sock = _listen(host, port)
@@ -146,6 +147,7 @@ class NixlReceiverServer(ReceiverServer):
 
     def _serve_peer(self, sock: socket.socket, key: bytes) -> None:
         conn, name = ControlConnection(sock, key, side=1), None
+        handed: dict[str, object] = {}  # leases whose addresses this peer got, not settled
         try:
             meta = self.agent.metadata()
             conn.send(
@@ -161,13 +163,15 @@ class NixlReceiverServer(ReceiverServer):
                 self._peers[name] = self._peers.get(name, 0) + 1
             sock.settimeout(None)  # an idle link waits for its next stream
             while not self._stopping.is_set():
-                self._answer(conn, name, conn.recv())
+                self._answer(conn, name, conn.recv(), handed)
         except (OSError, ConnectionError) as e:
             log.info("nixl control connection ended: %s: %s", type(e).__name__, e)
         except Exception:  # a bug answering one peer ends that peer only
             log.exception("nixl control connection failed")
         finally:
             self._forget_peer(sock, name)
+            for lease_id in list(handed):  # its link is gone: it writes no more
+                self._settle(lease_id, handed)
 
     def _forget_peer(self, sock: socket.socket, name: str | None) -> None:
         """A peer that goes away is forgotten: its notifications are ignored from now on."""
@@ -180,17 +184,20 @@ class NixlReceiverServer(ReceiverServer):
         self._acceptor.release()
         sock.close()
 
-    def _answer(self, conn: ControlConnection, peer: str, message: dict) -> None:
+    def _answer(self, conn: ControlConnection, peer: str, message: dict, handed: dict) -> None:
         op = field(message, "op", str)
         if op == "lease":
-            conn.send(self._lease_addresses(message))
+            conn.send(self._lease_addresses(message, handed))
+        elif op == "settle":  # its stream ended without a commit: it writes no more
+            self._settle(field(message, "lease", str), handed)
+            conn.send({"ok": True})
         elif op == "ack":
             notification = field(message, "notification", int)
             conn.send({"errors": self._wait_verdict(peer, notification)})
         else:
             raise ConnectionError(f"unknown nixl control op {op[:32]!r}")
 
-    def _lease_addresses(self, message: dict) -> dict:
+    def _lease_addresses(self, message: dict, handed: dict) -> dict:
         """The K and V addresses of each layer x block of one live lease, and its time left;
         nothing about any other block."""
         lease_id, request_id = field(message, "lease", str), field(message, "request", str)
@@ -205,6 +212,11 @@ class NixlReceiverServer(ReceiverServer):
                 raise FrameError(f"lease {lease_id[:64]} is committed or refused")
         except FrameError as e:
             return {"ok": False, "error": e.reason}
+        with self._receiver.lock:  # the worker frees blocks under it: no release in between
+            if lease.lease_id not in handed:
+                lease.remote_writers += 1
+                handed[lease.lease_id] = lease
+            self._handed[lease.lease_id] = handed
         ids = np.array(lease.block_ids, dtype=np.uint64) * np.uint64(self.layout["block_bytes"])
         k = self._bases[:, 0:1] + ids[None, :]
         v = self._bases[:, 1:2] + ids[None, :]
@@ -279,11 +291,22 @@ class NixlReceiverServer(ReceiverServer):
                 errors = []
             except FrameError as e:  # counted and logged there
                 errors = [e.reason]
+            # Its sender waited for every WRITE before it sent this: it writes no more.
+            self._settle(commit.header.lease_id)
         with self._cond:
             self._verdicts[(peer, crc32c.crc32c(message))] = errors
             while len(self._verdicts) > MAX_VERDICTS:
                 self._verdicts.popitem(last=False)
             self._cond.notify_all()
+
+    def _settle(self, lease_id: str, handed: dict | None = None) -> None:
+        """The writer of ``lease_id`` is done: its blocks may be reused once none is left."""
+        with self._receiver.lock:
+            handed = self._handed.pop(lease_id, None) if handed is None else handed
+            lease = handed.pop(lease_id, None) if handed is not None else None
+            if lease is not None:
+                lease.remote_writers -= 1
+                self._handed.pop(lease_id, None)
 
     def _verifier(self, commit):
         """The check of the written bytes against the commit's digest (host caches)."""

@@ -90,6 +90,7 @@ class NixlChannel(Channel):
         self._host = True  # the sender's cache is in host memory (digest affordable)
         self._errors: list[str] | None = None
         self._last = None  # the last write's first descriptor (local, remote, kinds)
+        self._settled = False  # told the receiver it writes no more (commit, or settle)
         self._lock = threading.Lock()
 
     def _fetch_addresses(self) -> None:
@@ -113,6 +114,8 @@ class NixlChannel(Channel):
 
     def _write_layer(self, layer, src, dst, k_cache, v_cache, damage: bool) -> int:
         link = self._link
+        if link.closed:  # its receiver frees the blocks it handed once the link is gone
+            raise ConnectionError("nixl link was closed here: not writing through it")
         block_bytes = link.check_cache(k_cache, v_cache)
         if self._k is None:
             self._fetch_addresses()
@@ -165,6 +168,7 @@ class NixlChannel(Channel):
             dig = digest(self._cells) if self._host else NO_DIGEST
             message = encode_notification(header, self.lease_id, self._writes, self._bytes, dig)
             self._send_notification(message)
+            self._settled = True  # the receiver settles the lease on the notification
             ack = {"op": "ack", "notification": crc32c.crc32c(message)}
             reply = self._link.request(ack, progress=True)  # the notification must go out
         errors = reply.get("errors")
@@ -200,8 +204,20 @@ class NixlChannel(Channel):
                 # The stream failed already; a write that fails too adds nothing.
                 except Exception as e:  # noqa: BLE001
                     log.info("nixl write of a cancelled stream: %s: %s", type(e).__name__, e)
+            if self._k is not None and not self._settled and not self._link.broken:
+                self._settled = True
+                self._settle_quietly()
         finally:
             self._lock.release()
+
+    def _settle_quietly(self) -> None:
+        """Tell the receiver this stream writes no more, so the lease's blocks can be reused
+        as soon as it is released (a link that is gone tells it by closing)."""
+        try:
+            self._link.request({"op": "settle", "lease": self.lease_id})
+        # The link failed: its receiver settles the lease when the connection ends.
+        except Exception as e:  # noqa: BLE001
+            log.info("nixl settle of lease %s: %s: %s", self.lease_id, type(e).__name__, e)
 
 
 class LeaseRefused(Exception):
@@ -242,6 +258,10 @@ class NixlLink(Link):
         self._lock = threading.Lock()  # one control request at a time
         self._closed = False
         self.broken = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def check_cache(self, k_cache, v_cache) -> int:
         """Register the sender's cache tensors (once) and check they match the receiver's
