@@ -39,6 +39,8 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> int:
     naming tensor_parallel_size and the dimension that does not divide."""
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_parallel_size {size!r}: expected a positive integer")
+    if size == 1:
+        return size
     kv = cfg.num_kv_heads
     if cfg.num_heads % size:
         raise ValueError(

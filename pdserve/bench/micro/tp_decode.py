@@ -4,7 +4,8 @@ shared machine's slow spells fall on every engine alike.
 
 Rows: TP=1 as it serves (the fused C++ decoder layers), TP=1 on the per-layer path a TP rank
 runs (the same Python layers, no collectives: what leaving the fused path costs apart from the
-all-reduces), and TP=k. The model is random (``load_format: dummy``) of a shape given by flags:
+all-reduces), TP=1 on one rank's threads (threads / k: on a shared machine a multi-threaded
+step also pays for OpenMP barriers behind descheduled threads, which this row shows), and TP=k. The model is random (``load_format: dummy``) of a shape given by flags:
 only its bytes and shapes matter to a step's time.
 """
 
@@ -70,9 +71,12 @@ def cmd_tp_decode(args) -> None:
         EngineSettings(**{**base.__dict__, "threads": args.threads // k, "tensor_parallel_size": k})
     )
     rows = {"tp1_fused": (tp1, args.threads), "tp1_per_layer": (per_layer, args.threads)}
+    # TP=1 on one rank's threads: what k ranks would each take alone, with no collective.
+    rows[f"tp1_fused_{args.threads // k}_threads"] = (tp1, args.threads // k)
     rows[f"tp{k}"] = (tpk, args.threads // k)
+    engines = list({id(e): e for e, _ in rows.values()}.values())
     try:
-        for engine, _ in rows.values():
+        for engine in engines:
             _fill(engine, args)
         times: dict[str, list[float]] = {name: [] for name in rows}
         for i in range(args.rounds + 1):  # the first round warms each engine up, untimed
@@ -81,7 +85,7 @@ def cmd_tp_decode(args) -> None:
                 if i:
                     times[name].append(ms)
     finally:
-        for engine, _ in rows.values():
+        for engine in engines:
             engine.close()
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     result = {
