@@ -85,6 +85,14 @@ def add_profile(sub) -> None:
         help="on CPU, also measure how much slower a step runs beside another worker process "
         "(workers sharing this machine's cores); default: the tables only",
     )
+    p.add_argument(
+        "--time-budget",
+        type=positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="measure within about this long: a coarse grid first, then the rows where the "
+        "latency curve bends (the record lists what was measured and skipped)",
+    )
     p.add_argument("--no-progress", action="store_true")
     from pdserve.planner.sweep_import import add_import_args
 
@@ -140,7 +148,13 @@ def cmd_profile(args) -> int:
         return 2
     started = time.time()
     prof = run_profile(
-        cfg, args.device, args.quick, args.skip_router, not args.no_progress, args.cpu_corrections
+        cfg,
+        args.device,
+        args.quick,
+        args.skip_router,
+        not args.no_progress,
+        args.cpu_corrections,
+        args.time_budget,
     )
     prof.save(args.out)
     e = prof.engine

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -67,11 +67,23 @@ GPU = Grid(
     (512, 2048, 8192),
 )
 QUICK = Grid((8, 32), (0, 32), (1, 4), (16, 64), (32, 128), reps=1, decode_steps=2)
+# With a time budget (``pdserve profile --time-budget``): finer rows to choose from, of which
+# every other one is measured first and the rest where the curve bends (adaptive_grid.py).
+GPU_FINE = replace(
+    GPU,
+    prefill_tokens=(128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192),
+    batches=(1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256),
+)
 
 
-def grid_for(device: str, quick: bool = False) -> Grid:
-    """The points a profile on ``device`` (resolved: cpu, cuda[:N]) measures."""
-    return QUICK if quick else FULL if device == "cpu" else GPU
+def grid_for(device: str, quick: bool = False, budgeted: bool = False) -> Grid:
+    """The points a profile on ``device`` (resolved: cpu, cuda[:N]) measures (``budgeted``:
+    the rows a time budget chooses from)."""
+    if quick:
+        return QUICK
+    if device == "cpu":
+        return FULL
+    return GPU_FINE if budgeted else GPU
 
 
 def _fit(grid: Grid, engine: EngineSettings) -> Grid:
@@ -271,6 +283,33 @@ def engine_dir(model: str):
     return resolve_model_dir(model, progress=False)
 
 
+def _measure_tables(timer, grid: Grid, bar, budget_s: float | None):
+    """The prefill and decode tables: every grid row, or within ``budget_s`` (45% to each
+    table) the coarse rows then those where the curve bends. Returns the grid as measured,
+    both tables and the record of what was measured and skipped."""
+    from pdserve.planner.adaptive_grid import measure_rows
+
+    def prefill_row(n: int) -> list[float]:
+        row = [timer.prefill(n, c) for c in grid.offsets]
+        bar.update(len(grid.offsets))
+        return row
+
+    def decode_row(b: int) -> list[float]:
+        row = [timer.decode(b, c) for c in grid.contexts]
+        bar.update(len(grid.contexts))
+        return row
+
+    if budget_s is None:
+        prefill = [tuple(prefill_row(n)) for n in grid.prefill_tokens]
+        decode = [tuple(decode_row(b)) for b in grid.batches]
+        return grid, prefill, decode, {"rows": "all", "budget_s": None}
+    p_rows, prefill, p_rec = measure_rows(grid.prefill_tokens, prefill_row, budget_s * 0.45)
+    d_rows, decode, d_rec = measure_rows(grid.batches, decode_row, budget_s * 0.45)
+    record = {"budget_s": budget_s, "prefill": asdict(p_rec), "decode": asdict(d_rec)}
+    measured = replace(grid, prefill_tokens=tuple(p_rows), batches=tuple(d_rows))
+    return measured, [tuple(r) for r in prefill], [tuple(r) for r in decode], record
+
+
 def run_profile(
     cfg,
     device: str = "cpu",
@@ -278,6 +317,7 @@ def run_profile(
     skip_router: bool = False,
     progress: bool = True,
     cpu_corrections: bool = False,
+    time_budget_s: float | None = None,
 ) -> Profile:
     """Measure the worker ``cfg`` (a pdserve.config.ClusterConfig) describes, on ``device``;
     ``cpu_corrections``: also the co-run slowdowns of workers sharing this machine's cores."""
@@ -292,21 +332,14 @@ def run_profile(
     # only its KV pool is sized to the grid here.
     settings = settings_from_config(cfg, "127.0.0.1").decode.engine
     settings = replace(settings, device=device)
-    grid = _fit(grid_for(device, quick), settings)
+    grid = _fit(grid_for(device, quick, time_budget_s is not None), settings)
     blocks = max(grid.batches) * (max(grid.contexts) // settings.block_size + 2) + 64
     engine = build_engine(replace(settings, num_blocks=blocks))
     settings = replace(settings, max_model_len=engine.config.max_model_len)
     timer = WorkerTimer(engine, grid)
     total = len(grid.prefill_tokens) * len(grid.offsets) + len(grid.batches) * len(grid.contexts)
     bar = tqdm(total=total + 4, desc="profile", unit="pt", disable=not progress)
-    prefill = []
-    for n in grid.prefill_tokens:
-        prefill.append(tuple(timer.prefill(n, c) for c in grid.offsets))
-        bar.update(len(grid.offsets))
-    decode = []
-    for b in grid.batches:
-        decode.append(tuple(timer.decode(b, c) for c in grid.contexts))
-        bar.update(len(grid.contexts))
+    grid, prefill, decode, grid_record = _measure_tables(timer, grid, bar, time_budget_s)
     model_cfg = engine.config.model
     bar.set_postfix_str(f"kv transfer ({cfg.kv_transport})")
     transfer = measure_transfer(model_cfg, settings, cfg.kv_transport, grid.transfer_tokens)
@@ -345,6 +378,7 @@ def run_profile(
         kv_transport=cfg.kv_transport,
         router_overhead="assumed (not measured)" if quick or skip_router else "measured",
         quick=quick,
+        grid=grid_record,
     )
     return Profile(
         prefill=Table2D(grid.prefill_tokens, grid.offsets, monotone(despike(prefill))),
