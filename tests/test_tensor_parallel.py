@@ -267,6 +267,36 @@ def test_a_killed_follower_fails_the_step_and_the_others_exit(tmp_path):
         engine.close()
 
 
+def test_a_hung_follower_fails_the_step_at_the_collective_timeout(tmp_path):
+    """An idle engine keeps no collective open (idle past the timeout, it still steps); a
+    follower stopped (SIGSTOP) mid-stream fails rank 0's step at the collective timeout."""
+    from engine.llm_engine import LLMEngine, engine_config
+    from engine.tp_ranks import start_tensor_parallel
+
+    path, _ = tiny_dir(tmp_path, "llama", 4, 2)
+    s = EngineSettings(str(path), num_blocks=32, device="cpu", threads=1, tensor_parallel_size=2)
+    timeout_s = 3.0
+    loaded, runner = start_tensor_parallel(s, timeout_s=timeout_s)
+    engine = LLMEngine(engine_config(s, loaded.config), loaded.weights, loaded.tokenizer, runner)
+    follower = runner.ranks.procs[0]
+    try:
+        time.sleep(timeout_s + 1)  # idle longer than the collective timeout
+        engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=50, min_tokens=50))
+        assert [o.error for o in engine.step()] == [None]
+        os.kill(follower.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        (out,) = engine.step()
+        assert time.monotonic() - t0 < timeout_s + 10
+        assert (
+            out.finish_reason == "error"
+            and "tensor-parallel engine of 2 ranks is down" in out.error
+        )
+        assert engine.blocks.num_free == engine.blocks.num_total
+        assert _wait_exited([follower.pid], STOP_GRACE_S + 10) == []  # killed, stopped as it was
+    finally:
+        engine.close()
+
+
 RANK0 = """
 import sys, time
 from engine.llm_engine import build_engine
