@@ -31,6 +31,8 @@ from engine.step_trace import PlanShape  # a plan in the terms the tables price 
 from pdserve.planner.cpu_corrections import CpuCorrections
 
 PROFILE_VERSION = 1
+# Worker settings added after profiles were first written (tensor parallelism, #49).
+ENGINE_KEYS_SINCE_V1 = ("tensor_parallel_size", "tp_host")
 
 
 def interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -267,6 +269,9 @@ class Profile:
         d = asdict(self)
         for table in ("prefill", "decode"):
             d[table].pop("_memo")
+        for key in ENGINE_KEYS_SINCE_V1:  # written once set: older files read back the same
+            if d["engine"].get(key) == getattr(EngineSettings, key):
+                d["engine"].pop(key)
         cpu, meta, sample = d.pop("cpu"), d.pop("meta"), d.pop("sample_seconds_per_row")
         for key, value in cpu.items():
             if key == "router_cpu_per_request_s":
