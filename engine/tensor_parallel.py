@@ -145,3 +145,41 @@ def read_hf_shard(files, cfg: ModelConfig, shard: TPShard) -> dict:
                 view = f.get_slice(name)
                 out[name] = view[start:stop] if dim == 0 else view[:, start:stop]
     return out
+
+
+@dataclass(frozen=True)
+class KVHeadSlice:
+    """KV heads ``head .. head + count - 1`` (the model's numbering) that rank ``src_rank`` of
+    the sending engine ships to rank ``dst_rank`` of the receiving one; ``src_offset`` and
+    ``dst_offset``: where the first of them sits in each rank's own cache."""
+
+    src_rank: int
+    dst_rank: int
+    head: int
+    count: int
+    src_offset: int
+    dst_offset: int
+
+
+def kv_transfer_plan(cfg: ModelConfig, src_size: int, dst_size: int) -> list[KVHeadSlice]:
+    """What moves from a TP=``src_size`` engine's ranks to a TP=``dst_size`` one's: every KV
+    head each receiving rank holds, from exactly one sending rank that holds it, so the bytes
+    sent are the bytes the receiving side needs and no rank sends heads it was not asked for.
+    Where several sending ranks hold a head (replicated), receiving ranks take turns among them
+    so one sender does not carry every copy. The KV transfer between degrees (issue 49) is to
+    ship these slices layer by layer; nothing uses them yet."""
+    check_tensor_parallel(cfg, src_size)
+    check_tensor_parallel(cfg, dst_size)
+    src = [TPShard(r, src_size).kv_heads(cfg) for r in range(src_size)]
+    plan: list[KVHeadSlice] = []
+    for d in range(dst_size):
+        d0, d1 = TPShard(d, dst_size).kv_heads(cfg)
+        for h in range(d0, d1):
+            holders = [r for r, (lo, hi) in enumerate(src) if lo <= h < hi]
+            p = holders[d % len(holders)]
+            last = plan[-1] if plan else None
+            if last and (last.dst_rank, last.src_rank, last.head + last.count) == (d, p, h):
+                plan[-1] = replace(last, count=last.count + 1)  # contiguous: one slice
+            else:
+                plan.append(KVHeadSlice(p, d, h, 1, h - src[p][0], h - d0))
+    return plan

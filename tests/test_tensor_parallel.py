@@ -20,7 +20,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.llm_engine import build_engine
 from engine.request import SamplingParams
 from engine.settings import EngineSettings, check_one_rank
-from engine.tensor_parallel import TPShard, check_tensor_parallel, read_hf_shard
+from engine.tensor_parallel import TPShard, check_tensor_parallel, kv_transfer_plan, read_hf_shard
 from engine.tp_ranks import COLLECTIVE_TIMEOUT_S, STOP_GRACE_S
 from tests.conftest import tiny_llama_dir, write_word_tokenizer
 from tests.greedy import assert_same_greedy, hf_greedy
@@ -200,6 +200,33 @@ def test_shards_read_from_safetensors_add_up_to_the_whole(tmp_path):
             assert all(torch.equal(s[name], t) for s in shards), name
         else:
             assert torch.equal(torch.cat([s[name] for s in shards], dim=cut[0]), t), name
+
+
+@pytest.mark.parametrize("heads,kv", [(8, 4), (8, 2), (9, 3), (8, 8)])
+def test_kv_between_degrees_moves_each_needed_head_once(heads, kv):
+    """For every pair of degrees a -> b (replicated cases too): each receiving rank gets each of
+    its KV heads exactly once, from a sending rank that holds it; the heads sent add up to
+    what the receiving ranks hold (no rank ships the whole cache when a > 1)."""
+    cfg = _cfg(heads, kv, inter=heads * 32)
+    degrees = [k for k in range(1, 2 * heads + 1) if not heads % k and not (kv % k and k % kv)]
+    for a in degrees:
+        for b in degrees:
+            plan = kv_transfer_plan(cfg, a, b)
+            for d in range(b):
+                d0, d1 = TPShard(d, b).kv_heads(cfg)
+                got = sorted(
+                    h for s in plan if s.dst_rank == d for h in range(s.head, s.head + s.count)
+                )
+                assert got == list(range(d0, d1)), (a, b, d)
+            for s in plan:
+                p0, p1 = TPShard(s.src_rank, a).kv_heads(cfg)
+                assert p0 <= s.head and s.head + s.count <= p1, (a, b, s)
+                assert s.src_offset == s.head - p0
+                assert s.dst_offset == s.head - TPShard(s.dst_rank, b).kv_heads(cfg)[0]
+            sent = sum(s.count for s in plan)
+            assert sent == sum(max(1, kv // b) for _ in range(b)), (a, b)
+            per_sender = [sum(s.count for s in plan if s.src_rank == r) for r in range(a)]
+            assert a == 1 or max(per_sender) < sent, (a, b, per_sender)  # nobody ships it all
 
 
 def test_workers_refuse_more_than_one_rank():
