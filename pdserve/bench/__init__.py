@@ -33,6 +33,7 @@ BENCH_MODULES = (
     "report.goodput_ceiling",
     "cluster.serve_local",
     "cluster.overload_soak",
+    "netns.cli",
 )
 
 

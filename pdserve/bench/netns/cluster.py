@@ -182,9 +182,31 @@ class NetnsCluster:
         self, prompts: list[list[int]], max_tokens: int, host: str = OUTSIDER, **extra
     ) -> list[dict]:
         """The prompts through the router's gRPC API (API key, TLS) from ``host``."""
+        return self.collect(self.start_generate(prompts, max_tokens, host, **extra), 600)
+
+    def start_generate(
+        self, prompts: list[list[int]], max_tokens: int, host: str = OUTSIDER, **extra
+    ) -> subprocess.Popen:
+        """As ``generate``, without waiting: ``collect`` gets the outputs."""
         spec = self.workdir / f"prompts-{time.monotonic_ns()}.json"
         spec.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens, **extra}))
-        return self.probe(host, "generate", self.grpc_address, self.certs.ca, str(spec))["outputs"]
+        argv = [sys.executable, "-m", "pdserve.bench.netns.probe", "generate"]
+        argv += [self.grpc_address, self.certs.ca, str(spec)]
+        env = {k: v for k, v in self.env().items() if not k.startswith("RAY_AUTH")}
+        return self.hosts.popen(
+            host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+
+    @staticmethod
+    def collect(proc: subprocess.Popen, timeout_s: float) -> list[dict]:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        if proc.returncode != 0:
+            raise RuntimeError(f"generate failed:\n{err[-3000:]}")
+        return json.loads(out.strip().splitlines()[-1])["outputs"]
 
     def close(self) -> None:
         try:

@@ -26,25 +26,47 @@ WORKER_METHODS = ("/pdserve.v1.DecodeWorker/Status", "/pdserve.v1.PrefillWorker/
 CALL_TIMEOUT_S = 10.0
 
 
+class _Streaming:
+    """Prints ``{"started": true}`` once every request has ``after`` tokens (0: never), so a
+    driver can act while every stream is known to be running."""
+
+    def __init__(self, n: int, after: int):
+        self.left, self.after, self.seen = n, after, set()
+
+    def tokens(self, out) -> None:
+        if self.after and out.request_id not in self.seen and len(out.token_ids) >= self.after:
+            self.seen.add(out.request_id)
+            self.left -= 1
+            if self.left == 0:
+                print(json.dumps({"started": True}), flush=True)
+
+
 def generate(address: str, ca: str, spec_path: str) -> dict:
-    from pdserve.client import AsyncClient
+    """``spec``: prompts, max_tokens; sequential (one at a time); signal_after (see
+    ``_Streaming``)."""
+    from pdserve.client import AsyncClient, Completion
 
     spec = json.loads(Path(spec_path).read_text())
 
+    streaming = _Streaming(len(spec["prompts"]), spec.get("signal_after", 0))
+
     async def run() -> list:
         client = AsyncClient(address, api_key=os.environ["PDSERVE_API_KEY"], ca=ca)
+
+        async def one(p):
+            out = Completion()
+            async for chunk in client.stream(
+                token_ids=p, max_tokens=spec["max_tokens"], ignore_eos=True, include_timings=True
+            ):
+                out.add(chunk)
+                streaming.tokens(out)
+            return out
+
         try:
-            outs = await asyncio.gather(
-                *(
-                    client.generate(
-                        token_ids=p,
-                        max_tokens=spec["max_tokens"],
-                        ignore_eos=True,
-                        include_timings=True,
-                    )
-                    for p in spec["prompts"]
-                )
-            )
+            if spec.get("sequential"):  # one at a time: nothing queues behind another
+                outs = [await one(p) for p in spec["prompts"]]
+            else:
+                outs = await asyncio.gather(*(one(p) for p in spec["prompts"]))
         finally:
             await client.close()
         return [_completion(o) for o in outs]
@@ -167,6 +189,17 @@ def api(spec_path: str) -> dict:
     }
 
 
+def migrations(url: str, ca: str) -> dict:
+    """The router's count of migrated requests, from its /metrics (HTTPS, the API key)."""
+    import httpx
+
+    key = os.environ["PDSERVE_API_KEY"]
+    with httpx.Client(verify=ca, timeout=CALL_TIMEOUT_S) as c:
+        text = c.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"}).text
+    rows = [ln for ln in text.splitlines() if ln.startswith("pdserve:request_migrations_total")]
+    return {"migrations": sum(float(ln.rsplit(" ", 1)[1]) for ln in rows)}
+
+
 def tcp(host: str, port: str) -> dict:
     try:
         with socket.create_connection((host, int(port)), timeout=3):
@@ -175,12 +208,23 @@ def tcp(host: str, port: str) -> dict:
         return {"open": False, "error": type(e).__name__}
 
 
+def _link(name: str):
+    def run(*args):
+        from pdserve.bench.netns import link_bench
+
+        return getattr(link_bench, name)(*args)
+
+    return run
+
+
 COMMANDS = {
     "generate": generate,
     "listeners": listeners,
     "refuses": refuses,
     "api": api,
     "tcp": tcp,
+    "migrations": migrations,
+    **{n.replace("_", "-"): _link(n) for n in ("kv_serve", "kv_push", "tcp_sink", "tcp_send")},
 }
 
 

@@ -134,22 +134,28 @@ class RayNodes:
             cpus,
         )
 
+    def alive_ips(self, timeout_s: float = 120) -> list[str]:
+        """The addresses of the Ray nodes the head's GCS holds alive."""
+        code = (
+            "import ray,sys,json;ray.init(address=sys.argv[1],log_to_driver=False);"
+            "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))"
+        )
+        head = next(iter(self.hosts.hosts))
+        out = self.hosts.run(
+            head,
+            [sys.executable, "-c", code, self.head_address],
+            timeout=timeout_s,
+            env={**os.environ, **self.env},
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"ray.nodes() on the head failed: {out.stderr[-2000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
     def wait_nodes(self, count: int, timeout_s: float = 120) -> None:
         """Until ``count`` nodes are alive, seen from the head."""
-        code = (
-            "import ray,sys;ray.init(address=sys.argv[1],log_to_driver=False);"
-            "print(sum(n['Alive'] for n in ray.nodes()))"
-        )
         deadline = time.monotonic() + timeout_s
-        head = next(iter(self.hosts.hosts))
         while True:
-            out = self.hosts.run(
-                head,
-                [sys.executable, "-c", code, self.head_address],
-                timeout=timeout_s,
-                env={**os.environ, **self.env},
-            )
-            alive = int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else -1
+            alive = len(self.alive_ips(timeout_s))
             if alive >= count:
                 return
             if time.monotonic() > deadline:
