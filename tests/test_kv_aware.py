@@ -271,3 +271,20 @@ def test_a_longer_next_turn_ships_only_the_blocks_the_decode_worker_lacks(tiny_m
             assert held >= BS and held % BS == 0  # whole blocks, pinned on the decode side
             shipped_blocks = -(-c.usage.prompt_tokens // BS) - held // BS
             assert c.timings.kv_bytes == per_block * shipped_blocks
+
+
+def test_the_conversation_reference_is_transformers_greedy(tiny_model):
+    """The engine reference the routing tests compare against is itself transformers' greedy
+    output over the same growing histories (a tie aside)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.greedy import assert_same_greedy, hf_greedy
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+    [conv] = _conversations(1, seed=5)
+    [turns] = _reference(tiny_model, [conv])
+    history: list[int] = []
+    for new, ours in zip(conv, turns, strict=True):
+        history = history + new
+        assert_same_greedy(hf, history, ours, hf_greedy(hf, history, NEW_TOKENS))
+        history = history + ours
