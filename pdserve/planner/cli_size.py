@@ -158,6 +158,12 @@ def cmd_size(args, base, workload, rate, error) -> int:
                 f"requests): {'holds' if check.holds else 'DOES NOT HOLD'}\n"
             )
             text += "\n".join(figures(sized[0].deployment, check, profiles))
+            # The answer's own capacity at full scale: how close to the target it sits.
+            [cap] = runner.capacities([(sized[0].deployment, "all", at, 3, 1.1)])
+            text += (
+                f"\nthe whole cluster's capacity (simulated): {cap:.4g} req/s, "
+                f"{cap / at - 1:+.1%} over {at:.4g}"
+            )
         sims = runner.simulations
     print(text)
     print(

@@ -111,8 +111,11 @@ def _score(ctx: dict, probe: Probe) -> Outcome:
     )
 
 
-def _capacity(ctx: dict, dep: Deployment, part: str, start: float, steps: int) -> float:
-    """Highest rate at which ``dep`` holds ``part``: bracket from ``start``, then bisect."""
+def _capacity(
+    ctx: dict, dep: Deployment, part: str, start: float, steps: int, factor: float = 2.0
+) -> float:
+    """Highest rate at which ``dep`` holds ``part``: bracket from ``start`` by ``factor``,
+    then bisect ``steps`` times."""
 
     def holds(rate: float) -> bool:
         return _score(ctx, Probe(dep, rate, part)).holds
@@ -123,12 +126,12 @@ def _capacity(ctx: dict, dep: Deployment, part: str, start: float, steps: int) -
             lo = rate
             if hi:
                 break
-            rate *= 2
+            rate *= factor
         else:
             hi = rate
             if lo:
                 break
-            rate /= 2
+            rate /= factor
     if not lo or not hi:
         return lo
     for _ in range(steps):
@@ -186,6 +189,7 @@ class ProbeRunner:
     def one(self, probe: Probe) -> Outcome:
         return self.run([probe])[0]
 
-    def capacities(self, asks: list[tuple[Deployment, str, float, int]]) -> list[float]:
-        """For each (deployment, part, start rate, bisection steps): its capacity."""
+    def capacities(self, asks: list[tuple]) -> list[float]:
+        """For each (deployment, part, start rate, bisection steps[, bracket factor]): its
+        capacity."""
         return self._map([("capacity", a) for a in asks])
