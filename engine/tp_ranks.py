@@ -116,7 +116,11 @@ class FollowerRanks:
             while not conn.poll(POLL_S):
                 if not proc.is_alive() or time.monotonic() > deadline:
                     raise TensorParallelError(f"tensor-parallel {self._rank_state(rank)} at start")
-            reply = msgpack.unpackb(conn.recv_bytes())
+            try:
+                reply = msgpack.unpackb(conn.recv_bytes())
+            except EOFError:  # it died before a word
+                proc.join(STOP_GRACE_S)
+                raise TensorParallelError(f"tensor-parallel {self._rank_state(rank)} at start")
             if reply[0] != OP_LOADED:
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed to load: {reply[1]}")
         args = (self.store, 0, self.size, self.device, self.timeout_s, self.host)
@@ -136,9 +140,8 @@ class FollowerRanks:
         """Raise if the ranks cannot step: broken before, or a follower has exited."""
         if self.broken is not None:
             raise TensorParallelError(self.broken)
-        for rank, proc in enumerate(self.procs, start=1):
-            if not proc.is_alive():
-                raise self.fail(TensorParallelError("seen before the step"))
+        if not all(proc.is_alive() for proc in self.procs):
+            raise self.fail(TensorParallelError("seen before the step"))
 
     def fail(self, error: BaseException) -> TensorParallelError:
         """Mark the ranks broken by ``error``, tear the followers down; the error to raise."""

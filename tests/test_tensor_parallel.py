@@ -128,6 +128,7 @@ def test_greedy_matches_transformers_at_every_degree(tmp_path, family, heads, kv
         engine.close()
 
 
+@pytest.mark.slow  # the random-weight path of benchmarks and profiles; ~10-25 s
 def test_dummy_weights_shard_to_the_same_model(tmp_path):
     """--load-format dummy at TP=2 makes TP=1's random model, each rank its slices: the
     same greedy tokens."""
@@ -227,6 +228,15 @@ def test_kv_between_degrees_moves_each_needed_head_once(heads, kv):
             assert sent == sum(max(1, kv // b) for _ in range(b)), (a, b)
             per_sender = [sum(s.count for s in plan if s.src_rank == r) for r in range(a)]
             assert a == 1 or max(per_sender) < sent, (a, b, per_sender)  # nobody ships it all
+
+
+def test_an_engine_of_a_degree_that_does_not_divide_spawns_nothing(tmp_path):
+    import multiprocessing
+
+    path, _ = tiny_dir(tmp_path, "llama", 4, 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3: must divide the model's 4"):
+        tp_engine(path, 3)
+    assert multiprocessing.active_children() == []
 
 
 def test_workers_refuse_more_than_one_rank():
