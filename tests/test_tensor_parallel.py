@@ -22,7 +22,7 @@ from engine.request import SamplingParams
 from engine.settings import EngineSettings, check_one_rank
 from engine.tensor_parallel import TPShard, check_tensor_parallel, kv_transfer_plan, read_hf_shard
 from engine.tp_ranks import COLLECTIVE_TIMEOUT_S, STOP_GRACE_S
-from tests.conftest import tiny_llama_dir, write_word_tokenizer
+from tests.conftest import needs_embedded, tiny_llama_dir, write_word_tokenizer
 from tests.greedy import assert_same_greedy, hf_greedy
 
 NEW_TOKENS = 12
@@ -124,6 +124,24 @@ def test_greedy_matches_transformers_at_every_degree(tmp_path, family, heads, kv
         assert engine.runner.kv_caches[0][0].shape[2] == max(1, kv_heads // tp)
         assert engine.runner.model.cpu_stack is None  # per layer: the all-reduces go between
         assert_greedy_exact(engine, hf_model)
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+@needs_embedded
+def test_the_embedded_model_at_tp3_matches_tp1():
+    """SmolLM2-135M (9 query, 3 KV heads; GGUF read through its converted folder) split three
+    ways gives TP=1's greedy tokens (which tests/test_engine_greedy_smollm2.py holds equal to
+    transformers')."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land"]
+    params = SamplingParams(max_tokens=24, min_tokens=24)
+    s = EngineSettings("embedded", num_blocks=64, device="cpu", threads=1)
+    expected = [r.output_token_ids for r in build_engine(s).generate(prompts, params)]
+    engine = build_engine(replace(s, tensor_parallel_size=3))
+    try:
+        assert (engine.runner.model.cfg.num_heads, engine.runner.model.cfg.num_kv_heads) == (3, 1)
+        assert [r.output_token_ids for r in engine.generate(prompts, params)] == expected
     finally:
         engine.close()
 
