@@ -29,9 +29,9 @@ from pdserve.bench.loadgen.workloads import (
 )
 from pdserve.metrics import RequestRecord
 
-TURNS = 4  # turns per conversation
+TURNS = 6  # turns per conversation
 THINK_S = 2.0  # mean think time between an answer and the next question
-OPENING_WORDS = (150, 400)  # the first turn: a pasted text to talk about
+OPENING_WORDS = (60, 200)  # the first turn: a short text to talk about, then follow-ups
 TURN_MAX_TOKENS = (48, 96)
 _FOLLOW_UPS = (
     "Can you say more about the second point?",

@@ -68,7 +68,7 @@ class ServeConfig:
         False  # not vLLM's default; for fixed-length runs against servers that know it
     )
     progress: bool = True
-    turns: int = 4  # multiturn: turns per conversation
+    turns: int = 6  # multiturn: turns per conversation
     think_s: float = 2.0  # multiturn: mean think time between an answer and the next question
 
     @property
@@ -366,7 +366,7 @@ def add_load_args(p) -> None:
         "--workload", default="mixed", help="chat | longdoc | mixed | multiturn | a JSONL FILE"
     )
     p.add_argument("--num-requests", type=int, default=100)
-    p.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
+    p.add_argument("--turns", type=int, default=6, help="multiturn: turns per conversation")
     p.add_argument(
         "--think-s", type=float, default=2.0, help="multiturn: mean think time between turns"
     )
