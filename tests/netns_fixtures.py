@@ -9,7 +9,7 @@ import time
 import pytest
 
 from pdserve.bench.netns.cluster import NetnsCluster
-from pdserve.bench.netns.hosts import unavailable_reason
+from pdserve.bench.netns.hosts import list_namespaces, unavailable_reason
 from tests.conftest import tiny_llama_dir
 from tests.ray_utils import WAIT_SCALE, engine_reference, make_prompts
 
@@ -31,6 +31,8 @@ def netns(tmp_path_factory):
         yield cluster
     finally:
         cluster.close()
+        # Nothing of the run is left: no namespace (so no veth, bridge or process in one).
+        assert list_namespaces(f"{cluster.hosts.prefix}-") == []
 
 
 def serve(cluster: NetnsCluster, transport: str, **over) -> None:

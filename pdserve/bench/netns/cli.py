@@ -11,6 +11,7 @@ cleanup  remove every namespace (and the processes in it) named with --prefix, e
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import tempfile
 import threading
@@ -51,6 +52,7 @@ def cmd_netns_cluster(args) -> int:
         return _link(cluster, args)
     finally:
         cluster.close()
+        shutil.rmtree(workdir, ignore_errors=True)  # its certificates and the API key
 
 
 def _up(cluster, args) -> int:

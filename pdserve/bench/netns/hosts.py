@@ -156,8 +156,10 @@ class Hosts:
 
     def destroy(self) -> None:
         """Every process in every namespace of this run ended, every namespace deleted (their
-        veth ends and the bridge go with them)."""
-        cleanup(self.prefix)
+        veth ends and the bridge go with them), and the run's Ray folder. Exactly this run's:
+        "pdsv-12-" must not take "pdsv-123-"'s namespaces with it."""
+        cleanup(f"{self.prefix}-")
+        shutil.rmtree(Path("/tmp") / self.prefix, ignore_errors=True)
 
 
 def _kill_ns(ns: str, grace_s: float) -> None:
