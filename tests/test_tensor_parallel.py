@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -365,7 +366,7 @@ time.sleep(600)
 
 def test_followers_exit_when_rank_0_is_killed(tmp_path):
     path, _ = tiny_dir(tmp_path, "llama", 4, 2)
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     rank0 = subprocess.Popen(
         [sys.executable, "-c", RANK0, str(path)], stdout=subprocess.PIPE, text=True, env=env
     )
