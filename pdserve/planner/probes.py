@@ -13,6 +13,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
+from pdserve.metrics import compute_result
 from pdserve.planner.profile import Profile
 from pdserve.planner.sim import SimConfig, Split, simulate
 from pdserve.planner.slo import SloSpec
@@ -85,20 +86,40 @@ def _simulate(ctx: dict, dep: Deployment, rate: float, longer: float = 0.0):
     pre = profiles[dep.decode if dep.colocated else dep.prefill]
     dec = profiles[dep.decode]
     run = simulate(pre, workload(rate), replace(base, split=dep.split), spec.per_request, dec)
-    return run.result
+    return run.result, _last_third(run, spec)
+
+
+def _last_third(run, spec: SloSpec):
+    """The run's last third of requests (in send order) scored alone. A deployment just past
+    its capacity serves a short run well while its queue builds; the late requests show it
+    (a 3,000-request probe held 99.9% where the same deployment on 6,000 held 77%)."""
+    records = run.records[-(len(run.records) // 3) :] if len(run.records) >= 30 else []
+    if not records:
+        return run.result
+    duration = max(r.end_time for r in records) - min(r.send_time for r in records)
+    return compute_result(records, duration, spec.per_request)
+
+
+def _margins(spec: SloSpec, res, tail) -> tuple[float, float, float]:
+    """(whole spec, prefill part, decode part) margins: the worse of the run and its end."""
+    return tuple(
+        min(s.margin(res), s.margin(tail))
+        for s in (spec, spec.part("prefill"), spec.part("decode"))
+    )
 
 
 def _score(ctx: dict, probe: Probe) -> Outcome:
-    res = _simulate(ctx, probe.deployment, probe.rate, probe.longer)
+    res, tail = _simulate(ctx, probe.deployment, probe.rate, probe.longer)
     spec: SloSpec = ctx["spec"]
     scored = spec if probe.part == "all" else spec.part(probe.part)
-    margin = scored.margin(res)
+    margin = min(scored.margin(res), scored.margin(tail))
+    pre_margin, dec_margin = _margins(spec, res, tail)[1:]
     s = 1e-3
     return Outcome(
         margin >= 0,
         margin,
-        spec.part("prefill").margin(res),
-        spec.part("decode").margin(res),
+        pre_margin,
+        dec_margin,
         scored.attained(res),
         (res.slo_attainment or scored.attained(res)) * probe.rate,
         res.ttft_ms.median * s,

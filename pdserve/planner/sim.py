@@ -121,6 +121,7 @@ class SimRun:
     wall_s: float
     preemptions: int
     busy: dict = field(default_factory=dict)  # worker -> share of the run spent in forwards
+    records: list = field(default_factory=list, repr=False)  # per request, in send order
 
 
 class SimCluster:
@@ -304,6 +305,7 @@ class SimCluster:
             time.perf_counter() - started,
             sum(w.num_preemptions for w in self.decode),
             {w.address: w.busy_s / duration if duration else 0.0 for w in workers},
+            records,
         )
 
 
