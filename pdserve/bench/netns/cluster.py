@@ -151,6 +151,11 @@ class NetnsCluster:
                 self.serve.wait(10)
         self.serve = None
 
+    def _client_env(self) -> dict[str, str]:
+        """A client's: the API key, neither Ray's token nor the cluster's."""
+        secret = ("RAY_AUTH", "PDSERVE_CLUSTER_TOKEN")
+        return {k: v for k, v in self.env().items() if not k.startswith(secret)}
+
     def status(self) -> dict:
         """``pdserve status --json`` run on the head."""
         argv = [
@@ -172,7 +177,7 @@ class NetnsCluster:
         Without ``env``: the API key, and neither Ray's token nor the cluster's."""
         argv = [sys.executable, "-m", "pdserve.bench.netns.probe", *args]
         if env is None:
-            env = {k: v for k, v in self.env().items() if not k.startswith("RAY_AUTH")}
+            env = self._client_env()
         out = self.hosts.run(host, argv, timeout=timeout_s, env=env)
         if out.returncode != 0:
             raise RuntimeError(f"probe {args[:1]} on {host} failed:\n{out.stderr[-3000:]}")
@@ -192,7 +197,7 @@ class NetnsCluster:
         spec.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens, **extra}))
         argv = [sys.executable, "-m", "pdserve.bench.netns.probe", "generate"]
         argv += [self.grpc_address, self.certs.ca, str(spec)]
-        env = {k: v for k, v in self.env().items() if not k.startswith("RAY_AUTH")}
+        env = self._client_env()
         return self.hosts.popen(
             host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
         )
