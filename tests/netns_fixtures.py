@@ -9,7 +9,7 @@ import time
 import pytest
 
 from pdserve.bench.netns.cluster import NetnsCluster
-from pdserve.bench.netns.hosts import list_namespaces, unavailable_reason
+from pdserve.bench.netns.hosts import cleanup_stale, list_namespaces, unavailable_reason
 from tests.conftest import tiny_llama_dir
 from tests.ray_utils import WAIT_SCALE, engine_reference, make_prompts
 
@@ -21,6 +21,7 @@ def netns(tmp_path_factory):
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"no network namespaces here: {reason}")
+    cleanup_stale()  # a run killed before its finalizer (a CI timeout) left these
     root = tmp_path_factory.mktemp("netns")
     cluster = NetnsCluster(root / "run")
     try:

@@ -198,3 +198,14 @@ def cleanup(prefix: str = PREFIX_ROOT, grace_s: float = 5.0) -> list[str]:
         if folder.is_dir() and folder.name.startswith(PREFIX_ROOT):
             shutil.rmtree(folder, ignore_errors=True)
     return names
+
+
+def cleanup_stale() -> list[str]:
+    """Remove what runs whose process is gone left behind (a run killed before its cleanup):
+    namespaces named ``pdsv-<pid>-...`` whose pid no longer exists."""
+    removed = []
+    for pid in {n.split("-")[1] for n in list_namespaces() if n.split("-")[1].isdigit()}:
+        if not Path(f"/proc/{pid}").exists():
+            removed += cleanup(f"{PREFIX_ROOT}{pid}-")
+            shutil.rmtree(Path("/tmp") / f"{PREFIX_ROOT}{pid}", ignore_errors=True)
+    return removed
