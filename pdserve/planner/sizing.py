@@ -120,25 +120,19 @@ def _fewest(runner: ProbeRunner, searches: list[tuple], rate: float) -> list[int
 
 
 def _settle(runner: ProbeRunner, dep: Deployment, rate: float) -> tuple[Deployment, Outcome]:
-    """Grow the pool whose part misses until the whole spec holds, then shrink either pool
-    while it still holds: a deployment verified at ``rate``, with no worker to spare."""
+    """Grow the pools whose part misses until the whole spec holds (a few sizes at once, one
+    per process), then shrink either pool while it still holds: a deployment verified at
+    ``rate``, with no worker to spare."""
     out = runner.one(Probe(dep, rate))
-    for _ in range(64):
+    for _ in range(16):
         if out.holds:
             break
-        pools = (
-            ["decode"]
-            if dep.colocated
-            else [
-                p
-                for p, m in (("prefill", out.prefill_margin), ("decode", out.decode_margin))
-                if m < 0
-            ]
-            or ["prefill" if out.prefill_margin < out.decode_margin else "decode"]
-        )
-        for pool in pools:
-            dep = dep.grow(pool, 1)
-        out = runner.one(Probe(dep, rate))
+        pools = _missing(dep, out)
+        steps = range(1, max(2, runner.workers) + 1)
+        bigger = [_grown(dep, pools, k) for k in steps]
+        outs = runner.run([Probe(d, rate) for d in bigger])
+        held = [(d, o) for d, o in zip(bigger, outs) if o.holds]
+        dep, out = held[0] if held else (bigger[-1], outs[-1])
     if not out.holds:
         return dep, out
     while True:
@@ -150,6 +144,20 @@ def _settle(runner: ProbeRunner, dep: Deployment, rate: float) -> tuple[Deployme
         if not held:
             return dep, out
         dep, out = max(held, key=lambda x: x[1].margin)
+
+
+def _missing(dep: Deployment, out: Outcome) -> list[str]:
+    """The pools whose own targets the run missed (else the one closer to missing)."""
+    if dep.colocated:
+        return ["decode"]
+    margins = (("prefill", out.prefill_margin), ("decode", out.decode_margin))
+    return [p for p, m in margins if m < 0] or [min(margins, key=lambda x: x[1])[0]]
+
+
+def _grown(dep: Deployment, pools: list[str], k: int) -> Deployment:
+    for pool in pools:
+        dep = dep.grow(pool, k)
+    return dep
 
 
 def fewest_devices(

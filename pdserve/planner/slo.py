@@ -117,9 +117,12 @@ class SloSpec:
         per_request = SLO(
             slo.ttft_s if "ttft" in mine else None, slo.tpot_s if "tpot" in mine else None
         )
-        return replace(
-            self, per_request=per_request, bounds=tuple(b for b in self.bounds if b.metric in mine)
-        )
+        # Each pool may miss half of what the whole may: by the union bound, two pools that
+        # meet their parts meet the whole (the sizing then gives back what it can spare).
+        both = slo.ttft_s is not None and slo.tpot_s is not None
+        share = 1 - (1 - self.attainment) / 2 if both else self.attainment
+        bounds = tuple(b for b in self.bounds if b.metric in mine)
+        return replace(self, per_request=per_request, attainment=share, bounds=bounds)
 
     def describe(self) -> str:
         parts = []
