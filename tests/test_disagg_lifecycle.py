@@ -213,13 +213,13 @@ def _count_named_reservations(decode, refuse: bool) -> list[str]:
 
     real, named = decode.reserve, []
 
-    def reserve(request_id, num_tokens, ttl_s=None, lease_id=None):
+    def reserve(request_id, num_tokens, ttl_s=None, lease_id=None, block_hashes=()):
         if lease_id is not None:
             named.append(lease_id)
             if refuse:
                 decode.leases.refuse(lease_id, "pretend the pool filled up")
                 raise ReservationError("pretend the pool filled up")
-        return real(request_id, num_tokens, ttl_s, lease_id)
+        return real(request_id, num_tokens, ttl_s, lease_id, block_hashes)
 
     decode.reserve = reserve
     return named
@@ -237,10 +237,10 @@ def test_first_token_does_not_wait_for_the_concurrent_reservation(tiny_model):
         decode = cluster.decode_workers[0]
         real, answered_after_first_token = decode.reserve, []
 
-        def reserve(request_id, num_tokens, ttl_s=None, lease_id=None):
+        def reserve(request_id, num_tokens, ttl_s=None, lease_id=None, block_hashes=()):
             # A router that waited for this answer would never send the token: 30 s, then False.
             answered_after_first_token.append(first_token_seen.wait(timeout=30))
-            return real(request_id, num_tokens, ttl_s, lease_id)
+            return real(request_id, num_tokens, ttl_s, lease_id, block_hashes)
 
         decode.reserve = reserve
         tokens = []
