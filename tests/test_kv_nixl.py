@@ -110,6 +110,43 @@ def test_blocks_land_in_the_lease_and_chunks_rewrite_a_partial_block(rx):
     assert all(not k[[0, 1, 2]].any() for k, _ in r.dst)  # nothing outside the lease
 
 
+def test_runs_consecutive_on_both_sides_go_as_one_write_each(rx, monkeypatch):
+    """Positions whose source and leased blocks both follow on go as one descriptor per run
+    (K and V apart); the bytes land exactly as block by block, nothing outside the lease."""
+    r = rx()
+    sender = r.sender()
+    posted = []
+    agent = sender._link.agent
+    real_write = agent.write
+    monkeypatch.setattr(
+        agent,
+        "write",
+        lambda local, remote, *a: posted.append(local) or real_write(local, remote, *a),
+    )
+    src, dst = [2, 3, 4, 9, 10, 0], [5, 6, 7, 8, 11, 12]
+    lease, _ = r.transfer(sender, "runs", src, dst)
+    assert lease.is_committed
+    r.assert_arrived(src, dst)
+    outside = [b for b in range(BLOCKS) if b not in dst]
+    assert all(not k[outside].any() and not v[outside].any() for k, v in r.dst)
+    block_bytes = r.src[0][0][0].numel() * 4
+    # Per layer: [2-4 -> 5-7], [9 -> 8], [10 -> 11], [0 -> 12], for K and for V.
+    runs = [(3, 1, 1, 1) * 2] * LAYERS
+    assert [tuple(int(n) // block_bytes for n in d[:, 1]) for d in posted[:LAYERS]] == runs
+
+
+def test_a_write_into_the_leases_cached_blocks_is_refused(rx):
+    """The lease's leading blocks came from the prefix cache (shared): never written."""
+    r = rx()
+    lease = r.leases.open("cached", [3, 4, 5], first_block=1)
+    stream = r.sender().open_stream("cached", lease.lease_id)
+    stream.send_layer(0, [1, 2], [0, 1], *r.src[0])
+    with pytest.raises(TransferError, match="outside lease"):
+        stream.commit(timeout=20)
+    assert all(not k.any() and not v.any() for k, v in r.dst)
+    r.assert_still_serving()
+
+
 def test_an_incomplete_commit_is_refused(rx):
     r = rx()
     lease = r.leases.open("req", [1, 2])

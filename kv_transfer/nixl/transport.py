@@ -133,15 +133,18 @@ class NixlChannel(Channel):
         self._finish(layer)  # a block written twice (a chunk's partial last block): in order
         local_kind, local_dev = mem_type(k_cache)
         offsets = np.array(src, dtype=np.uint64) * np.uint64(block_bytes)
-        local = np.concatenate([k_cache.data_ptr() + offsets, v_cache.data_ptr() + offsets])
-        remote = np.concatenate([self._k[layer][dst], self._v[layer][dst]])
+        dst_ids = np.asarray(dst, dtype=np.int64)
+        k_runs = _coalesce(k_cache.data_ptr() + offsets, self._k[layer][dst_ids], block_bytes)
+        v_runs = _coalesce(v_cache.data_ptr() + offsets, self._v[layer][dst_ids], block_bytes)
+        local, remote, sizes = (np.concatenate([k, v]) for k, v in zip(k_runs, v_runs))
         descs = (
-            _descs(local, block_bytes, local_dev),
-            _descs(remote, block_bytes, link.layout["device"]),
+            _descs(local, sizes, local_dev),
+            _descs(remote, sizes, link.layout["device"]),
             (local_kind, link.layout["mem_type"]),
         )
         self._pending[layer] = link.agent.write(*descs, link.peer)
-        self._last = tuple(d[:1] for d in descs[:2]) + descs[2:]  # the commit rewrites it
+        # The commit rewrites the first block written (one block, whatever its run's length).
+        self._last = tuple(_descs(d[:1, 0], block_bytes, d[0, 2]) for d in descs[:2]) + descs[2:]
         self._host = self._host and local_kind == "DRAM"
         if self._host:
             crcs = cell_crcs(block_rows(k_cache), block_rows(v_cache), src)
@@ -224,10 +227,24 @@ class LeaseRefused(Exception):
     """The receiver refused to name the lease's blocks (unknown, expired, someone else's)."""
 
 
-def _descs(addresses: np.ndarray, block_bytes: int, device: int) -> np.ndarray:
+def _descs(addresses: np.ndarray, sizes, device: int) -> np.ndarray:
     out = np.empty((len(addresses), 3), dtype=np.uint64)
-    out[:, 0], out[:, 1], out[:, 2] = addresses, block_bytes, device
+    out[:, 0], out[:, 1], out[:, 2] = addresses, sizes, device
     return out
+
+
+def _coalesce(local: np.ndarray, remote: np.ndarray, block_bytes: int):
+    """One descriptor per run of blocks consecutive on both sides: (local starts, remote
+    starts, bytes). Block i+1 follows block i in memory because both caches are contiguous
+    [num_blocks, ...] tensors (NixlAgent.register refuses any other, and the receiver's
+    addresses are its base + id x block bytes), so a run stays inside one registered tensor.
+    UCX here copies one descriptor per kernel call: 3,840 per 1,024-token push unmerged."""
+    step = np.uint64(block_bytes)
+    # uint64 differences wrap for a step down, and never equal block_bytes then.
+    cut = np.flatnonzero((np.diff(local) != step) | (np.diff(remote) != step)) + 1
+    starts = np.concatenate([np.zeros(1, dtype=np.int64), cut])
+    counts = np.diff(np.append(starts, len(local))).astype(np.uint64)
+    return local[starts], remote[starts], counts * step
 
 
 class NixlLink(Link):
