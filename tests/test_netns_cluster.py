@@ -97,8 +97,12 @@ def test_an_outsider_without_the_token_is_refused_everywhere(netns, transport, t
     dashboard = netns.probe("outsider", "tcp", head, "8265")
     assert dashboard == {"open": False, "error": "ConnectionRefusedError"}
     api = tmp_path / "api.json"
-    api.write_text(json.dumps({"address": netns.grpc_address, "ca": netns.certs.ca}))
+    http = f"{head}:{netns.status()['router']['http'].rsplit(':', 1)[1]}"
+    api.write_text(json.dumps({"address": netns.grpc_address, "http": http, "ca": netns.certs.ca}))
     answers = netns.probe("outsider", "api", str(api))
     assert answers["tls_with_key"] == "OK"
     assert answers["tls_without_key"] == answers["tls_wrong_key"] == "UNAUTHENTICATED"
     assert answers["plaintext_with_key"] == "UNAVAILABLE"  # a TLS port: no plaintext answer
+    assert answers["https_with_key"] == "200"
+    assert answers["https_without_key"] == answers["https_wrong_key"] == "401"
+    assert answers["http_plaintext_with_key"] not in ("200", "401"), answers  # TLS only

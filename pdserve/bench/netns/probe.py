@@ -163,7 +163,8 @@ def _flight_refusals(addr: str, ca: bytes, cert: bytes, key: bytes) -> dict:
 
 
 def api(spec_path: str) -> dict:
-    """The router's gRPC API from here: plaintext, TLS without the key, TLS with it."""
+    """The router's gRPC and HTTP APIs from here: plaintext, TLS without the key, with a wrong
+    one, with it."""
     from pdserve.client import Client
     from protos import pdserve_pb2 as pb
     from protos import pdserve_pb2_grpc as pb_grpc
@@ -186,6 +187,27 @@ def api(spec_path: str) -> dict:
         "tls_without_key": models(ca=ca),
         "tls_wrong_key": models(ca=ca, api_key="sk-wrong"),
         "tls_with_key": models(ca=ca, api_key=key),
+        **_http_answers(spec["http"], ca, key),
+    }
+
+
+def _http_answers(host_port: str, ca: str, key: str) -> dict:
+    """GET /v1/models on the router's HTTP port: the status, or the error's kind."""
+    import httpx
+
+    def get(scheme: str, headers: dict) -> str:
+        try:
+            with httpx.Client(verify=ca, timeout=CALL_TIMEOUT_S) as c:
+                return str(c.get(f"{scheme}://{host_port}/v1/models", headers=headers).status_code)
+        except httpx.HTTPError as e:
+            return type(e).__name__
+
+    bearer = {"Authorization": f"Bearer {key}"}
+    return {
+        "http_plaintext_with_key": get("http", bearer),
+        "https_without_key": get("https", {}),
+        "https_wrong_key": get("https", {"Authorization": "Bearer sk-wrong"}),
+        "https_with_key": get("https", bearer),
     }
 
 
