@@ -44,7 +44,7 @@ def _hang_first_reserve(monkeypatch) -> threading.Event:
 
 
 def test_a_hung_reserve_times_out_and_the_next_decode_worker_serves(tiny_model, monkeypatch):
-    monkeypatch.setattr("router.flow.lifecycle.RESERVE_CALL_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("router.flow.reservation.RESERVE_CALL_TIMEOUT_S", 0.5)
     hung = _hang_first_reserve(monkeypatch)  # before the cluster starts: gRPC binds handlers
     prompt = list(range(5, 45))
     (reference,) = engine_reference(tiny_model, [prompt], new_tokens=8)
