@@ -135,6 +135,26 @@ def test_runs_consecutive_on_both_sides_go_as_one_write_each(rx, monkeypatch):
     assert [tuple(int(n) // block_bytes for n in d[:, 1]) for d in posted[:LAYERS]] == runs
 
 
+def test_each_write_is_hashed_as_it_lands_not_again_at_the_commit(rx, monkeypatch):
+    """The receiver hashes a layer's blocks on that WRITE's own notification; the commit's
+    check reuses those CRCs (one hash per write in all), and keeps none once committed."""
+    import kv_transfer.nixl.server as nixl_server
+
+    r = rx()
+    hashed = []
+    real = nixl_server.cell_crcs
+    monkeypatch.setattr(
+        nixl_server,
+        "cell_crcs",
+        lambda k, v, blocks: hashed.append(list(blocks)) or real(k, v, blocks),
+    )
+    lease, _ = r.transfer(r.sender(), "early", [1, 2, 3], [9, 4, 5])
+    assert lease.is_committed
+    r.assert_arrived([1, 2, 3], [9, 4, 5])
+    assert hashed == [[9, 4, 5]] * LAYERS
+    assert not r.server._early
+
+
 def test_a_write_into_the_leases_cached_blocks_is_refused(rx):
     """The lease's leading blocks came from the prefix cache (shared): never written."""
     r = rx()

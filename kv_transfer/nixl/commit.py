@@ -18,6 +18,13 @@ written elsewhere) fails the commit. -1: no digest (caches in GPU memory, where 
 host would cost a copy); a receiver with a host cache requires one.
 
 A flipped bit anywhere fails A's or B's CRC; B's lease must be A's.
+
+Each layer's WRITE also carries a notification of its own, ``WRITTEN`` (two zero bytes: no
+commit has an empty header) then a sealed map {"lease_id", "write": its index in
+``writes``, "layer", "runs"}: NIXL delivers it once that WRITE's bytes are in place, so the
+receiver hashes those blocks then, while later layers are still being computed and written,
+and the commit's check reuses those CRCs (see NixlReceiverServer._verifier for why that is
+sound) instead of hashing the whole push after the last WRITE.
 """
 
 from __future__ import annotations
@@ -67,6 +74,31 @@ def encode_notification(frame_header: bytes, lease_id: str, writes, nbytes: int,
         }
     )
     return _LEN.pack(len(frame_header)) + bytes(frame_header) + extra
+
+
+WRITTEN = b"\x00\x00"
+
+
+@dataclass(frozen=True)
+class Written:
+    lease_id: str
+    index: int  # the WRITE's index in the commit's ``writes``
+    layer: int
+    positions: tuple[int, ...]
+
+
+def encode_written(lease_id: str, index: int, layer: int, positions) -> bytes:
+    fields = {"lease_id": lease_id, "write": int(index), "layer": int(layer)}
+    return WRITTEN + seal_header({**fields, "runs": runs(positions)})
+
+
+def decode_written(message: bytes, max_positions: int = 1 << 20) -> Written:
+    """A per-WRITE notification's fields; FrameError if its CRC or a field is wrong."""
+    fields = unpack_sealed(message[len(WRITTEN) :], MAX_NOTIFICATION_BYTES)
+    lease_id, index, layer = (fields.get(k) for k in ("lease_id", "write", "layer"))
+    if not (isinstance(lease_id, str) and _is_count(index) and _is_count(layer)):
+        raise FrameError("write notification: lease_id, write or layer malformed")
+    return Written(lease_id, index, layer, _positions(fields.get("runs"), max_positions))
 
 
 def _positions(spans, limit: int) -> tuple[int, ...]:

@@ -25,7 +25,15 @@ from grpc_plumbing.auth import OpenBindError, is_loopback
 from kv_transfer.errors import FrameError
 from kv_transfer.interfaces import ReceiverServer
 from kv_transfer.nixl.agent import NixlAgent, mem_type
-from kv_transfer.nixl.commit import NO_DIGEST, block_rows, cell_crcs, decode_notification, digest
+from kv_transfer.nixl.commit import (
+    NO_DIGEST,
+    WRITTEN,
+    block_rows,
+    cell_crcs,
+    decode_notification,
+    decode_written,
+    digest,
+)
 from kv_transfer.nixl.control import PROTOCOL, ControlConnection, field
 from kv_transfer.torch_dist.acceptor import PairAcceptor
 from kv_transfer.torch_dist.receiver import _listen
@@ -108,6 +116,8 @@ class NixlReceiverServer(ReceiverServer):
         self._stopping = threading.Event()
         self.notifications_ignored = 0
         self._handed: dict[str, dict] = {}  # lease id -> its writer's handed map
+        # lease id -> {write index: (layer, positions, their CRCs)}, hashed as each landed
+        self._early: dict[str, dict[int, tuple]] = {}
         self._busy_until = 0.0
         self.death: str | None = None
         sock = _listen(host, port)
@@ -278,6 +288,9 @@ class NixlReceiverServer(ReceiverServer):
             self.notifications_ignored += 1
             log.warning("nixl notification from agent %.80s, which proved no token: ignored", peer)
             return
+        if message[: len(WRITTEN)] == WRITTEN:
+            self._hash_written(message)
+            return
         try:
             commit = decode_notification(message)
         except FrameError as e:  # a damaged one is a rejected commit frame, counted as one
@@ -299,9 +312,30 @@ class NixlReceiverServer(ReceiverServer):
                 self._verdicts.popitem(last=False)
             self._cond.notify_all()
 
+    def _hash_written(self, message: bytes) -> None:
+        """Hash the blocks one WRITE just filled (NIXL delivers its notification after its
+        bytes), for the commit's check; a notification for a lease no writer holds now, or
+        naming blocks outside it, is dropped (the commit then hashes, or refuses, itself)."""
+        try:
+            w = decode_written(message)
+        except FrameError as e:
+            log.warning("kv write notification dropped: %s", e.reason)
+            return
+        if self._rows is None or not 0 <= w.layer < len(self._rows):
+            return
+        with self._receiver.lock:  # no block of the lease is freed meanwhile
+            lease = self._handed.get(w.lease_id, {}).get(w.lease_id)
+            n = len(lease.block_ids) if lease is not None else 0
+            if lease is None or not all(lease.first_block <= p < n for p in w.positions):
+                return
+            blocks = [lease.block_ids[p] for p in w.positions]
+            crcs = cell_crcs(*self._rows[w.layer], blocks)
+            self._early.setdefault(w.lease_id, {})[w.index] = (w.layer, w.positions, crcs)
+
     def _settle(self, lease_id: str, handed: dict | None = None) -> None:
         """The writer of ``lease_id`` is done: its blocks may be reused once none is left."""
         with self._receiver.lock:
+            self._early.pop(lease_id, None)
             handed = self._handed.pop(lease_id, None) if handed is None else handed
             lease = handed.pop(lease_id, None) if handed is not None else None
             if lease is not None:
@@ -314,16 +348,21 @@ class NixlReceiverServer(ReceiverServer):
             return None
         if commit.digest == NO_DIGEST:
             return lambda lease: "commit notification carries no digest of its KV"
-        rows = self._rows
+        rows, early = self._rows, self._early.pop(commit.header.lease_id, {})
 
         def check(lease) -> str | None:
+            # Writes in order, a later one's CRCs replacing an earlier one's for a cell it
+            # rewrote. A cell's CRC is from after its last WRITE landed (hashed on that
+            # WRITE's notification, or now), and the sender posts a layer's next WRITE only
+            # once the previous one completed: so it is the CRC of the cell's final bytes.
             cells = {}
-            for layer in sorted({layer for layer, _ in commit.writes}):
-                positions = sorted(
-                    {p for w_layer, ps in commit.writes if w_layer == layer for p in ps}
-                )
-                blocks = [lease.block_ids[p] for p in positions]
-                crcs = cell_crcs(rows[layer][0], rows[layer][1], blocks)
+            for index, (layer, positions) in enumerate(commit.writes):
+                hashed = early.get(index)
+                if hashed is not None and hashed[:2] == (layer, tuple(positions)):
+                    crcs = hashed[2]
+                else:  # its notification did not come (yet): hash it now
+                    blocks = [lease.block_ids[p] for p in positions]
+                    crcs = cell_crcs(rows[layer][0], rows[layer][1], blocks)
                 cells.update({(layer, p): c for p, c in zip(positions, crcs)})
             if digest(cells) != commit.digest:
                 return "KV in the leased blocks does not match the commit's digest"

@@ -32,6 +32,7 @@ from kv_transfer.nixl.commit import (
     cell_crcs,
     digest,
     encode_notification,
+    encode_written,
 )
 from kv_transfer.nixl.control import PROTOCOL, ControlConnection, field
 from kv_transfer.nixl.server import NixlReceiverServer
@@ -142,7 +143,8 @@ class NixlChannel(Channel):
             _descs(remote, sizes, link.layout["device"]),
             (local_kind, link.layout["mem_type"]),
         )
-        self._pending[layer] = link.agent.write(*descs, link.peer)
+        written = encode_written(self.lease_id, len(self._writes), layer, dst)
+        self._pending[layer] = link.agent.write(*descs, link.peer, written)
         # The commit rewrites the first block written (one block, whatever its run's length).
         self._last = tuple(_descs(d[:1, 0], block_bytes, d[0, 2]) for d in descs[:2]) + descs[2:]
         self._host = self._host and local_kind == "DRAM"
