@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -146,11 +147,21 @@ def test_bench_transfer_command_writes_json(tmp_path, capsys):
     assert "KV Transfer Benchmark" in capsys.readouterr().out
 
 
+def test_source_blocks_are_shuffled_or_in_order():
+    shuffled = KVShape(tokens=1024).source_ids()
+    assert sorted(shuffled) == list(range(64)) and shuffled != list(range(64))
+    assert KVShape(tokens=1024, src_blocks="in-order").source_ids() == list(range(64))
+    with pytest.raises(ValueError, match="src_blocks"):
+        KVShape(src_blocks="sorted").source_ids()
+
+
 @requires_transport("nixl")
-def test_transfer_between_two_processes_moves_every_byte():
-    """--processes: the receiver in a second process; nixl and grpc deliver every byte."""
+@pytest.mark.parametrize("src_blocks", ["shuffled", "in-order"])
+def test_transfer_between_two_processes_moves_every_byte(src_blocks):
+    """--processes: the receiver in a second process; nixl and grpc deliver every byte, from
+    fragmented source blocks and from in-order ones (nixl's merged writes)."""
     report = run_transfer_bench(
-        SMALL,
+        replace(SMALL, src_blocks=src_blocks),
         ["local", "nixl", "grpc"],
         repeats=1,
         loopback_bytes=4 * MiB,

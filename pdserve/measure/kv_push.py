@@ -27,6 +27,17 @@ class KVShape:
     head_dim: int = 64
     tokens: int = 1024  # the prompt whose KV is pushed
     kv_dtype: str = "fp32"
+    # The sender's blocks: "shuffled" (a fragmented cache: no two neighbours in order) or
+    # "in-order" (as a fresh prefill's from a free list, so runs can go as one write).
+    src_blocks: str = "shuffled"
+
+    def source_ids(self) -> list[int]:
+        """The sender's block of each lease position (random order when shuffled)."""
+        if self.src_blocks == "in-order":
+            return list(range(self.num_blocks))
+        if self.src_blocks != "shuffled":
+            raise ValueError(f"src_blocks {self.src_blocks!r}: 'shuffled' or 'in-order'")
+        return torch.randperm(self.num_blocks).tolist()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -111,7 +122,7 @@ def measure_transport(
     leases = LeaseTable(default_ttl_s=300.0)
     server = start_receiver_server(name, KVReceiver(dst, leases), host="127.0.0.1")
     sender = make_sender(name, server.endpoint)
-    src_ids = torch.randperm(shape.num_blocks).tolist()
+    src_ids = shape.source_ids()
     seconds, ok, frames = [], True, 0
     try:
         push_once(sender, leases, shape, src, src_ids, "warmup")  # connects, allocates

@@ -199,7 +199,7 @@ def format_report(r: TransferReport) -> str:
     kv = (
         f"KV per push: {s['bytes_per_push'] / MiB:.1f} MiB ({s['tokens']} tokens x "
         f"{s['num_layers']} layers, block {s['block_size']}, {s['num_kv_heads']} kv heads x "
-        f"{s['head_dim']}, {s['dtype']})"
+        f"{s['head_dim']}, {s['dtype']}; source blocks {s.get('src_blocks', 'shuffled')})"
     )
     limit = (
         f"loopback TCP (limit): best {r.loopback_best_mb_s:,.0f} MB/s, "
@@ -264,6 +264,13 @@ def add_parser(sub) -> None:
         action="store_true",
         help="each receiver (and the TTFT cluster's workers) in a second process",
     )
+    p.add_argument(
+        "--src-blocks",
+        choices=("shuffled", "in-order"),
+        default="shuffled",
+        help="the sender's blocks per lease position: shuffled (fragmented, no run merges) "
+        "or in-order (a fresh prefill's; nixl writes each run of blocks as one)",
+    )
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=cmd_transfer)
 
@@ -286,7 +293,10 @@ def _kv_dtypes(csv: str) -> list[str]:
 
 def cmd_transfer(args) -> int:
     kv_dtypes = _kv_dtypes(args.kv_dtypes)
-    shape = KVShape(args.layers, args.block_size, args.kv_heads, args.head_dim, args.tokens)
+    shape = KVShape(
+        args.layers, args.block_size, args.kv_heads, args.head_dim, args.tokens,
+        src_blocks=args.src_blocks,
+    )  # fmt: skip
     report = run_transfer_bench(
         shape,
         _names(args.transports),

@@ -95,7 +95,7 @@ def measure_transport_processes(
 
     torch.manual_seed(seed)
     src = shape.make_cache()
-    src_ids = torch.randperm(shape.num_blocks).tolist()
+    src_ids = shape.source_ids()
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_serve, args=(child, name, shape), daemon=True)
