@@ -82,8 +82,10 @@ class Router:
             token_timeout_s=cfg.token_timeout_s,
         )
         self.flow = RequestFlow(self.prefill, self.decode, flow_cfg)
-        self.prefill.track_kv = is_kv_aware(flow_cfg.prefill_policy)
-        self.decode.track_kv = is_kv_aware(flow_cfg.decode_policy)
+        # Either pool's KV-aware policy reads both pictures (the decode side's local-tail rule
+        # compares what the prefill workers hold).
+        kv_aware = is_kv_aware(flow_cfg.prefill_policy) or is_kv_aware(flow_cfg.decode_policy)
+        self.prefill.track_kv = self.decode.track_kv = kv_aware
         self.inflight = 0
         self.queue = FirstTokenQueue(cfg.max_queue_wait_s)  # admission's queue deadline
         self._active_ids: set[str] = set()  # workers key aborts and leases by request id

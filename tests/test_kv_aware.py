@@ -288,3 +288,32 @@ def test_the_conversation_reference_is_transformers_greedy(tiny_model):
         history = history + new
         assert_same_greedy(hf, history, ours, hf_greedy(hf, history, NEW_TOKENS))
         history = history + ours
+
+
+def test_a_prefix_every_worker_holds_goes_to_a_prefill_worker_and_is_not_shipped(tiny_model):
+    """A shared system prompt sits in the prefill worker's cache and in the decode worker's:
+    a short prompt behind it is no reason to prefill on the decode side (every running stream
+    waits for its steps); it is prefilled on the prefill worker, which ships only the blocks
+    past the system prompt."""
+    g = torch.Generator().manual_seed(6)
+    system = torch.randint(3, 128, (48,), generator=g).tolist()
+    prompts = [system + torch.randint(3, 128, (9,), generator=g).tolist() for _ in range(3)]
+    ref = engine_reference(tiny_model, prompts, block_size=BS, new_tokens=NEW_TOKENS)
+    with LocalCluster(_spec(tiny_model, num_decode=1)) as cluster:
+        outs = []
+        for p in prompts:
+            req = {
+                "token_ids": p,
+                "max_tokens": NEW_TOKENS,
+                "ignore_eos": True,
+                "include_timings": True,
+            }
+            outs += generate_concurrently(cluster, [req])
+            _refresh(cluster)
+        assert_all_blocks_free(cluster)
+    assert [list(o.token_ids) for o in outs] == ref
+    per_block = outs[0].timings.kv_bytes // -(-len(prompts[0]) // BS)
+    for o in outs[1:]:
+        assert o.timings.prefill_cached_tokens == len(system)  # prefilled by the prefill worker
+        assert o.timings.decode_cached_tokens == len(system)  # and not shipped
+        assert o.timings.kv_bytes == per_block * (-(-len(prompts[0]) // BS) - len(system) // BS)

@@ -30,17 +30,24 @@ def decode_candidates(cfg: FlowConfig, workers, request: FlowRequest) -> list:
     return policy(workers, num_blocks, **kv_args(cfg, policy, request))
 
 
-def holds_all_but_tail(cfg: FlowConfig, workers, request: FlowRequest) -> bool:
+def holds_all_but_tail(cfg: FlowConfig, workers, request: FlowRequest, prefill_workers=()) -> bool:
     """The decode worker the policy picks holds all of the prompt (as last polled) but a tail
-    of at most kv_local_tail_tokens, which it prefills itself: no prefill, no KV shipped."""
+    of at most kv_local_tail_tokens, which it prefills itself: no prefill, no KV shipped.
+
+    Only where it holds more than any prefill worker does (a conversation's history, which it
+    decoded): a prefix every worker holds (a system prompt) is no reason to prefill on the
+    decode side, whose steps every running stream waits for; that prompt goes to a prefill
+    worker, and the blocks the decode worker holds are not shipped."""
     if not is_kv_aware(cfg.decode_policy) or request.sampling.n > 1:
         return False
     candidates = decode_candidates(cfg, workers, request)
     if not candidates:
         return False
     held = expected_cached_blocks(cfg, candidates[0], request)
+    hashes = request.block_hashes(cfg.block_size)
+    prefill_held = max((w.kv.cached_blocks(hashes) for w in prefill_workers), default=0)
     tail = request.num_tokens - held * cfg.block_size
-    return held > 0 and tail <= cfg.kv_local_tail_tokens
+    return held > prefill_held and tail <= cfg.kv_local_tail_tokens
 
 
 def expected_cached_blocks(cfg: FlowConfig, worker, request: FlowRequest) -> int:

@@ -104,7 +104,7 @@ class RequestFlow(Reservations):
         attempt_id = request.begin_attempt()
         routable = self.decode.routable()
         if self.prefill_locally(request.num_tokens) or kv_route.holds_all_but_tail(
-            self.cfg, routable, request
+            self.cfg, routable, request, self.prefill.routable()
         ):
             return Attempt(attempt_id, local=True)
         # After a refused concurrent reservation, the safe way: reserve first.
