@@ -36,7 +36,7 @@ def _opts(transport: str, spec: dict) -> dict:
 
 def _server_opts(transport: str, spec: dict) -> dict:
     opts = _opts(transport, spec)
-    if transport == "torch_dist":
+    if transport in ("torch_dist", "nixl"):
         opts["private_network"] = True  # the bridge reaches only this run's namespaces
     return opts
 
@@ -156,16 +156,21 @@ def summarize(seconds: list[float], nbytes: list[int], link: float, tcp: float) 
 
 
 def _first_line(proc, timeout_s: float) -> dict:
+    """The half's first JSON line, within ``timeout_s``; lines before it are skipped (NIXL
+    logs its agent's start to stdout)."""
     import select
 
-    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
-    if not ready:
-        proc.kill()
-        raise TimeoutError(f"no answer from {proc.args[-4:]} within {timeout_s}s")
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"{proc.args[-4:]} ended: {proc.stderr.read()[-2000:]}")
-    return json.loads(line)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            proc.kill()
+            raise TimeoutError(f"no answer from {proc.args[-4:]} within {timeout_s}s")
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{proc.args[-4:]} ended: {proc.stderr.read()[-2000:]}")
+        if line.startswith("{"):
+            return json.loads(line)
 
 
 def _half(cluster, host: str, *args: str):
@@ -184,7 +189,9 @@ def _half(cluster, host: str, *args: str):
 
 
 def _env(cluster) -> dict:
-    return {**os.environ, "PDSERVE_CLUSTER_TOKEN": cluster.bench_token}
+    from pdserve.bench.netns.hosts import UCX_ENV
+
+    return {**os.environ, **UCX_ENV, "PDSERVE_CLUSTER_TOKEN": cluster.bench_token}
 
 
 def _tcp_mb_s(cluster, src: str, dst: str, mib: int) -> float:

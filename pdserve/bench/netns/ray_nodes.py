@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from pdserve.bench.netns.hosts import Hosts
+from pdserve.bench.netns.hosts import UCX_ENV, Hosts
 from pdserve.config import CONFIG_DIR
 
 RAY_CLUSTER_FILE = CONFIG_DIR / "ray_cluster.yaml"
@@ -72,6 +72,7 @@ class RayNodes:
             # is 5 missed checks of 3 s.
             RAY_health_check_period_ms="1000",
             RAY_health_check_failure_threshold="5",
+            **UCX_ENV,
         )
         self.head_address = ""
         # Short: Ray's socket paths under it must stay within AF_UNIX's 107 bytes.
