@@ -11,14 +11,20 @@ import json
 import pytest
 
 from tests.netns_fixtures import NEW_TOKENS, netns, serve, wait_all_blocks_free  # noqa: F401
+from tests.transport_params import requires_transport
 
 pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(
     scope="module",
-    # torch_dist behind slow: a third launch would take the group past its ~3 minutes
-    params=["grpc", "flight", pytest.param("torch_dist", marks=pytest.mark.slow)],
+    # torch_dist and nixl behind slow: a third launch would take the group past its ~3 minutes
+    params=[
+        "grpc",
+        "flight",
+        pytest.param("torch_dist", marks=pytest.mark.slow),
+        pytest.param("nixl", marks=[pytest.mark.slow, requires_transport("nixl")]),
+    ],
 )
 def transport(netns, request):  # noqa: F811
     """One ``pdserve serve`` per transport; module scope groups the tests by it."""
@@ -62,6 +68,18 @@ def _pdserve_ports(netns) -> dict[str, list[str]]:  # noqa: F811
     return ports
 
 
+def _nixl_control_refuses(netns, ports, kv_ports, tmp_path) -> None:  # noqa: F811
+    spec = tmp_path / "pairing.json"
+    c = netns.certs
+    spec.write_text(json.dumps({"pairing": kv_ports, "ca": c.ca, "cert": c.cert, "key": c.key}))
+    results = netns.probe("outsider", "refuses", str(spec))["results"]
+    assert "OK" not in [a["no_token"] for a in results.values()], results
+    refusing = {addr for addr, a in results.items() if a["no_token"] == "UNAUTHENTICATED"}
+    # exactly one per decode worker: its control port
+    decode = [w["address"] for w in netns.status()["pools"]["decode"]["workers"]]
+    assert sorted(len(refusing & set(ports[w])) for w in decode) == [1, 1], results
+
+
 def test_an_outsider_without_the_token_is_refused_everywhere(netns, transport, tmp_path):  # noqa: F811
     ports = _pdserve_ports(netns)
     grpc_ports = list(ports)
@@ -70,6 +88,12 @@ def test_an_outsider_without_the_token_is_refused_everywhere(netns, transport, t
         assert len(kv_ports) == 2  # one flight server per decode worker
     elif transport == "grpc":
         assert kv_ports == []  # KV rides the worker's gRPC port
+    elif transport == "nixl":
+        # Each decode worker's control port, and UCX's own data sockets (on every worker: no
+        # authentication of theirs, hence kv_private_network); all run the pairing, the
+        # control ports must refuse it without the token.
+        _nixl_control_refuses(netns, ports, kv_ports, tmp_path)
+        kv_ports = []
     else:
         # torch_dist: its pairing port (the token's mutual proof) is attacked in
         # test_torch_dist_hostile.py; its gloo sockets take anyone once a pair exists, which is

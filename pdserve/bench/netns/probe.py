@@ -4,7 +4,8 @@ generate ADDRESS CA SPEC.json   prompts through the router's gRPC API (API key f
                                 $PDSERVE_API_KEY, TLS trusting CA); token ids and timings
 listeners                       this host's listening TCP sockets: address, port, pid
 refuses SPEC.json               for each worker or KV port: a call without the cluster
-                                certificate, and one with it but without the token
+                                certificate, and one with it but without the token (a
+                                pairing port, nixl's control port: its handshake without it)
 api SPEC.json                   the client API without TLS, without the key, with both
 tcp HOST PORT                   whether a TCP connection opens (and its error)
 """
@@ -119,7 +120,8 @@ def _worker_call(channel) -> str:
 
 
 def refuses(spec_path: str) -> dict:
-    """``spec``: {"grpc": [addr...], "flight": [addr...], "ca", "cert", "key"}. Per address: the
+    """``spec``: {"grpc": [addr...], "flight": [addr...], "pairing": [addr...], "ca", "cert",
+    "key"}. Per grpc or flight address: the
     answer of a plaintext call, of a TLS call without a client certificate, and of a mutual-TLS
     call (the cluster's own certificate) that has no token."""
     spec = json.loads(Path(spec_path).read_text())
@@ -137,7 +139,25 @@ def refuses(spec_path: str) -> dict:
         }
     for addr in spec.get("flight", []):
         results[addr] = _flight_refusals(addr, ca, cert, key)
+    for addr in spec.get("pairing", []):
+        results[addr] = _pairing_refusals(addr)
     return {"results": results}
+
+
+def _pairing_refusals(addr: str) -> dict:
+    """A port that pairs by the torch_dist handshake (nixl's control port): the sender's half
+    run without the token; UNAUTHENTICATED when the receiver's verdict refuses the pair."""
+    from kv_transfer.torch_dist.handshake import HandshakeError, pair_as_sender
+
+    host, port = addr.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=CALL_TIMEOUT_S) as sock:
+            pair_as_sender(sock, None)
+    except HandshakeError as e:
+        return {"no_token": "UNAUTHENTICATED" if "refused the pair" in str(e) else str(e)}
+    except OSError as e:
+        return {"no_token": type(e).__name__}
+    return {"no_token": "OK"}
 
 
 def _flight_refusals(addr: str, ca: bytes, cert: bytes, key: bytes) -> dict:
