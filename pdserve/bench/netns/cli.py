@@ -17,7 +17,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-TRANSPORTS = ("grpc", "flight", "torch_dist")
+TRANSPORTS = ("grpc", "flight", "torch_dist")  # link's default; nixl (pdserve[nixl]) by name
 
 
 def add_parser(sub) -> None:
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("action", choices=("up", "link", "cleanup"))
     p.add_argument("--prefix", default=None, help="namespace name prefix (cleanup: pdsv-)")
     p.add_argument("--model", default="embedded")
-    p.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS)
+    p.add_argument("--kv-transport", default="grpc", choices=(*TRANSPORTS, "nixl"))
     p.add_argument("--link-rate", default="1gbit", help="tbf rate of the prefill host's link")
     p.add_argument("--transports", default=",".join(TRANSPORTS), help="link: KV transports")
     p.add_argument("--repeats", type=int, default=3)
