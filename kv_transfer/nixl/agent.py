@@ -82,6 +82,7 @@ class NixlAgent:
             raise ImportError("NIXL has no UCX backend here: the nixl transport cannot run")
         self._lock = threading.Lock()
         self._registered: dict[tuple[int, int], object] = {}  # (address, bytes) -> reg descs
+        self._tensors: list = []  # what is registered, kept alive (see register)
 
     def register(self, tensor) -> None:
         """Register ``tensor``'s memory once (later calls with the same memory do nothing);
@@ -93,9 +94,12 @@ class NixlAgent:
             if key in self._registered:
                 return
             kind, device = mem_type(tensor)
-            self._registered[key] = self._agent.register_memory(
-                [(key[0], key[1], device, "")], kind
-            )
+            descs = self._agent.register_memory([(key[0], key[1], device, "")], kind)
+            # Held with its registration: freed memory whose address a new tensor took would
+            # pass the check above while no registration covers it (seen in the suite, where
+            # one process's agent outlives many tests' caches).
+            self._registered[key] = descs
+            self._tensors.append(tensor)
 
     def metadata(self) -> bytes:
         with self._lock:
@@ -169,3 +173,4 @@ class NixlAgent:
             for descs in self._registered.values():
                 self._agent.deregister_memory(descs)
             self._registered.clear()
+            self._tensors.clear()
