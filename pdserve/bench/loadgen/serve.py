@@ -269,9 +269,7 @@ async def _conversations(client, cfg: ServeConfig, model: str, workload: Workloa
     conversations = workload.conversations
     turns = max((len(c.questions) for c in conversations), default=1)
     starts = poisson_schedule(len(conversations), cfg.rate / turns, cfg.seed)
-    records, duration = await run_conversations(
-        conversations, starts, send, lambda: bar.update(1)
-    )
+    records, duration = await run_conversations(conversations, starts, send, lambda: bar.update(1))
     bar.close()
     return records, duration
 
@@ -322,38 +320,6 @@ async def run_benchmark(cfg: ServeConfig, workload: Workload | None = None) -> B
         meta["cold_start"] = cold.to_dict()
         meta["cold_start_line"] = cold.line()
     return compute_result(records, duration, cfg.slo, meta)
-
-
-def plot_cdfs(result: BenchResult, path: str | Path, title: str = "") -> None:
-    """Latency CDFs (TTFT, TPOT, ITL, E2EL) to a PNG, with the SLOs as vertical lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [
-        ("TTFT", result.ttfts, result.slo_ttft_s),
-        ("TPOT", result.tpots, result.slo_tpot_s),
-        ("ITL", result.itls, None),
-        ("E2E latency", result.e2els, None),
-    ]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, (name, seconds, slo) in zip(axes.flat, panels):
-        ms = np.sort(np.asarray(seconds, dtype=np.float64) * 1000.0)
-        if ms.size:
-            ax.step(ms, np.arange(1, ms.size + 1) / ms.size, where="post")
-        if slo is not None:
-            ax.axvline(slo * 1000.0, color="red", linestyle="--", label=f"SLO {slo * 1000:.0f} ms")
-            ax.legend(loc="lower right")
-        ylabel = "fraction of gaps" if name == "ITL" else "fraction of requests"
-        ax.set(title=name, xlabel="ms", ylabel=ylabel, ylim=(0, 1.02))
-        ax.grid(alpha=0.3)
-    fig.suptitle(
-        title or f"{result.meta.get('workload', '')} @ {result.meta.get('request_rate')} req/s"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 # ---- command line -------------------------------------------------------------------------
@@ -444,6 +410,8 @@ def cmd_serve(args) -> int:
     if args.json_out:
         write_json(args.json_out, result.to_dict())
     if args.plot:
+        from pdserve.bench.loadgen.plot import plot_cdfs
+
         plot_cdfs(result, args.plot)
     return 0 if result.completed else 1
 
