@@ -332,6 +332,60 @@ def test_a_lease_counts_its_writer_until_it_settles(rx):
     _until(lambda: leases[2].writes_may_land_until() is None)
 
 
+def test_each_commit_notification_has_its_own_ack_key():
+    """Acks fetch their verdict by the notification's key: two streams' notifications must
+    not share one. (A notification ends in its own CRC, so its CRC32C is the CRC residue,
+    the same for all: keyed by it, a stream took another's verdict and reported a refused
+    commit as delivered, and its Decode waited out the lease.)"""
+    import crc32c
+
+    from kv_transfer.nixl.commit import encode_notification, notification_key
+
+    messages = [
+        encode_notification(
+            encode_commit_frame(f"r{i}", f"lease{i}", 2)[0],
+            f"lease{i}",
+            [(0, [0]), (1, [0])],
+            64,
+            digest=i,
+        )
+        for i in range(2)
+    ]
+    assert len({crc32c.crc32c(m) for m in messages}) == 1  # why CRC32C cannot be the key
+    assert len({notification_key(m) for m in messages}) == 2
+
+
+def test_a_commit_notification_damaged_past_decoding_still_settles_its_lease(rx):
+    """A notification whose header no longer decodes names no lease: its sender's ack does,
+    so the lease's blocks are not held back until its deadline once it is released."""
+    r = rx(inner="nixl", policy=FaultPolicy(seed=3, corrupt_p=1.0, corrupt_header_share=1.0))
+    with pytest.raises(TransferError, match="header checksum mismatch"):
+        r.transfer(r.sender(), "req", [1, 2], [5, 6])
+    (lease,) = r.leases._leases.values()
+    assert not lease.is_committed
+    _until(lambda: lease.writes_may_land_until() is None)  # the sender's link is still open
+
+
+def test_a_lease_held_on_two_connections_settles_each_and_all_at_its_commit(rx):
+    """A sender that reconnected holds a lease's addresses on two connections: the first
+    ending settles only its own writer, and the commit (on the second) settles the rest."""
+    r = rx()
+    first, second = r.sender(), r.sender()
+    lease = r.leases.open("req", [4])
+    old = first.open_stream("req", lease.lease_id)
+    old.send_layer(0, [3], [0], *r.src[0])
+    _until(lambda: lease.remote_writers == 1)
+    new = second.open_stream("req", lease.lease_id)
+    new.send_layer(0, [3], [0], *r.src[0])
+    _until(lambda: lease.remote_writers == 2)
+    first.close()  # its connection ends: its writer settles, not the second's
+    _until(lambda: lease.remote_writers == 1)
+    for layer in range(1, LAYERS):
+        new.send_layer(layer, [3], [0], *r.src[layer])
+    new.commit(timeout=20)
+    assert lease.is_committed and lease.writes_may_land_until() is None
+
+
 def test_the_decode_worker_reuses_a_released_leases_blocks_only_once_its_writer_settled(
     tmp_path, make_engine
 ):

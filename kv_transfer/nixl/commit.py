@@ -29,6 +29,7 @@ sound) instead of hashing the whole push after the last WRITE.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
 
@@ -158,3 +159,11 @@ def digest(cells: dict[tuple[int, int], tuple[int, int]]) -> int:
     """The commit's digest of {(layer, position): (crc K, crc V)}, in ascending order."""
     ordered = np.array([cells[key] for key in sorted(cells)], dtype="<u4")
     return crc32c.crc32c(ordered.tobytes())
+
+
+def notification_key(message: bytes) -> int:
+    """What an ack names its commit notification by (both sides compute it). Not the
+    message's CRC32C: a message ending in its own CRC (a sealed header) has the same CRC32C
+    as every other such message (the CRC residue), and acks would take each other's
+    verdicts."""
+    return int.from_bytes(hashlib.blake2b(message, digest_size=8).digest(), "little")

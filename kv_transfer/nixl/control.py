@@ -10,8 +10,9 @@ ConnectionError. No pickle: bodies are msgpack maps of plain values.
 
 The receiver speaks first (``hello``: its agent name, metadata and cache layout), the sender
 answers with its agent name; after that the sender asks and the receiver answers:
-``{"op": "lease", ...}`` (the addresses of one lease's blocks) and ``{"op": "ack", ...}``
-(the verdict on a commit notification).
+``{"op": "lease", ...}`` (the addresses of one lease's blocks), ``{"op": "ack", ...}`` (the
+verdict on a commit notification; it settles the lease for this connection whatever the
+verdict) and ``{"op": "settle", ...}`` (a stream that ends without a commit writes no more).
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ import threading
 import time
 from collections import OrderedDict
 
-import crc32c
 import numpy as np
 
 from grpc_plumbing.auth import OpenBindError, is_loopback
@@ -33,6 +32,7 @@ from kv_transfer.nixl.commit import (
     decode_notification,
     decode_written,
     digest,
+    notification_key,
 )
 from kv_transfer.nixl.control import PROTOCOL, ControlConnection, field
 from kv_transfer.torch_dist.acceptor import PairAcceptor
@@ -115,7 +115,9 @@ class NixlReceiverServer(ReceiverServer):
         self._drain_lock = threading.Lock()
         self._stopping = threading.Event()
         self.notifications_ignored = 0
-        self._handed: dict[str, dict] = {}  # lease id -> its writer's handed map
+        # lease id -> the handed maps of the connections holding its addresses (a sender that
+        # reconnected after a break may hold it on two until the old connection ends)
+        self._handed: dict[str, list[dict]] = {}
         # lease id -> {write index: (layer, positions, their CRCs)}, hashed as each landed
         self._early: dict[str, dict[int, tuple]] = {}
         self._busy_until = 0.0
@@ -204,6 +206,10 @@ class NixlReceiverServer(ReceiverServer):
         elif op == "ack":
             notification = field(message, "notification", int)
             conn.send({"errors": self._wait_verdict(peer, notification)})
+            # Its sender waited for every WRITE before the notification, whatever the verdict:
+            # one damaged past decoding named no lease to settle, so its ack does.
+            if "lease" in message:
+                self._settle(field(message, "lease", str), handed)
         else:
             raise ConnectionError(f"unknown nixl control op {op[:32]!r}")
 
@@ -226,7 +232,7 @@ class NixlReceiverServer(ReceiverServer):
             if lease.lease_id not in handed:
                 lease.remote_writers += 1
                 handed[lease.lease_id] = lease
-            self._handed[lease.lease_id] = handed
+                self._handed.setdefault(lease.lease_id, []).append(handed)
         ids = np.array(lease.block_ids, dtype=np.uint64) * np.uint64(self.layout["block_bytes"])
         k = self._bases[:, 0:1] + ids[None, :]
         v = self._bases[:, 1:2] + ids[None, :]
@@ -307,7 +313,7 @@ class NixlReceiverServer(ReceiverServer):
             # Its sender waited for every WRITE before it sent this: it writes no more.
             self._settle(commit.header.lease_id)
         with self._cond:
-            self._verdicts[(peer, crc32c.crc32c(message))] = errors
+            self._verdicts[(peer, notification_key(message))] = errors
             while len(self._verdicts) > MAX_VERDICTS:
                 self._verdicts.popitem(last=False)
             self._cond.notify_all()
@@ -324,7 +330,8 @@ class NixlReceiverServer(ReceiverServer):
         if self._rows is None or not 0 <= w.layer < len(self._rows):
             return
         with self._receiver.lock:  # no block of the lease is freed meanwhile
-            lease = self._handed.get(w.lease_id, {}).get(w.lease_id)
+            holders = self._handed.get(w.lease_id)
+            lease = holders[0].get(w.lease_id) if holders else None
             n = len(lease.block_ids) if lease is not None else 0
             if lease is None or not all(lease.first_block <= p < n for p in w.positions):
                 return
@@ -333,14 +340,18 @@ class NixlReceiverServer(ReceiverServer):
             self._early.setdefault(w.lease_id, {})[w.index] = (w.layer, w.positions, crcs)
 
     def _settle(self, lease_id: str, handed: dict | None = None) -> None:
-        """The writer of ``lease_id`` is done: its blocks may be reused once none is left."""
+        """The writer of ``lease_id`` on the connection of ``handed`` is done (None: every
+        writer, its commit came): its blocks may be reused once none is left."""
         with self._receiver.lock:
-            self._early.pop(lease_id, None)
-            handed = self._handed.pop(lease_id, None) if handed is None else handed
-            lease = handed.pop(lease_id, None) if handed is not None else None
-            if lease is not None:
-                lease.remote_writers -= 1
+            holders = self._handed.get(lease_id, [])
+            for holder in [h for h in holders if handed is None or h is handed]:
+                holders.remove(holder)
+                lease = holder.pop(lease_id, None)
+                if lease is not None:
+                    lease.remote_writers -= 1
+            if not holders:
                 self._handed.pop(lease_id, None)
+                self._early.pop(lease_id, None)
 
     def _verifier(self, commit):
         """The check of the written bytes against the commit's digest (host caches)."""

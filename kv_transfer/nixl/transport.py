@@ -20,7 +20,6 @@ import socket
 import threading
 import time
 
-import crc32c
 import numpy as np
 
 from kv_transfer.errors import ReceiverFault
@@ -33,6 +32,7 @@ from kv_transfer.nixl.commit import (
     digest,
     encode_notification,
     encode_written,
+    notification_key,
 )
 from kv_transfer.nixl.control import PROTOCOL, ControlConnection, field
 from kv_transfer.nixl.server import NixlReceiverServer
@@ -174,7 +174,7 @@ class NixlChannel(Channel):
             message = encode_notification(header, self.lease_id, self._writes, self._bytes, dig)
             self._send_notification(message)
             self._settled = True  # the receiver settles the lease on the notification
-            ack = {"op": "ack", "notification": crc32c.crc32c(message)}
+            ack = {"op": "ack", "notification": notification_key(message), "lease": self.lease_id}
             reply = self._link.request(ack, progress=True)  # the notification must go out
         errors = reply.get("errors")
         if not isinstance(errors, list) or not all(isinstance(e, str) for e in errors):
