@@ -15,11 +15,7 @@ import time
 
 
 def start_decode_span(tracing, request, context):
-    """The Decode call's span, child of the caller's (its metadata's traceparent); None for a
-    caller that sent none (a router tracing nothing: no stray one-span traces)."""
-    parent = tracing.context_from(context.invocation_metadata())
-    if parent is None:
-        return None
+    """The Decode call's span (Tracing.start_call)."""
     attributes = {
         "gen_ai.request.id": request.request_id,
         "gen_ai.request.max_tokens": request.sampling.max_tokens,
@@ -27,7 +23,7 @@ def start_decode_span(tracing, request, context):
         "pdserve.decode.lease_id": request.lease_id,
         "pdserve.decode.prefills_locally": not request.lease_id,
     }
-    return tracing.start("decode", parent, kind="server", attributes=attributes)
+    return tracing.start_call("decode", context, attributes)
 
 
 def record_decode(tracing, span, req) -> None:

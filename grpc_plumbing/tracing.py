@@ -100,6 +100,14 @@ class Tracing:
             start_time=None if at is None else epoch_ns(at),
         )
 
+    def start_call(self, name: str, context, attributes=None):
+        """A gRPC call's server span, child of the caller's (the call's traceparent); None for
+        a caller that sent none (a router tracing nothing: no stray one-span traces)."""
+        parent = self.context_from(context.invocation_metadata())
+        if parent is None:
+            return None
+        return self.start(name, parent, kind="server", attributes=attributes)
+
     def record(self, name: str, parent, start: float, end: float, attributes=None):
         """A span measured already: from ``start`` to ``end`` (time.monotonic() readings)."""
         span = self.start(name, parent, attributes=attributes, at=start)

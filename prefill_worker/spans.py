@@ -15,17 +15,13 @@ import time
 
 
 def start_prefill_span(tracing, request, context):
-    """The Prefill call's span, child of the caller's (its metadata's traceparent); None for a
-    caller that sent none (a router tracing nothing: no stray one-span traces)."""
-    parent = tracing.context_from(context.invocation_metadata())
-    if parent is None:
-        return None
+    """The Prefill call's span (Tracing.start_call)."""
     attributes = {
         "gen_ai.request.id": request.request_id,
         "gen_ai.usage.prompt_tokens": len(request.prompt_token_ids),
         "pdserve.prefill.output_tokens_so_far": len(request.output_token_ids),
     }
-    return tracing.start("prefill", parent, kind="server", attributes=attributes)
+    return tracing.start_call("prefill", context, attributes)
 
 
 def record_prefill(tracing, span, job, stats, destination) -> None:
