@@ -25,16 +25,15 @@ from kv_transfer.errors import FrameError
 from kv_transfer.interfaces import ReceiverServer
 from kv_transfer.nixl.agent import NixlAgent, mem_type
 from kv_transfer.nixl.commit import (
-    NO_DIGEST,
     WRITTEN,
     block_rows,
     cell_crcs,
     decode_notification,
     decode_written,
-    digest,
     notification_key,
 )
 from kv_transfer.nixl.control import PROTOCOL, ControlConnection, field
+from kv_transfer.one_sided import HandedLeases, digest_check, refuse_open_without_token
 from kv_transfer.torch_dist.acceptor import PairAcceptor
 from kv_transfer.torch_dist.receiver import _listen
 
@@ -55,8 +54,7 @@ def check_exposure(host: str, token: str | None, private_network: bool) -> None:
     authenticated nor encrypted past the metadata)."""
     if is_loopback(host):
         return
-    if token is None:
-        raise OpenBindError(f"refusing to serve nixl KV on {host} without a cluster token")
+    refuse_open_without_token("nixl", host, token)
     if not private_network:
         raise OpenBindError(
             f"refusing to serve nixl KV on {host}: UCX's WRITEs are neither authenticated nor "
@@ -115,9 +113,9 @@ class NixlReceiverServer(ReceiverServer):
         self._drain_lock = threading.Lock()
         self._stopping = threading.Event()
         self.notifications_ignored = 0
-        # lease id -> the handed maps of the connections holding its addresses (a sender that
-        # reconnected after a break may hold it on two until the old connection ends)
-        self._handed: dict[str, list[dict]] = {}
+        # Leases whose addresses control connections hold; the last writer's settle drops
+        # the CRCs hashed for the lease.
+        self._handed = HandedLeases(receiver, lambda lease_id: self._early.pop(lease_id, None))
         # lease id -> {write index: (layer, positions, their CRCs)}, hashed as each landed
         self._early: dict[str, dict[int, tuple]] = {}
         self._busy_until = 0.0
@@ -182,8 +180,7 @@ class NixlReceiverServer(ReceiverServer):
             log.exception("nixl control connection failed")
         finally:
             self._forget_peer(sock, name)
-            for lease_id in list(handed):  # its link is gone: it writes no more
-                self._settle(lease_id, handed)
+            self._handed.settle_all(handed)  # its link is gone: it writes no more
 
     def _forget_peer(self, sock: socket.socket, name: str | None) -> None:
         """A peer that goes away is forgotten: its notifications are ignored from now on."""
@@ -216,23 +213,11 @@ class NixlReceiverServer(ReceiverServer):
     def _lease_addresses(self, message: dict, handed: dict) -> dict:
         """The K and V addresses of each layer x block of one live lease, and its time left;
         nothing about any other block."""
-        lease_id, request_id = field(message, "lease", str), field(message, "request", str)
         self._busy_until = time.monotonic() + BUSY_FOR_S  # WRITEs will come: progress often
-        leases = self._receiver.leases
         try:
-            leases.wait_for(lease_id, self._receiver.pending_lease_wait_s)
-            lease = leases.get(lease_id)
-            if lease.request_id != request_id:
-                raise FrameError(f"lease {lease_id[:64]} belongs to another request")
-            if lease.is_committed or lease.commit_refused is not None:
-                raise FrameError(f"lease {lease_id[:64]} is committed or refused")
+            lease = self._handed.hand(message, handed)
         except FrameError as e:
             return {"ok": False, "error": e.reason}
-        with self._receiver.lock:  # the worker frees blocks under it: no release in between
-            if lease.lease_id not in handed:
-                lease.remote_writers += 1
-                handed[lease.lease_id] = lease
-                self._handed.setdefault(lease.lease_id, []).append(handed)
         ids = np.array(lease.block_ids, dtype=np.uint64) * np.uint64(self.layout["block_bytes"])
         k = self._bases[:, 0:1] + ids[None, :]
         v = self._bases[:, 1:2] + ids[None, :]
@@ -330,8 +315,7 @@ class NixlReceiverServer(ReceiverServer):
         if self._rows is None or not 0 <= w.layer < len(self._rows):
             return
         with self._receiver.lock:  # no block of the lease is freed meanwhile
-            holders = self._handed.get(w.lease_id)
-            lease = holders[0].get(w.lease_id) if holders else None
+            lease = self._handed.held(w.lease_id)
             n = len(lease.block_ids) if lease is not None else 0
             if lease is None or not all(lease.first_block <= p < n for p in w.positions):
                 return
@@ -340,46 +324,13 @@ class NixlReceiverServer(ReceiverServer):
             self._early.setdefault(w.lease_id, {})[w.index] = (w.layer, w.positions, crcs)
 
     def _settle(self, lease_id: str, handed: dict | None = None) -> None:
-        """The writer of ``lease_id`` on the connection of ``handed`` is done (None: every
-        writer, its commit came): its blocks may be reused once none is left."""
-        with self._receiver.lock:
-            holders = self._handed.get(lease_id, [])
-            for holder in [h for h in holders if handed is None or h is handed]:
-                holders.remove(holder)
-                lease = holder.pop(lease_id, None)
-                if lease is not None:
-                    lease.remote_writers -= 1
-            if not holders:
-                self._handed.pop(lease_id, None)
-                self._early.pop(lease_id, None)
+        self._handed.settle(lease_id, handed)
 
     def _verifier(self, commit):
-        """The check of the written bytes against the commit's digest (host caches)."""
-        if self._rows is None:
-            return None
-        if commit.digest == NO_DIGEST:
-            return lambda lease: "commit notification carries no digest of its KV"
-        rows, early = self._rows, self._early.pop(commit.header.lease_id, {})
-
-        def check(lease) -> str | None:
-            # Writes in order, a later one's CRCs replacing an earlier one's for a cell it
-            # rewrote. A cell's CRC is from after its last WRITE landed (hashed on that
-            # WRITE's notification, or now), and the sender posts a layer's next WRITE only
-            # once the previous one completed: so it is the CRC of the cell's final bytes.
-            cells = {}
-            for index, (layer, positions) in enumerate(commit.writes):
-                hashed = early.get(index)
-                if hashed is not None and hashed[:2] == (layer, tuple(positions)):
-                    crcs = hashed[2]
-                else:  # its notification did not come (yet): hash it now
-                    blocks = [lease.block_ids[p] for p in positions]
-                    crcs = cell_crcs(rows[layer][0], rows[layer][1], blocks)
-                cells.update({(layer, p): c for p, c in zip(positions, crcs)})
-            if digest(cells) != commit.digest:
-                return "KV in the leased blocks does not match the commit's digest"
-            return None
-
-        return check
+        """The check of the written bytes against the commit's digest (host caches), with
+        the CRCs hashed as each WRITE landed."""
+        early = self._early.pop(commit.header.lease_id, {}) if self._rows is not None else {}
+        return digest_check(self._rows, commit, early)
 
 
 def _shutdown(sock: socket.socket) -> None:
