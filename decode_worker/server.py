@@ -279,7 +279,7 @@ def serve_decode_worker(
         opts = {"token": token} if token and kv_transport in TOKEN_TRANSPORTS else {}
         if kv_transport in ("torch_dist", "nixl"):  # their data paths are not encrypted
             opts["private_network"] = kv_private_network
-        elif tls is not None:
+        elif tls is not None and kv_transport != "shm":  # shm's KV never leaves the node
             opts["tls"] = tls
         kv_server = start_receiver_server(kv_transport, worker.receiver, host=host, **opts)
         kv_endpoint = kv_server.endpoint

@@ -22,15 +22,18 @@ TRANSPORTS = {
     "flight": "kv_transfer.transport_flight",
     "torch_dist": "kv_transfer.torch_dist.transport",
     "nixl": "kv_transfer.nixl.transport",  # needs NIXL (pdserve[nixl])
+    "shm": "kv_transfer.shm.transport",  # prefill and decode on one node: a shared cache
     "faults": "kv_transfer.transport_faults",  # tests: wraps another, injects faults
 }
 # What a worker can be configured with (cluster YAML ``kv_transport``, ``--kv-transport``):
-# the transports that cross a socket between processes.
-WORKER_TRANSPORTS = ("grpc", "flight", "torch_dist", "nixl")
+# the transports that cross a socket between processes (shm: its control connection; its KV
+# goes through shared memory, so both workers must run on one node).
+WORKER_TRANSPORTS = ("grpc", "flight", "torch_dist", "nixl", "shm")
 # Transports whose servers check the cluster token (their senders and servers take ``token``):
 # every one that crosses a socket (torch_dist at its rendezvous), and faults (its inner one's).
 TOKEN_TRANSPORTS = frozenset({*WORKER_TRANSPORTS, "faults"})
-# Transports that take a grpc_plumbing.tls.ClusterTls (``tls``); torch_dist and nixl have none.
+# Transports that take a grpc_plumbing.tls.ClusterTls (``tls``); torch_dist, nixl and shm
+# have none.
 TLS_TRANSPORTS = frozenset({"grpc", "flight"})
 
 

@@ -75,7 +75,7 @@ def _error(data: dict) -> str:
         ({"pools": {"decode": {"replica": 2}}}, "pools.decode.replica: unknown field"),
         (
             {"kv_transport": "pigeon"},
-            "kv_transport: Input should be 'grpc', 'flight', 'torch_dist' or 'nixl'",
+            "kv_transport: Input should be 'grpc', 'flight', 'torch_dist', 'nixl' or 'shm'",
         ),
         ({"grpc_port": 70000}, "grpc_port: must be <= 65535"),
         ({"autoscaler": {"tpot_target_s": 0}}, "autoscaler.tpot_target_s: must be > 0"),

@@ -103,7 +103,7 @@ def run_concurrently(*fns):
 
 
 def test_unknown_transport_lists_known_ones():
-    with pytest.raises(ValueError, match="flight, grpc, local, nixl, torch_dist"):
+    with pytest.raises(ValueError, match="flight, grpc, local, nixl, shm, torch_dist"):
         make_sender("carrier-pigeon", "x")
 
 
@@ -168,8 +168,9 @@ def test_layer_bigger_than_a_frame_is_split_and_arrives_intact(endpoints, transp
     src_ids = torch.randperm(64).tolist()
     stream.send_layer(2, src_ids, list(range(64)), *src[2])
     stats = stream.commit(timeout=20)
-    # nixl writes the layer's blocks straight into the lease in one WRITE: no frames to split
-    assert stats.frames == (1 if transport == "nixl" else 3) and stats.bytes == layer_bytes
+    # nixl and shm write the layer's blocks straight into the lease at once: no frames to split
+    one_write = transport in ("nixl", "shm")
+    assert stats.frames == (1 if one_write else 3) and stats.bytes == layer_bytes
     assert torch.equal(ep.receiver.kv_caches[2][0], src[2][0][src_ids])
     assert torch.equal(ep.receiver.kv_caches[2][1], src[2][1][src_ids])
 
@@ -308,7 +309,9 @@ def test_report_loopback_throughput(endpoints, transport, capsys):
         print(f"\n[kv throughput] {transport}: {best:.0f} MB/s ({stats.bytes >> 20} MiB/request)")
 
 
-@pytest.mark.parametrize("transport", transport_params(["grpc", "flight", "torch_dist", "nixl"]))
+@pytest.mark.parametrize(
+    "transport", transport_params(["grpc", "flight", "torch_dist", "nixl", "shm"])
+)
 def test_stream_to_a_stopped_server_raises_transfer_error(transport):
     src = make_cache()
     ep = Endpoint(transport, make_cache(zero=True))
@@ -317,8 +320,8 @@ def test_stream_to_a_stopped_server_raises_transfer_error(transport):
         ep.server.stop()
         try:
             stream = ep.sender.open_stream("req", lease.lease_id)
-        except ReceiverFault:  # nixl: its control connection already reads closed
-            assert transport == "nixl"
+        except ReceiverFault:  # nixl, shm: their control connection already reads closed
+            assert transport in ("nixl", "shm")
             return
         for _ in range(3):  # torch_dist notices on the message after the stop
             send_all_layers(stream, src, [0, 1])

@@ -1,0 +1,150 @@
+"""The decode worker's KV cache in one shared-memory file, and a sender's mapping of it.
+
+``SharedKVCache`` moves every layer's K and V cache tensors into one file under /dev/shm
+(mode 0600: only this user's processes on this node can map it), laid out layer by layer,
+K then V, each [num_blocks, ...] contiguous. The tensors keep their identity (``set_``): the
+engine, the receiver and every other holder of the list use the shared memory from then on,
+so nothing about the engine changes. ``remove`` unlinks the file (the mapping stays valid for
+this process); it runs at ``stop`` and at exit, and a worker that was killed leaves a file
+that the next one on the node removes (``sweep_stale``: its name carries the dead pid).
+
+``map_shared`` is the sender's side: the file the receiver named, checked (a regular file of
+this user, of the layout's size, not a symlink) and mapped read-write as the same tensors.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import mmap
+import os
+import re
+import secrets
+import stat
+
+import torch
+
+log = logging.getLogger("pdserve.kv")
+
+SHM_DIR = "/dev/shm"
+NAME = re.compile(r"pdserve-kv-(\d+)-[0-9a-f]{16}")
+
+
+def cache_layout(kv_caches) -> dict:
+    """What a sender needs to map these caches: layers, blocks, block shape, dtype, bytes."""
+    k0 = kv_caches[0][0]
+    for k, v in kv_caches:
+        for c in (k, v):
+            if c.shape != k0.shape or c.dtype != k0.dtype:
+                raise ValueError("shm needs every layer's K and V cache of one shape and dtype")
+            if c.device.type != "cpu":
+                raise ValueError(f"shm needs the KV cache in host memory, not on {c.device}")
+    return {
+        "num_layers": len(kv_caches),
+        "num_blocks": k0.shape[0],
+        "block_shape": list(k0.shape[1:]),
+        "dtype": str(k0.dtype).removeprefix("torch."),
+        "block_bytes": k0[0].numel() * k0.element_size(),
+    }
+
+
+def file_bytes(layout: dict) -> int:
+    return 2 * layout["num_layers"] * layout["num_blocks"] * layout["block_bytes"]
+
+
+def _views(whole: torch.Tensor, layout: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (K, V) cache as tensors over ``whole`` (the file's bytes)."""
+    dtype = getattr(torch, layout["dtype"])
+    shape = (layout["num_blocks"], *layout["block_shape"])
+    size = layout["num_blocks"] * layout["block_bytes"]
+
+    def cache(index: int) -> torch.Tensor:
+        return whole[index * size : (index + 1) * size].view(dtype).view(shape)
+
+    return [(cache(2 * i), cache(2 * i + 1)) for i in range(layout["num_layers"])]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def sweep_stale(directory: str = SHM_DIR) -> list[str]:
+    """Remove this user's cache files whose worker is gone (killed before it could); the
+    names removed."""
+    removed = []
+    for name in os.listdir(directory):
+        match = NAME.fullmatch(name)
+        path = os.path.join(directory, name)
+        try:
+            if match is None or _alive(int(match[1])) or os.lstat(path).st_uid != os.getuid():
+                continue
+            os.unlink(path)
+            removed.append(name)
+        except OSError:  # raced with another sweep, or not ours to remove
+            continue
+    if removed:
+        log.info("removed KV cache files of workers that are gone: %s", removed)
+    return removed
+
+
+class SharedKVCache:
+    """``kv_caches`` (host tensors, changed in place) moved into a new shared-memory file."""
+
+    def __init__(self, kv_caches, directory: str = SHM_DIR):
+        self.layout = cache_layout(kv_caches)
+        nbytes = file_bytes(self.layout)
+        sweep_stale(directory)
+        self.path = os.path.join(directory, f"pdserve-kv-{os.getpid()}-{secrets.token_hex(8)}")
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask
+            os.ftruncate(fd, nbytes)
+            self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
+        except BaseException:
+            os.unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+        atexit.register(self.remove)
+        whole = torch.frombuffer(self._map, dtype=torch.uint8)
+        for (k, v), (k_shared, v_shared) in zip(kv_caches, _views(whole, self.layout)):
+            k_shared.copy_(k)
+            v_shared.copy_(v)
+            with torch.no_grad():
+                k.set_(k_shared)
+                v.set_(v_shared)
+        self.nbytes = nbytes
+
+    def remove(self) -> None:
+        """Unlink the file (idempotent): no new sender can map it; this process's tensors
+        and mappings already made stay valid."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        atexit.unregister(self.remove)
+
+
+def map_shared(path: str, layout: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The receiver's caches, mapped read-write from ``path`` (named by an authenticated
+    receiver; still checked: a cache file's name, a regular file of this user, not a link,
+    of exactly the layout's size)."""
+    if not NAME.fullmatch(os.path.basename(path)) or not os.path.isabs(path):
+        raise ConnectionError(f"shm receiver named {path[:128]!r}, not a KV cache file")
+    nbytes = file_bytes(layout)
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != nbytes:
+            raise ConnectionError(f"{path} is not this user's KV cache file of {nbytes} bytes")
+        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    return _views(torch.frombuffer(mapping, dtype=torch.uint8), layout)
