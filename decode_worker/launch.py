@@ -7,6 +7,12 @@ import argparse
 from dataclasses import dataclass, field
 
 from engine.args import add_engine_args, engine_args, engine_settings_from_args
+from engine.core_share import (
+    CoreShareSettings,
+    add_core_share_args,
+    core_share_args,
+    core_share_from_args,
+)
 from engine.settings import EngineSettings, LoadedModel, check_one_rank
 from grpc_plumbing import worker_process as process
 from grpc_plumbing.tracing import start_tracing
@@ -23,6 +29,7 @@ class DecodeSettings:
     max_lease_s: float | None = None  # cap on a requested lease; None: the lease table's own
     # torch_dist's data path is not authenticated: off loopback only on a private network.
     kv_private_network: bool = False
+    core_share: CoreShareSettings | None = None  # a node group's cores, lent to its prefill
 
 
 def start_decode_worker(s: DecodeSettings, loaded: LoadedModel | None = None):
@@ -37,6 +44,10 @@ def start_decode_worker(s: DecodeSettings, loaded: LoadedModel | None = None):
     worker = DecodeWorker(build_engine(s.engine, loaded), srv.worker_id, s.lease_ttl_s)
     if s.max_lease_s is not None:
         worker.leases.max_ttl_s = s.max_lease_s
+    if s.core_share is not None:
+        from engine.core_share import DecodeCores
+
+        worker.cores = DecodeCores(s.core_share)
     server, address, kv_server = serve_decode_worker(
         worker,
         srv.host,
@@ -71,6 +82,7 @@ def decode_parser() -> argparse.ArgumentParser:
         "on a network no one but the cluster reaches); the cluster token comes from "
         "$PDSERVE_CLUSTER_TOKEN",
     )
+    add_core_share_args(parser)
     return parser
 
 
@@ -82,6 +94,7 @@ def decode_settings_from_args(args: argparse.Namespace) -> DecodeSettings:
         lease_ttl_s=args.lease_ttl,
         max_lease_s=args.max_lease_seconds,
         kv_private_network=args.kv_private_network,
+        core_share=core_share_from_args(args),
     )
 
 
@@ -92,4 +105,5 @@ def decode_args(s: DecodeSettings) -> list[str]:
     out += ["--kv-transport", s.kv_transport, "--lease-ttl", str(s.lease_ttl_s)]
     if s.max_lease_s is not None:
         out += ["--max-lease-seconds", str(s.max_lease_s)]
-    return out + (["--kv-private-network"] if s.kv_private_network else [])
+    out += ["--kv-private-network"] if s.kv_private_network else []
+    return out + core_share_args(s.core_share)

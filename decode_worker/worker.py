@@ -239,6 +239,8 @@ class DecodeWorker(LeaseReservations, EngineWorker):
     def on_planned(self, plan: SchedulerOutput) -> None:
         for req in plan.preempted:
             self._end_stream(req, PREEMPTED)
+        if self.cores is not None:  # publish the threads this batch needs, and take them
+            self.cores.on_step(len(self.scheduler.running) + len(self.scheduler.waiting))
 
     def on_updated(self, updated: list[Request]) -> None:
         for req in updated:

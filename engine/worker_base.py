@@ -35,6 +35,10 @@ class EngineWorker(StepHooks):
         # Called with the new value whenever ``draining`` changes (health services follow it).
         self.on_draining_change: list[Callable[[bool], None]] = []
         self.warmup_s: float | None = None  # seconds the warm-up took (None: not run yet)
+        # Core sharing with the other worker of a node group (engine/core_share.py): this
+        # role's side, called from the step's hooks; None: the thread count stays as built.
+        self.cores = None
+        self._threads_built = 0  # torch threads of the process that built the engine
 
     @property
     def draining(self) -> bool:
@@ -57,11 +61,16 @@ class EngineWorker(StepHooks):
         """Warm every kernel path up, then start the engine thread: the worker's server starts
         (and the worker reports ready) only after this returns, so no request meets a cold
         process."""
+        import torch
+
         self.warmup_s = warm_up(self.engine)
+        self._threads_built = torch.get_num_threads()
         self.loop.start()
 
     def stop(self) -> None:
         self.loop.stop()
+        if self.cores is not None:  # after the engine thread: it publishes to the ledger
+            self.cores.close()
 
     def abort(self, request_id: str) -> None:
         """Abort from an RPC thread: applied by the engine thread between steps, so a batch in
@@ -97,7 +106,15 @@ class EngineWorker(StepHooks):
             "num_waiting": len(self.scheduler.waiting),
             "draining": self.draining,
             "cpu_kernels": self._cpu_kernels(),
+            **self._thread_share(),
         }
+
+    def _thread_share(self) -> dict:
+        """The torch threads this worker's engine runs with now, and the cores it shares with
+        its node group's other worker (0: not shared)."""
+        if self.cores is None:
+            return {"threads": self._threads_built, "node_cores": 0}
+        return {"threads": self.cores.threads, "node_cores": self.cores.settings.cores}
 
     def _cpu_kernels(self) -> str:
         """Which build of the CPU extension runs this worker's kernels ("" on a GPU)."""

@@ -7,6 +7,12 @@ import argparse
 from dataclasses import dataclass, field
 
 from engine.args import add_engine_args, engine_args, engine_settings_from_args
+from engine.core_share import (
+    CoreShareSettings,
+    add_core_share_args,
+    core_share_args,
+    core_share_from_args,
+)
 from engine.settings import EngineSettings, LoadedModel, check_one_rank
 from grpc_plumbing import worker_process as process
 from grpc_plumbing.tracing import start_tracing
@@ -17,6 +23,7 @@ class PrefillSettings:
     engine: EngineSettings = field(default_factory=EngineSettings)
     server: process.ServerSettings = field(default_factory=process.ServerSettings)
     layerwise_kv: bool = True  # PrefillWorker.layerwise_kv
+    core_share: CoreShareSettings | None = None  # a node group's cores, lent by its decode
 
 
 def start_prefill_worker(s: PrefillSettings, loaded: LoadedModel | None = None):
@@ -29,6 +36,10 @@ def start_prefill_worker(s: PrefillSettings, loaded: LoadedModel | None = None):
     srv = s.server
     tracing = start_tracing(srv.otlp_traces_endpoint, "pdserve-prefill")
     worker = PrefillWorker(build_engine(s.engine, loaded), srv.worker_id, s.layerwise_kv)
+    if s.core_share is not None:
+        from engine.core_share import PrefillCores
+
+        worker.cores = PrefillCores(s.core_share)
     server, address, senders = serve_prefill_worker(
         worker,
         srv.host,
@@ -52,6 +63,7 @@ def prefill_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="send the KV after the whole forward instead of layer by layer (to measure it)",
     )
+    add_core_share_args(parser)
     return parser
 
 
@@ -60,6 +72,7 @@ def prefill_settings_from_args(args: argparse.Namespace) -> PrefillSettings:
         engine_settings_from_args(args),
         process.server_settings_from_args(args),
         getattr(args, "layerwise_kv", True),
+        core_share_from_args(args),
     )
 
 
@@ -67,4 +80,5 @@ def prefill_args(s: PrefillSettings) -> list[str]:
     """The flags ``prefill_parser`` reads back as ``s`` (the cluster token travels in
     $PDSERVE_CLUSTER_TOKEN, never on a command line)."""
     layerwise = [] if s.layerwise_kv else ["--no-layerwise-kv"]
-    return [*engine_args(s.engine), *process.server_args(s.server), *layerwise]
+    sharing = core_share_args(s.core_share)
+    return [*engine_args(s.engine), *process.server_args(s.server), *layerwise, *sharing]

@@ -105,6 +105,8 @@ class PrefillWorker(EngineWorker):
 
     def before_schedule(self) -> None:
         self._apply_aborts()
+        if self.cores is not None:  # the node's cores less decode's need, before each chunk
+            self.cores.before_chunk()
 
     def layer_callback(self, plan: SchedulerOutput):
         sends, timed = self._plan_sends(plan.scheduled)
