@@ -21,6 +21,8 @@ import triton.language as tl
 
 from kernels import kv_fp8
 from kernels.metadata import AttentionMetadata
+from kernels.triton_decode import _decode_attention_kernel
+from kernels.triton_decode_splitk import choose_num_splits, decode_attention_split_k
 from kernels.triton_fp8 import fp8_codes, fp8_keys_and_values
 
 LOG2E = 1.4426950408889634
@@ -192,103 +194,6 @@ def _prefill_attention_kernel(
     )
 
 
-@triton.jit
-def _decode_attention_kernel(
-    q_ptr,  # [T, h, d], one token per sequence (T == B)
-    k_cache_ptr,  # [num_blocks, block_size, kvh, d]
-    v_cache_ptr,  # [num_blocks, block_size, kvh, d]
-    out_ptr,  # [T, h, d]
-    query_start_loc_ptr,  # [B + 1] int32
-    seq_lens_ptr,  # [B] int32
-    block_tables_ptr,  # [B, max_blocks] int32
-    k_scale_ptr,  # fp8 caches: [num_blocks, block_size, kvh] fp32 views into the caches' rows
-    v_scale_ptr,
-    qk_scale,  # softmax scale * log2(e)
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    stride_cd,
-    stride_bt,
-    stride_sb,
-    stride_ss,
-    stride_sh,
-    block_size,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_G: tl.constexpr,  # query heads of one KV head, padded to a tl.dot-sized tile
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,  # caches of float8_e4m3fn codes + a scale per token and head
-):
-    # One program per (sequence, KV head): all query heads sharing the KV head ride along as
-    # rows of one tile, so each key is read from memory once (decode is bandwidth-bound).
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    token = tl.load(query_start_loc_ptr + seq)
-    seq_len = tl.load(seq_lens_ptr + seq)
-
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_g
-    q = tl.load(
-        q_ptr + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=g_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for start_n in range(0, seq_len, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < seq_len
-        blocks = tl.load(
-            block_tables_ptr + seq * stride_bt + offs_n // block_size, mask=n_mask, other=0
-        )
-        kv_offs = (
-            blocks.to(tl.int64) * stride_cb
-            + (offs_n % block_size) * stride_cs
-            + kv_head * stride_ch
-        )
-        kv_offs = kv_offs[:, None] + offs_d[None, :] * stride_cd
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        if KV_FP8:
-            scale_offs = blocks.to(tl.int64) * stride_sb + (offs_n % block_size) * stride_ss
-            scale_offs += kv_head * stride_sh
-            k, v, k_scale = fp8_keys_and_values(
-                q, k, v, k_scale_ptr + scale_offs, v_scale_ptr + scale_offs, n_mask
-            )
-
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if KV_FP8:
-            qk = qk * k_scale[None, :]
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-
-    acc = acc / l_i[:, None]
-    tl.store(
-        out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
-        acc.to(out_ptr.dtype.element_ty),
-        mask=g_mask[:, None] & d_mask[None, :],
-    )
-
-
 def _tile(n: int) -> int:
     """Power-of-two tile covering n, at least 16 (tl.dot's smallest operand)."""
     return max(16, triton.next_power_of_2(n))
@@ -408,12 +313,22 @@ def decode_attention_triton(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
+    """``num_splits`` slices of the context per (sequence, KV head), reduced by a second
+    kernel (kernels/triton_decode_splitk.py); None: ``choose_num_splits`` picks, 1 when the
+    batch x KV heads already fill the GPU or contexts are short (then one pass, no partials)."""
     num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_splits is None:
+        num_splits = choose_num_splits(meta.num_seqs, num_kv_heads, meta.max_seq_len)
+    if num_tokens and num_splits > 1:
+        qk_scale = scale * LOG2E
+        args = (_key_tile(query), _precision(query.dtype))
+        return decode_attention_split_k(query, k_cache, v_cache, meta, qk_scale, num_splits, *args)
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out
-    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     _decode_attention_kernel[(meta.num_seqs, num_kv_heads)](
         *_common_args(query, k_cache, v_cache, out, meta, scale),
