@@ -27,7 +27,7 @@ from kernels.triton_fp8 import fp8_keys_and_values
 TARGET_PROGRAMS = 4 * 132
 # A split shorter than this many keys costs more in its partials (write + reduce) and
 # launch tail than it gains; a few key tiles per split.
-MIN_KEYS_PER_SPLIT = 256
+MIN_KEYS_PER_SPLIT = 128
 MAX_SPLITS = 64
 
 

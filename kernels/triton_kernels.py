@@ -15,6 +15,8 @@ Importing this module needs Triton; ``kernels.ops`` guards the import. Under
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -86,6 +88,24 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def _prefill_configs() -> list[triton.Config]:
+    """Tile shapes the prefill kernel's autotuner times on first use of each head dim and
+    dtype set (FlashAttention-2's on H100: 128-row query tiles with 8 warps for head dim
+    128; shorter tiles for wide fp32 rows, which would not fit shared memory, and for short
+    prompts). A config that does not fit is skipped by the autotuner (OutOfResources). The
+    interpreter gets one config: nothing to time on CPU, and each extra one would rerun."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32})]
+    shapes = [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 128, 8, 2)]
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
+        for m, n, warps, stages in shapes
+    ]
+
+
+# Keyed on the head dim; Triton's autotuner adds every tensor argument's dtype to the key.
+# The kernel only writes ``out`` (each config's trial run overwrites it), so timing is safe.
+@triton.autotune(configs=_prefill_configs(), key=["HEAD_DIM"])
 @triton.jit
 def _prefill_attention_kernel(
     q_ptr,  # [T, h, d]
@@ -291,16 +311,16 @@ def prefill_attention_triton(
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out
-    block_m = 64 if query.is_cuda else 32
-    block_n = _key_tile(query)
-    grid = (triton.cdiv(meta.max_query_len, block_m), num_heads, meta.num_seqs)
+    max_query_len, num_seqs = meta.max_query_len, meta.num_seqs
+
+    def grid(config):  # query tiles of the autotuned BLOCK_M
+        return (triton.cdiv(max_query_len, config["BLOCK_M"]), num_heads, num_seqs)
+
     _prefill_attention_kernel[grid](
         *_common_args(query, k_cache, v_cache, out, meta, scale),
         GROUP=num_heads // k_cache.shape[2],
         HEAD_DIM=head_dim,
         BLOCK_D=_tile(head_dim),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
         PRECISION=_precision(query.dtype),
         KV_FP8=kv_fp8.is_fp8(k_cache),
     )

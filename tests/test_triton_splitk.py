@@ -32,8 +32,8 @@ def test_batch_one_is_split_to_fill_the_gpu() -> None:
     # 528 / 8 programs wants 66 splits; the cap (64) leaves 512, 97% of the target.
     assert choose_num_splits(1, 8, 32768) == 64
     assert choose_num_splits(1, 8, 32768, max_splits=128) * 8 >= TARGET_PROGRAMS
-    # 4k context: bounded by at least 256 keys a split (4096 // 256 = 16 splits).
-    assert choose_num_splits(1, 8, 4096) == 16
+    # 4k context: bounded by at least 128 keys a split (4096 // 128 = 32 splits).
+    assert choose_num_splits(1, 8, 4096) == 32
 
 
 @needs_triton
@@ -41,7 +41,7 @@ def test_full_batches_and_short_contexts_are_not_split() -> None:
     from kernels.triton_decode_splitk import TARGET_PROGRAMS, choose_num_splits
 
     assert choose_num_splits(TARGET_PROGRAMS // 8, 8, 32768) == 1  # the batch fills the GPU
-    assert choose_num_splits(1, 8, 300) == 1  # one split's worth of keys
+    assert choose_num_splits(1, 8, 255) == 1  # under two splits' worth of keys
     assert choose_num_splits(1, 1, 10**7) == 64  # capped: the reduction reads every split
     assert choose_num_splits(32, 8, 4096) == 3  # 256 programs: 3 splits reach 528
 
