@@ -31,6 +31,7 @@ from grpc_plumbing.tracing import tracing_missing
 from grpc_plumbing.worker_process import ServerSettings
 from kv_transfer.lease import MAX_LEASE_TTL_S
 from kv_transfer.transports import WORKER_TRANSPORTS, transport_missing
+from pdserve.share_cores import ShareCoresSection, check_share_cores
 from router.limits import RequestLimits
 from router.settings import RouterSettings
 
@@ -248,6 +249,9 @@ class ClusterConfig(_Strict):
     otlp_traces_endpoint: str | None = None
     security: SecuritySection = SecuritySection()
     limits: LimitsSection = LimitsSection()
+    # Prefill worker i and decode worker i on one node lend each other its cores every step
+    # (pdserve/share_cores.py).
+    share_cores: ShareCoresSection = ShareCoresSection()
 
     @field_validator("kv_transport", mode="before")
     @classmethod
@@ -290,6 +294,11 @@ class ClusterConfig(_Strict):
     @model_validator(mode="after")
     def _int8_prefill_weights(self) -> ClusterConfig:
         check_int8_prefill(self.prefill_gemm, self.weights, self.activations)
+        return self
+
+    @model_validator(mode="after")
+    def _shared_cores(self) -> ClusterConfig:
+        check_share_cores(self)
         return self
 
     @model_validator(mode="after")

@@ -25,9 +25,10 @@ from grpc_plumbing.auth import TOKEN_ENV
 from grpc_plumbing.worker_process import RunningWorker
 from kv_transfer.transports import TRANSPORTS, WORKER_TRANSPORTS
 from pdserve.cluster.workers import build_worker, worker_args
-from pdserve.config import ClusterConfig, validate_config, with_cluster_token
+from pdserve.config import ClusterConfig, ConfigError, validate_config, with_cluster_token
 from pdserve.security_config import cluster_tls
 from pdserve.settings import ClusterSettings, settings_from_config
+from pdserve.share_cores import group_ledgers, with_core_share, with_share_name
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -159,6 +160,12 @@ class LocalCluster:
         if not spec.cluster_token and not is_loopback(spec.host):
             # Off loopback the workers refuse to serve without one: make one for this cluster.
             spec = spec.with_config(with_cluster_token(spec.config))
+        spec = spec.with_config(with_share_name(spec.config))  # one ledger name per cluster
+        if spec.config.share_cores.enabled and spec.num_prefill != spec.num_decode:
+            raise ConfigError(
+                "share_cores pairs prefill worker i with decode worker i: "
+                f"num_prefill ({spec.num_prefill}) must equal num_decode ({spec.num_decode})"
+            )
         self.spec = spec
         self.model_dir = resolve_model_dir(spec.model, progress=True)
         self.settings = spec.settings(str(self.model_dir))
@@ -210,6 +217,8 @@ class LocalCluster:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        for path in group_ledgers(self.spec.config, self.spec.num_decode):
+            Path(path).unlink(missing_ok=True)  # a decode worker that stopped removed its own
 
     def __enter__(self) -> Self:
         return self.start()
@@ -225,19 +234,27 @@ class LocalCluster:
     def _roles(self) -> list[str]:
         return ["prefill"] * self.spec.num_prefill + ["decode"] * self.spec.num_decode
 
+    def _members(self) -> list[tuple[str, int]]:
+        """Each worker's role and index in its pool (node group i: the two workers i)."""
+        spec = self.spec
+        return [("prefill", i) for i in range(spec.num_prefill)] + [
+            ("decode", i) for i in range(spec.num_decode)
+        ]
+
+    def _worker_settings(self, role: str, index: int):
+        return with_core_share(self.settings.worker(role), self.spec.config, index)
+
     def _start_in_process(self) -> None:
         from engine.settings import load_model_once
 
         # Weights are read-only during inference: in-process workers share one copy. They
         # share this process's torch threads too (a worker's own count is a process's).
         loaded = load_model_once(self.settings.prefill.engine)
-        counts = {"prefill": 0, "decode": 0}
-        for role in self._roles():
-            s = self.settings.worker(role)
+        for role, index in self._members():
+            s = self._worker_settings(role, index)
             engine = dataclasses.replace(s.engine, threads=0)
-            server = dataclasses.replace(s.server, worker_id=f"{role}-{counts[role]}")
+            server = dataclasses.replace(s.server, worker_id=f"{role}-{index}")
             s = dataclasses.replace(s, engine=engine, server=server)
-            counts[role] += 1
             running = build_worker(role, s, loaded)
             self.running.append(running)
             self._addresses(role).append(running.address)
@@ -253,9 +270,9 @@ class LocalCluster:
         if self.spec.cluster_token:
             env[TOKEN_ENV] = self.spec.cluster_token
         started = []
-        for role in self._roles():
+        for role, index in self._members():
             cmd = [sys.executable, "-m", f"{role}_worker"]
-            cmd += worker_args(role, self.settings.worker(role))
+            cmd += worker_args(role, self._worker_settings(role, index))
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True)
             self._procs.append(proc)
             started.append((proc, self._addresses(role)))
