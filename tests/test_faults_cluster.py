@@ -54,7 +54,7 @@ async def _bounded(cluster, prompts):
     )
 
 
-@pytest.mark.parametrize("inner", transport_params(["grpc", "nixl"]))
+@pytest.mark.parametrize("inner", transport_params(["grpc", "nixl", "shm"]))
 def test_faulty_transfers_are_sent_again_and_outputs_stay_exact(tiny_model, monkeypatch, inner):
     policy = FaultPolicy(
         seed=7, delay_p=0.3, delay_s=0.02, drop_p=0.1, corrupt_p=0.1, disconnect_p=0.05

@@ -250,7 +250,7 @@ def test_a_dead_decode_worker_between_turns_loses_nothing(tiny_model):
 
 
 @pytest.mark.parametrize(
-    "transport", transport_params(["grpc", "flight", "torch_dist", "nixl", "local"])
+    "transport", transport_params(["grpc", "flight", "torch_dist", "nixl", "shm", "local"])
 )
 def test_a_longer_next_turn_ships_only_the_blocks_the_decode_worker_lacks(tiny_model, transport):
     """With no local tail (kv_local_tail_tokens 0) every turn goes through a prefill worker:
