@@ -16,6 +16,7 @@ from pdserve.cluster.autoscaler import latency_summary
 from pdserve.cluster.workers import build_worker
 from pdserve.config import ClusterConfig
 from pdserve.settings import settings_from_config
+from pdserve.share_cores import with_core_share
 
 
 def node_ip() -> str:
@@ -28,9 +29,11 @@ class WorkerActor:
     """One worker: builds the engine with the pool's thread count, serves gRPC, and answers the
     controller's status/drain/stop calls."""
 
-    def __init__(self, role: str, worker_id: str, cfg: dict):
+    def __init__(self, role: str, worker_id: str, cfg: dict, group: int | None = None):
+        """``group``: its node group under share_cores (its ledger with its partner)."""
         c = ClusterConfig.model_validate(cfg)
         settings = settings_from_config(c, c.host or node_ip()).worker(role)
+        settings = with_core_share(settings, c, group)
         self.role = role
         self.worker_id = worker_id
         server = dataclasses.replace(settings.server, worker_id=worker_id)

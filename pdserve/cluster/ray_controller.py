@@ -24,9 +24,11 @@ import ray
 
 from engine import hugepages
 from pdserve.cluster.autoscaler import Autoscaler, PoolSignal, planner_profile
+from pdserve.cluster.core_pairs import NodePairs, free_group
 from pdserve.cluster.ray_actors import RouterActor, WorkerActor
 from pdserve.cluster.router_supervisor import supervise_router
 from pdserve.config import ClusterConfig, with_cluster_token
+from pdserve.share_cores import with_share_name
 
 log = logging.getLogger("pdserve.controller")
 
@@ -54,13 +56,16 @@ class WorkerRecord:
     node_id: str = ""
     status: dict = field(default_factory=dict)
     unreachable_since: float | None = None  # when the router last found its gRPC server down
+    group: int | None = None  # its node group (share_cores), else None
 
 
 class Controller:
     def __init__(self, cfg: dict, model_dir: str):
         # One random cluster token per cluster unless the config names one: every worker and
         # the router get it with the config, so no worker serves unauthenticated.
-        self.cfg = with_cluster_token(ClusterConfig.model_validate(cfg))
+        self.cfg = with_share_name(with_cluster_token(ClusterConfig.model_validate(cfg)))
+        # share_cores: prefill worker i and decode worker i placed on one node (core_pairs.py)
+        self.pairs = NodePairs(self.cfg) if self.cfg.share_cores.enabled else None
         self.model_dir = model_dir
         self.targets = {role: self.cfg.pools[role].replicas for role in ROLES}
         self.workers: dict[str, WorkerRecord] = {}
@@ -108,6 +113,8 @@ class Controller:
             await _quietly(self.router.stop.remote(), 15)
         await asyncio.gather(*(self._stop_actor(r) for r in list(self.workers.values())))
         self.workers.clear()
+        if self.pairs is not None:
+            self.pairs.remove()
         if self.router is not None:
             ray.kill(self.router)
             self.router = None
@@ -127,6 +134,12 @@ class Controller:
                 raise ValueError(
                     f"{role}: {n} is outside the autoscaler's bounds {pool.min}..{pool.max}"
                 )
+        after = {**self.targets, **wanted}
+        if self.pairs is not None and after["prefill"] != after["decode"]:
+            raise ValueError(
+                f"share_cores pairs the pools' workers: prefill ({after['prefill']}) and decode "
+                f"({after['decode']}) must stay equal"
+            )
         for role, n in wanted.items():
             self._set_target(role, n, "scale command")
         results = await asyncio.gather(*(self._reconcile(r) for r in wanted))
@@ -167,6 +180,10 @@ class Controller:
     async def _add_worker(self, role: str) -> WorkerRecord:
         worker_id = f"{role}-{next(self._ids[role])}"
         pool = self.cfg.pools[role]
+        group, placement = None, {}
+        if self.pairs is not None:  # the group missing this role's member, on its node
+            group = free_group(role, {r.group for r in self._pool(role)})
+            placement = self.pairs.options(group, role)
         actor = (
             ray.remote(WorkerActor)
             .options(
@@ -177,10 +194,11 @@ class Controller:
                 resources=dict(pool.resources) or None,
                 max_concurrency=8,
                 runtime_env={"env_vars": hugepages.env_vars()},  # set before torch loads
+                **placement,
             )
-            .remote(role, worker_id, self.cfg.model_dump())
+            .remote(role, worker_id, self.cfg.model_dump(), group)
         )
-        rec = WorkerRecord(worker_id, role, actor)
+        rec = WorkerRecord(worker_id, role, actor, group=group)
         self.workers[worker_id] = rec
         try:
             info = await asyncio.wait_for(actor.ready.remote(), self.cfg.worker_start_timeout_s)
@@ -410,6 +428,9 @@ def _worker_row(rec: WorkerRecord, routed: dict) -> dict:
         "running": st.get("num_running", 0),
         "waiting": st.get("num_waiting", 0),
         "served_requests": routed.get("served_requests", 0),
+        "threads": st.get("threads", 0),  # torch threads now (a node group's share of its cores)
+        "node_cores": st.get("node_cores", 0),  # 0: shares no cores
+        "group": rec.group,
     }
 
 

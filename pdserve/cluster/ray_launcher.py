@@ -214,6 +214,12 @@ def serve_forever(cfg: ClusterConfig, address: str | None = None) -> int:
     return code
 
 
+def _threads(row: dict) -> str:
+    """Torch threads now; with share_cores, of the node group's cores: '3/4'."""
+    threads, cores = row.get("threads", 0), row.get("node_cores", 0)
+    return f"{threads}/{cores}" if cores else str(threads or "-")
+
+
 def format_status(st: dict) -> str:
     """``pdserve status`` as text: one line per worker."""
     router = st.get("router", {})
@@ -225,7 +231,7 @@ def format_status(st: dict) -> str:
     ]
     header = (
         f"  {'id':<12} {'state':<9} {'health':<9} {'address':<22} {'KV':>5} "
-        f"{'run':>4} {'wait':>4} {'served':>6}"
+        f"{'run':>4} {'wait':>4} {'served':>6} {'threads':>7}"
     )
     for role, pool in st["pools"].items():
         lines.append(
@@ -240,7 +246,7 @@ def format_status(st: dict) -> str:
             lines.append(
                 f"  {w['id']:<12} {w['state']:<9} {health:<9} {w['address']:<22} "
                 f"{w['kv_usage']:>5.0%} {w['running']:>4} {w['waiting']:>4} "
-                f"{w['served_requests']:>6}"
+                f"{w['served_requests']:>6} {_threads(w):>7}"
             )
     if st.get("autoscaler") and "planner_prediction" in st:
         from pdserve.planner.drift import format_prediction
