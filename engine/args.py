@@ -7,6 +7,7 @@ import argparse
 
 from engine.config import (
     ACTIVATIONS,
+    DTYPES,
     KV_DTYPES,
     PREFILL_GEMMS,
     WEIGHT_FORMATS,
@@ -32,6 +33,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=device_name,
         default=d.device,
         help="cpu, cuda[:N], or auto (cuda where a GPU is visible)",
+    )
+    g.add_argument(
+        "--dtype",
+        default=d.dtype,
+        choices=DTYPES,
+        help="the model's float dtype; auto: bf16 on CUDA, fp32 on the CPU",
     )
     g.add_argument("--weights", default=d.weights, choices=WEIGHT_FORMATS)
     g.add_argument("--weight-group", type=int, default=d.weight_group, choices=WEIGHT_GROUPS)
@@ -68,6 +75,7 @@ def engine_settings_from_args(args: argparse.Namespace) -> EngineSettings:
         prefill_chunk_size=args.prefill_chunk_size,
         device=args.device,
         threads=args.threads,
+        dtype=args.dtype,
         weights=args.weights,
         weight_group=args.weight_group,
         kv_dtype=args.kv_dtype,
@@ -86,7 +94,7 @@ def engine_args(s: EngineSettings) -> list[str]:
         *("--max-num-seqs", str(s.max_num_seqs)),
         *("--prefill-chunk-size", str(s.prefill_chunk_size)),
         *("--threads", str(s.threads), "--device", s.device),
-        *("--weights", s.weights, "--weight-group", str(s.weight_group)),
+        *("--dtype", s.dtype, "--weights", s.weights, "--weight-group", str(s.weight_group)),
         *("--kv-dtype", s.kv_dtype, "--prefill-gemm", s.prefill_gemm),
         *("--activations", s.activations),
         *("--tensor-parallel-size", str(s.tensor_parallel_size)),

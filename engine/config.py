@@ -127,6 +127,11 @@ class SchedulerConfig:
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "q4")  # kernels/quant.py
 WEIGHT_GROUPS = (32, 64)  # q4 group sizes
 KV_DTYPES = ("fp32", "int8", "fp8")
+# The model's float dtype: its weights (fp32 ones; int8 / q4 dequantize to it), activations
+# and a float KV cache (kv_dtype "fp32" then stores this dtype). auto: bf16 on CUDA (tensor
+# cores, half the bytes every decode step reads), fp32 on the CPU, whose C++ layers, oneDNN
+# packing and skinny kernels take fp32 (bf16 prompts there: prefill_gemm bf16).
+DTYPES = ("auto", "fp32", "bf16")
 # How int8 / q4 weights multiply a decode step's rows on CPU: int8 quantizes the rows in
 # blocks of 32 and multiplies bytes (kernels/csrc/quant_dot_cpu.cpp, llama.cpp's way); fp32
 # widens the weights in registers (exact to dequantize-then-matmul). Other weights: fp32.
@@ -174,6 +179,20 @@ def check_load_format(load_format: str) -> str:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r}: expected one of {LOAD_FORMATS}")
     return load_format
+
+
+def check_dtype(dtype: str) -> str:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {DTYPES}")
+    return dtype
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``dtype`` (auto | fp32 | bf16) for a model on ``device`` (a resolved device name:
+    cpu, cuda, cuda:N): auto is bf16 on CUDA and fp32 elsewhere."""
+    if check_dtype(dtype) != "auto":
+        return dtype
+    return "bf16" if check_device_name(device).partition(":")[0] == "cuda" else "fp32"
 
 
 def check_kv_dtype(kv_dtype: str) -> str:

@@ -75,10 +75,11 @@ class LLMEngine(StepHooks):
         max_model_len: int = EngineConfig.max_model_len,
         progress: bool = True,
         device: str = "cpu",
+        dtype: str = "auto",
     ) -> LLMEngine:
         """Load a checkpoint; ``device`` "cuda" runs the forward on the GPU, attention through
-        the Triton kernels. The same engine ``build_engine`` builds for a worker from these
-        settings."""
+        the Triton kernels; ``dtype`` (engine.config.DTYPES): auto is bf16 there, fp32 on the
+        CPU. The same engine ``build_engine`` builds for a worker from these settings."""
         cache, scheduler = cache or CacheConfig(), scheduler or SchedulerConfig()
         settings = EngineSettings(
             str(model),
@@ -86,6 +87,7 @@ class LLMEngine(StepHooks):
             **asdict(scheduler),
             max_model_len=max_model_len,
             device=device,
+            dtype=dtype,
         )
         return build_engine(settings, load_model_once(settings, progress))
 

@@ -15,6 +15,7 @@ from engine.config import (
     check_int8_prefill,
     check_load_format,
     check_prefill_gemm,
+    resolve_dtype,
 )
 from engine.errors import ModelNotFoundError
 from engine.model import LlamaModel
@@ -62,6 +63,7 @@ def load_model(
     activations: str = "int8",
     load_format: str = "auto",
     shard: TPShard | None = None,
+    dtype: str = "auto",
 ) -> LlamaModel:
     """Weights on ``device``, stored as ``weights`` (fp32 | bf16 | int8 | q4, quantized at load
     from fp32; kernels/quant.py); on the CPU also pre-packed for oneDNN and the C++ layers.
@@ -71,7 +73,10 @@ def load_model(
     ``load_format`` "dummy": random weights of ``cfg``'s shape, made on ``device`` (no files).
     ``shard``: one rank of tensor parallelism (engine/tensor_parallel.py): only its slices are
     read (dummy: made whole one tensor at a time and cut, the same values as TP=1), and its
-    decoder layers run per layer (the fused C++ stack has no place for the all-reduces)."""
+    decoder layers run per layer (the fused C++ stack has no place for the all-reduces).
+    ``dtype`` (engine.config.DTYPES; auto: bf16 on CUDA): a bf16 model casts every float
+    weight and buffer after quantizing from fp32, and runs its activations and float KV cache
+    in bf16; it has no CPU packing or prefill-GEMM copies (those are fp32 machinery)."""
     check_prefill_gemm(prefill_gemm)
     check_activations(activations)
     check_int8_prefill(prefill_gemm, weights, activations)
@@ -81,6 +86,8 @@ def load_model(
     else:
         model = _checkpoint_model(model_dir, cfg, max_positions, shard).float().eval().to(device)
     model.quantize_weights(weights, weight_group, activations)
+    if resolve_dtype(dtype, device) == "bf16":
+        return model.to(torch.bfloat16)
     gemm = prefill_precision.choose(prefill_gemm, weights, device)
     model.use_prefill_gemm(gemm, prefill_precision.attention_bf16(gemm, weights))
     if model.embed_tokens.weight.device.type == "cpu":

@@ -163,7 +163,7 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return self.lm_head(hidden).float()  # samplers and logprobs work in fp32
 
     def pack_weights_for_cpu(self, fused_layers: bool = True) -> int:
         """Pre-pack every linear weight for oneDNN (CPU fp32) and, with ``fused_layers``, run
@@ -210,12 +210,13 @@ class LlamaModel(nn.Module):
         return sum(m.decode_bytes for m in self.modules() if isinstance(m, Linear))
 
     def allocate_kv_cache(
-        self, num_blocks: int, block_size: int, dtype=torch.float32, kv_dtype: str = "fp32"
+        self, num_blocks: int, block_size: int, dtype=None, kv_dtype: str = "fp32"
     ) -> KVCache:
         """K and V caches per layer; ``kv_dtype`` "int8" ("fp8") stores each token's head as
         int8 (float8_e4m3fn) codes plus its fp32 scale in one row (kernels/kv_int8.py,
-        kernels/kv_fp8.py)."""
+        kernels/kv_fp8.py); "fp32": ``dtype``, by default the model's (bf16 for a bf16 model)."""
         head_dim = self.cfg.head_dim
+        dtype = dtype or self.embed_tokens.weight.dtype
         if kv_dtype == "int8":
             dtype, head_dim = torch.int8, kv_int8.row_width(head_dim)
         if kv_dtype == "fp8":

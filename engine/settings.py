@@ -22,6 +22,7 @@ class EngineSettings:
     prefill_chunk_size: int = SchedulerConfig.prefill_chunk_size
     device: str = "auto"  # cpu, cuda[:N], or auto: cuda where a GPU is visible
     threads: int = 0  # torch threads of the process that builds it; 0: torch's default
+    dtype: str = "auto"  # the model's float dtype: engine.config.DTYPES (auto: bf16 on CUDA)
     weights: str = EngineConfig.weights  # how weights are stored: engine.config.WEIGHT_FORMATS
     weight_group: int = EngineConfig.weight_group  # q4: weights per scale
     kv_dtype: str = EngineConfig.kv_dtype  # the KV cache: engine.config.KV_DTYPES
@@ -76,6 +77,7 @@ def load_model_once(s: EngineSettings, progress: bool = False, shard=None) -> Lo
         activations=s.activations,
         load_format=s.load_format,
         shard=shard,
+        dtype=s.dtype,
     )
     has_tokenizer = (model_dir / "tokenizer.json").is_file()
     return LoadedModel(cfg, weights, Tokenizer(model_dir) if has_tokenizer else None)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from decode_worker.launch import DecodeSettings
 from engine.config import (
     ACTIVATIONS,
+    DTYPES,
     KV_DTYPES,
     LOAD_FORMATS,
     PREFILL_GEMMS,
@@ -208,6 +209,7 @@ class ClusterConfig(_Strict):
         _ENGINE.device,
         description="cpu, cuda[:N], or auto: cuda where the worker's actor has a GPU",
     )
+    dtype: Literal[DTYPES] = _ENGINE.dtype  # the model's float dtype; auto: bf16 on CUDA
     weights: Literal[WEIGHT_FORMATS] = _ENGINE.weights  # quantized at load (kernels/quant.py)
     weight_group: Literal[WEIGHT_GROUPS] = _ENGINE.weight_group  # q4: weights per scale
     kv_dtype: Literal[KV_DTYPES] = _ENGINE.kv_dtype

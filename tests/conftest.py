@@ -80,14 +80,16 @@ class EngineFactory:
         self.engines: list[LLMEngine] = []
 
     def __call__(
-        self, model_path, block_size=16, num_blocks=256, device="cpu", **sched
+        self, model_path, block_size=16, num_blocks=256, device="cpu", dtype="fp32", **sched
     ) -> LLMEngine:
+        # fp32 on every device: the equality tests compare with transformers in fp32.
         engine = LLMEngine.from_model_path(
             model_path,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
             scheduler=SchedulerConfig(**sched),
             progress=False,
             device=device,
+            dtype=dtype,
         )
         self.engines.append(engine)
         return engine

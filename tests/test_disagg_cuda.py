@@ -35,6 +35,7 @@ def test_1p1d_on_cuda_matches_cpu_engine(tiny_model, transport):  # noqa: F811
         num_blocks=512,
         max_model_len=256,
         device="cuda",
+        dtype="fp32",  # equal to the CPU engine's tokens: the same precision
     )
     with LocalCluster(spec) as cluster:
         workers = cluster.prefill_workers + cluster.decode_workers
@@ -49,6 +50,7 @@ def test_separate_worker_processes_pick_the_gpu_on_auto(tiny_model):  # noqa: F8
         num_blocks=512,
         max_model_len=256,
         device="auto",
+        dtype="fp32",
         separate_processes=True,
     )
     free_before = torch.cuda.mem_get_info()[0]
