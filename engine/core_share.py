@@ -46,14 +46,22 @@ class CoreShareSettings:
     """One worker's side of a node group's core sharing."""
 
     ledger: str  # the group's ledger file (ledger_path)
-    node_cores: int = 0  # cores the pair shares; 0: this node's os.cpu_count()
+    node_cores: int = 0  # cores the pair shares; 0: the CPUs this process may use
     decode_threads: int = 0  # 0: derived from decode's step time; N: decode takes N when busy
     tpot_target_s: float = 0.1  # the decode worker's target time per output token
     headroom: float = 0.8  # decode aims at this share of the target (the rest: noise)
 
     @property
     def cores(self) -> int:
-        return self.node_cores or os.cpu_count() or 1
+        return self.node_cores or _usable_cpus()
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: a container's or taskset's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def ledger_path(name: str, group: int) -> str:
