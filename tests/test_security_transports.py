@@ -71,7 +71,9 @@ def test_a_kv_stream_with_the_token_lands(served):
         assert torch.equal(receiver.kv_caches[layer][1][3], v[6])
 
 
-@pytest.mark.parametrize("transport", transport_params(["grpc", "flight", "torch_dist", "nixl"]))
+@pytest.mark.parametrize(
+    "transport", transport_params(["grpc", "flight", "torch_dist", "nixl", "shm"])
+)
 def test_no_kv_server_listens_off_loopback_without_a_token(transport):
     with pytest.raises(OpenBindError, match="without a cluster token|torch_dist"):
         start_receiver_server(transport, make_receiver(), "0.0.0.0", 0)

@@ -13,7 +13,6 @@ digest does not match the leased blocks is refused, and the refusal is the sende
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections import OrderedDict
@@ -22,7 +21,6 @@ import numpy as np
 
 from grpc_plumbing.auth import OpenBindError, is_loopback
 from kv_transfer.errors import FrameError
-from kv_transfer.interfaces import ReceiverServer
 from kv_transfer.nixl.agent import NixlAgent, mem_type
 from kv_transfer.nixl.commit import (
     WRITTEN,
@@ -33,9 +31,12 @@ from kv_transfer.nixl.commit import (
     notification_key,
 )
 from kv_transfer.nixl.control import PROTOCOL, ControlConnection, field
-from kv_transfer.one_sided import HandedLeases, digest_check, refuse_open_without_token
-from kv_transfer.torch_dist.acceptor import PairAcceptor
-from kv_transfer.torch_dist.receiver import _listen
+from kv_transfer.one_sided import (
+    ControlServer,
+    HandedLeases,
+    digest_check,
+    refuse_open_without_token,
+)
 
 log = logging.getLogger("pdserve.kv")
 
@@ -81,7 +82,9 @@ def cache_layout(kv_caches) -> dict:
     }
 
 
-class NixlReceiverServer(ReceiverServer):
+class NixlReceiverServer(ControlServer):
+    kind = "nixl"
+
     def __init__(
         self,
         receiver,
@@ -105,13 +108,11 @@ class NixlReceiverServer(ReceiverServer):
         self._bases = np.array([[k.data_ptr(), v.data_ptr()] for k, v in caches], dtype=np.uint64)
         on_host = self.layout["mem_type"] == "DRAM"
         self._rows = [(block_rows(k), block_rows(v)) for k, v in caches] if on_host else None
-        self._ack_timeout_s, self._handshake_timeout_s = ack_timeout_s, handshake_timeout_s
+        self._ack_timeout_s = ack_timeout_s
         self._peers: dict[str, int] = {}  # agent names announced by authenticated peers
-        self._socks: set[socket.socket] = set()
         self._verdicts: OrderedDict[tuple[str, int], list[str]] = OrderedDict()
         self._cond = threading.Condition()
         self._drain_lock = threading.Lock()
-        self._stopping = threading.Event()
         self.notifications_ignored = 0
         # Leases whose addresses control connections hold; the last writer's settle drops
         # the CRCs hashed for the lease.
@@ -120,25 +121,17 @@ class NixlReceiverServer(ReceiverServer):
         self._early: dict[str, dict[int, tuple]] = {}
         self._busy_until = 0.0
         self.death: str | None = None
-        sock = _listen(host, port)
-        real_port = sock.getsockname()[1]
-        self.endpoint = f"[{host}]:{real_port}" if ":" in host else f"{host}:{real_port}"
-        self._acceptor = PairAcceptor(
-            sock, token, self._start_peer, max_pairs, max_pending, handshake_timeout_s
-        )
+        args = (max_pairs, max_pending, handshake_timeout_s)
+        self._open_port(receiver, host, port, token, *args)
         self._poller = threading.Thread(target=self._poll, name="kv-nixl-notifs", daemon=True)
         self._acceptor.start()
         self._poller.start()
 
     # -- life
     def stop(self) -> None:
-        self._stopping.set()
-        self._acceptor.stop()
-        with self._cond:
-            socks = list(self._socks)
+        self._close_port()
+        with self._cond:  # acks waiting for a verdict: the server is stopping
             self._cond.notify_all()
-        for sock in socks:
-            _shutdown(sock)
         self._poller.join(timeout=5)
 
     def problem(self) -> str | None:
@@ -147,51 +140,23 @@ class NixlReceiverServer(ReceiverServer):
         return self._acceptor.problem()
 
     # -- one authenticated peer
-    def _start_peer(self, sock: socket.socket, key: bytes, number: int) -> None:
-        sock.setblocking(True)
+    def _greet(self, conn: ControlConnection) -> str:
+        """The agent's metadata and the cache layout; the peer's agent name, remembered so
+        that its notifications are applied."""
+        hello = {"agent": self.agent.name, "metadata": self.agent.metadata()}
+        conn.send({"protocol": PROTOCOL, **hello, "layout": self.layout})
+        name = field(conn.recv(self._handshake_timeout_s), "agent", str)
         with self._cond:
-            self._socks.add(sock)
-        threading.Thread(
-            target=self._serve_peer, args=(sock, key), name=f"kv-nixl-peer {number}", daemon=True
-        ).start()
+            self._peers[name] = self._peers.get(name, 0) + 1
+        return name
 
-    def _serve_peer(self, sock: socket.socket, key: bytes) -> None:
-        conn, name = ControlConnection(sock, key, side=1), None
-        handed: dict[str, object] = {}  # leases whose addresses this peer got, not settled
-        try:
-            meta = self.agent.metadata()
-            conn.send(
-                {
-                    "protocol": PROTOCOL,
-                    "agent": self.agent.name,
-                    "metadata": meta,
-                    "layout": self.layout,
-                }
-            )
-            name = field(conn.recv(self._handshake_timeout_s), "agent", str)
-            with self._cond:
-                self._peers[name] = self._peers.get(name, 0) + 1
-            sock.settimeout(None)  # an idle link waits for its next stream
-            while not self._stopping.is_set():
-                self._answer(conn, name, conn.recv(), handed)
-        except (OSError, ConnectionError) as e:
-            log.info("nixl control connection ended: %s: %s", type(e).__name__, e)
-        except Exception:  # a bug answering one peer ends that peer only
-            log.exception("nixl control connection failed")
-        finally:
-            self._forget_peer(sock, name)
-            self._handed.settle_all(handed)  # its link is gone: it writes no more
-
-    def _forget_peer(self, sock: socket.socket, name: str | None) -> None:
+    def _peer_gone(self, name: str | None) -> None:
         """A peer that goes away is forgotten: its notifications are ignored from now on."""
         with self._cond:
-            self._socks.discard(sock)
             if name is not None:
                 self._peers[name] -= 1
                 if not self._peers[name]:
                     del self._peers[name]
-        self._acceptor.release()
-        sock.close()
 
     def _answer(self, conn: ControlConnection, peer: str, message: dict, handed: dict) -> None:
         op = field(message, "op", str)
@@ -331,10 +296,3 @@ class NixlReceiverServer(ReceiverServer):
         the CRCs hashed as each WRITE landed."""
         early = self._early.pop(commit.header.lease_id, {}) if self._rows is not None else {}
         return digest_check(self._rows, commit, early)
-
-
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # already closed by its thread

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import select
-import socket
 import threading
 import time
 
@@ -34,9 +33,9 @@ from kv_transfer.nixl.commit import (
     encode_written,
     notification_key,
 )
-from kv_transfer.nixl.control import PROTOCOL, ControlConnection, field
+from kv_transfer.nixl.control import PROTOCOL, field
 from kv_transfer.nixl.server import NixlReceiverServer
-from kv_transfer.torch_dist.handshake import pair_as_sender
+from kv_transfer.one_sided import ControlLink, LeaseRefused
 
 log = logging.getLogger("pdserve.kv")
 
@@ -225,10 +224,6 @@ class NixlChannel(Channel):
             log.info("nixl settle of lease %s: %s: %s", self.lease_id, type(e).__name__, e)
 
 
-class LeaseRefused(Exception):
-    """The receiver refused to name the lease's blocks (unknown, expired, someone else's)."""
-
-
 def _descs(addresses: np.ndarray, sizes, device: int) -> np.ndarray:
     out = np.empty((len(addresses), 3), dtype=np.uint64)
     out[:, 0], out[:, 1], out[:, 2] = addresses, sizes, device
@@ -249,7 +244,9 @@ def _coalesce(local: np.ndarray, remote: np.ndarray, block_bytes: int):
     return local[starts], remote[starts], counts * step
 
 
-class NixlLink(Link):
+class NixlLink(ControlLink):
+    kind, protocol = "nixl", PROTOCOL
+
     def __init__(
         self,
         endpoint: str,
@@ -257,30 +254,15 @@ class NixlLink(Link):
         timeout_s: float = 60.0,
         connect_timeout_s: float = 5.0,
     ):
-        host, _, port = endpoint.rpartition(":")
-        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=connect_timeout_s)
-        try:
-            self._conn = ControlConnection(sock, pair_as_sender(sock, token), side=0)
-            hello = self._conn.recv(connect_timeout_s)
-            if hello.get("protocol") != PROTOCOL:
-                raise ConnectionError(f"{endpoint} does not speak {PROTOCOL}")
-            self.layout = field(hello, "layout", dict)
-            self.agent = _sender_agent()
-            self._conn.send({"agent": self.agent.name})
-            # Loaded only now: the receiver proved the cluster token in pair_as_sender.
-            name, metadata = field(hello, "agent", str), field(hello, "metadata", bytes)
-            self.peer = _load_remote(self.agent, name, metadata)
-        except BaseException:
-            sock.close()
-            raise
-        self._timeout_s = timeout_s
-        self._lock = threading.Lock()  # one control request at a time
-        self._closed = False
-        self.broken = False
+        self._connect(endpoint, token, timeout_s, connect_timeout_s)
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
+    def _greeted(self, hello: dict) -> None:
+        """Load the receiver's agent metadata (the receiver proved the token already)."""
+        self.layout = field(hello, "layout", dict)
+        self.agent = _sender_agent()
+        self._conn.send({"agent": self.agent.name})
+        name, metadata = field(hello, "agent", str), field(hello, "metadata", bytes)
+        self.peer = _load_remote(self.agent, name, metadata)
 
     def check_cache(self, k_cache, v_cache) -> int:
         """Register the sender's cache tensors (once) and check they match the receiver's
@@ -311,27 +293,9 @@ class NixlLink(Link):
         finally:
             self.agent.release(handle)
 
-    def request(self, message: dict, progress: bool = False) -> dict:
-        """Ask the receiver and wait for its answer; ``progress``: drive this process's agent
-        meanwhile (a notification sent just before goes out only as the agent progresses)."""
-        with self._lock:
-            try:
-                if self._closed:
-                    raise ConnectionError("nixl link was closed here (replaced after a break)")
-                self._conn.send(message)
-                if progress:
-                    self._progress_until_readable()
-                return self._conn.recv(self._timeout_s)
-            except (OSError, ValueError) as e:  # ValueError: select on a socket closed here
-                self.broken = True
-                if self._closed:  # this side closed it: the receiver did nothing wrong
-                    raise ConnectionError(f"nixl link was closed here: {e}") from e
-                raise ReceiverFault(f"nixl control connection failed: {e}") from e
-            except ConnectionError:
-                self.broken = True
-                raise
-
-    def _progress_until_readable(self) -> None:
+    def _while_waiting(self) -> None:
+        """Drive this process's agent: a notification sent just before goes out only as the
+        agent progresses."""
         deadline, pause = time.monotonic() + self._timeout_s, _POLL_S[0]
         while not select.select([self._conn.sock], [], [], pause)[0]:
             if time.monotonic() > deadline:
@@ -339,30 +303,12 @@ class NixlLink(Link):
             self.agent.progress()
             pause = min(2 * pause, _POLL_S[1])
 
-    def open_channel(self, request_id: str, lease_id: str) -> Channel:
-        if self.broken:
-            raise ConnectionError("nixl link is broken; make a new sender")
-        if self._lock.acquire(blocking=False):  # busy: in use, so not closed
-            try:
-                gone = self._conn.peer_closed()
-            finally:
-                self._lock.release()
-            if gone:
-                self.broken = True
-                raise ReceiverFault("nixl receiver is gone: its control connection closed")
+    def _new_channel(self, request_id: str, lease_id: str) -> Channel:
         return NixlChannel(self, request_id, lease_id)
 
-    def close(self) -> None:
-        """Close the control connection and forget the receiver's agent."""
-        if self._closed:
-            return
-        self._closed = self.broken = True
-        try:
-            _drop_remote(self.agent, self.peer)
-        # Its metadata may be unusable already; the link is gone either way.
-        except Exception as e:  # noqa: BLE001
-            log.info("nixl: forgetting agent %s: %s", self.peer, e)
-        self._conn.close()
+    def _forget(self) -> None:
+        """Forget the receiver's agent."""
+        _drop_remote(self.agent, self.peer)
 
 
 def connect(endpoint: str, **opts) -> Link:

@@ -14,25 +14,27 @@ verdict; ``{"op": "settle", "lease"}`` (a stream ended without a commit) -> ``{"
 from __future__ import annotations
 
 import logging
-import socket
-import threading
 import time
 
 from kv_transfer.errors import FrameError
-from kv_transfer.interfaces import ReceiverServer
 from kv_transfer.nixl.commit import block_rows, decode_notification
 from kv_transfer.nixl.control import ControlConnection, field
-from kv_transfer.one_sided import HandedLeases, digest_check, refuse_open_without_token
+from kv_transfer.one_sided import (
+    ControlServer,
+    HandedLeases,
+    digest_check,
+    refuse_open_without_token,
+)
 from kv_transfer.shm.cache import SHM_DIR, SharedKVCache
-from kv_transfer.torch_dist.acceptor import PairAcceptor
-from kv_transfer.torch_dist.receiver import _listen
 
 log = logging.getLogger("pdserve.kv")
 
 PROTOCOL = "pdserve-shm/1"
 
 
-class ShmReceiverServer(ReceiverServer):
+class ShmReceiverServer(ControlServer):
+    kind = "shm"
+
     def __init__(
         self,
         receiver,
@@ -48,71 +50,27 @@ class ShmReceiverServer(ReceiverServer):
         step (the decode worker's server does), as a step meanwhile would write the old
         memory."""
         refuse_open_without_token("shm", host, token)
-        self._receiver = receiver
         with receiver.lock:
             self.cache = SharedKVCache(receiver.kv_caches, shm_dir)
         self._rows = [(block_rows(k), block_rows(v)) for k, v in receiver.kv_caches]
         self._handed = HandedLeases(receiver)
-        self._handshake_timeout_s = handshake_timeout_s
-        self._socks: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._stopping = threading.Event()
         try:
-            sock = _listen(host, port)
+            args = (max_pairs, max_pending, handshake_timeout_s)
+            self._open_port(receiver, host, port, token, *args)
         except BaseException:
             self.cache.remove()
             raise
-        real_port = sock.getsockname()[1]
-        self.endpoint = f"[{host}]:{real_port}" if ":" in host else f"{host}:{real_port}"
-        self._acceptor = PairAcceptor(
-            sock, token, self._start_peer, max_pairs, max_pending, handshake_timeout_s
-        )
         self._acceptor.start()
 
-    # -- life
     def stop(self) -> None:
         """Stop serving and remove the shared-memory file (the worker's tensors stay valid)."""
-        self._stopping.set()
-        self._acceptor.stop()
-        with self._lock:
-            socks = list(self._socks)
-        for sock in socks:
-            _shutdown(sock)
+        self._close_port()
         self.cache.remove()
 
-    def problem(self) -> str | None:
-        return self._acceptor.problem()
+    def _greet(self, conn: ControlConnection) -> None:
+        conn.send({"protocol": PROTOCOL, "path": self.cache.path, "layout": self.cache.layout})
 
-    # -- one authenticated peer
-    def _start_peer(self, sock: socket.socket, key: bytes, number: int) -> None:
-        sock.setblocking(True)
-        with self._lock:
-            self._socks.add(sock)
-        threading.Thread(
-            target=self._serve_peer, args=(sock, key), name=f"kv-shm-peer {number}", daemon=True
-        ).start()
-
-    def _serve_peer(self, sock: socket.socket, key: bytes) -> None:
-        conn = ControlConnection(sock, key, side=1)
-        handed: dict[str, object] = {}  # leases whose blocks this peer got, not settled
-        try:
-            hello = {"protocol": PROTOCOL, "path": self.cache.path, "layout": self.cache.layout}
-            conn.send(hello)
-            sock.settimeout(None)  # an idle link waits for its next stream
-            while not self._stopping.is_set():
-                self._answer(conn, conn.recv(), handed)
-        except (OSError, ConnectionError) as e:
-            log.info("shm control connection ended: %s: %s", type(e).__name__, e)
-        except Exception:  # a bug answering one peer ends that peer only
-            log.exception("shm control connection failed")
-        finally:
-            with self._lock:
-                self._socks.discard(sock)
-            self._acceptor.release()
-            sock.close()
-            self._handed.settle_all(handed)  # its link is gone: it writes no more
-
-    def _answer(self, conn: ControlConnection, message: dict, handed: dict) -> None:
+    def _answer(self, conn: ControlConnection, peer, message: dict, handed: dict) -> None:
         op = field(message, "op", str)
         if op == "lease":
             conn.send(self._lease_blocks(message, handed))
@@ -158,10 +116,3 @@ class ShmReceiverServer(ReceiverServer):
             errors = [e.reason]
         self._handed.settle(commit.header.lease_id)  # its writer copied all: it writes no more
         return errors
-
-
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # already closed by its thread

@@ -16,28 +16,22 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
 import threading
 import time
 
 import torch
 
-from kv_transfer.errors import ReceiverFault
 from kv_transfer.interfaces import Channel, Link, ReceiverServer
 from kv_transfer.nixl.commit import block_rows, cell_crcs, digest, encode_notification
-from kv_transfer.nixl.control import ControlConnection, field
+from kv_transfer.nixl.control import field
+from kv_transfer.one_sided import ControlLink, LeaseRefused
 from kv_transfer.shm.cache import map_shared
 from kv_transfer.shm.server import PROTOCOL, ShmReceiverServer
-from kv_transfer.torch_dist.handshake import pair_as_sender
 
 log = logging.getLogger("pdserve.kv")
 
 DEADLINE_MARGIN_S = 1.0  # no copy started this close to the lease's deadline
 DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn")
-
-
-class LeaseRefused(Exception):
-    """The receiver refused to name the lease's blocks (unknown, expired, someone else's)."""
 
 
 def _runs(src: list[int], dst: list[int]):
@@ -167,7 +161,9 @@ def _check_layout(layout: dict) -> dict:
     return layout
 
 
-class ShmLink(Link):
+class ShmLink(ControlLink):
+    kind, protocol = "shm", PROTOCOL
+
     def __init__(
         self,
         endpoint: str,
@@ -175,27 +171,12 @@ class ShmLink(Link):
         timeout_s: float = 60.0,
         connect_timeout_s: float = 5.0,
     ):
-        host, _, port = endpoint.rpartition(":")
-        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=connect_timeout_s)
-        try:
-            self._conn = ControlConnection(sock, pair_as_sender(sock, token), side=0)
-            hello = self._conn.recv(connect_timeout_s)
-            if hello.get("protocol") != PROTOCOL:
-                raise ConnectionError(f"{endpoint} does not speak {PROTOCOL}")
-            self.layout = _check_layout(field(hello, "layout", dict))
-            # Mapped only now: the receiver proved the cluster token in pair_as_sender.
-            self.caches = map_shared(field(hello, "path", str), self.layout)
-        except BaseException:
-            sock.close()
-            raise
-        self._timeout_s = timeout_s
-        self._lock = threading.Lock()  # one control request at a time
-        self._closed = False
-        self.broken = False
+        self._connect(endpoint, token, timeout_s, connect_timeout_s)
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
+    def _greeted(self, hello: dict) -> None:
+        """Map the receiver's cache (the receiver proved the token already)."""
+        self.layout = _check_layout(field(hello, "layout", dict))
+        self.caches = map_shared(field(hello, "path", str), self.layout)
 
     def check_cache(self, k_cache, v_cache) -> int:
         """Check the sender's cache tensors match the receiver's layout; one block's bytes."""
@@ -210,42 +191,8 @@ class ShmLink(Link):
             raise ValueError("shm copies from contiguous [num_blocks, ...] caches")
         return int(lay["block_bytes"])
 
-    def request(self, message: dict) -> dict:
-        """Ask the receiver and wait for its answer."""
-        with self._lock:
-            try:
-                if self._closed:
-                    raise ConnectionError("shm link was closed here (replaced after a break)")
-                self._conn.send(message)
-                return self._conn.recv(self._timeout_s)
-            except OSError as e:
-                self.broken = True
-                if self._closed:  # this side closed it: the receiver did nothing wrong
-                    raise ConnectionError(f"shm link was closed here: {e}") from e
-                raise ReceiverFault(f"shm control connection failed: {e}") from e
-            except ConnectionError:
-                self.broken = True
-                raise
-
-    def open_channel(self, request_id: str, lease_id: str) -> Channel:
-        if self.broken:
-            raise ConnectionError("shm link is broken; make a new sender")
-        if self._lock.acquire(blocking=False):  # busy: in use, so not closed
-            try:
-                gone = self._conn.peer_closed()
-            finally:
-                self._lock.release()
-            if gone:
-                self.broken = True
-                raise ReceiverFault("shm receiver is gone: its control connection closed")
+    def _new_channel(self, request_id: str, lease_id: str) -> Channel:
         return ShmChannel(self, request_id, lease_id)
-
-    def close(self) -> None:
-        """Close the control connection; the mapping goes with the last channel using it."""
-        if self._closed:
-            return
-        self._closed = self.broken = True
-        self._conn.close()
 
 
 def connect(endpoint: str, **opts) -> Link:
