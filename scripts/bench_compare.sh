@@ -11,6 +11,11 @@
 #   ALSO_ISAS=avx2 bash scripts/bench_compare.sh     # + disaggregated_avx2: the same pair on the
 #                                                    # AVX2 kernels (PDSERVE_CPU_ISA), on any x86
 #   COLOCATED=0 ...                                  # leave the colocated worker out
+#   SHARED=1 ...                                     # + shared: the 1P1D pair on one node,
+#                                                    # lending each other both cores step by
+#                                                    # step (share_cores) with the KV in one
+#                                                    # shared-memory pool (SHARED_TRANSPORT,
+#                                                    # default shm)
 #   ALSO_WEIGHTS=q4,int8 ...                         # + disaggregated_q4, _int8: the same pair
 #                                                    # on quantized weights, PREFILL_GEMM=auto
 #   VLLM=1 ...                                       # start vLLM-cpu here (VLLM_PORT, 8011)
@@ -38,6 +43,8 @@ PREFILL_GEMM=${PREFILL_GEMM:-auto}
 VLLM=${VLLM:-0}
 VLLM_PORT=${VLLM_PORT:-8011}
 COLOCATED=${COLOCATED:-1}
+SHARED=${SHARED:-0}
+SHARED_TRANSPORT=${SHARED_TRANSPORT:-shm}
 COLOCATED_WEIGHTS=${COLOCATED_WEIGHTS:-}
 N=${N:-20}
 SLO_TTFT=${SLO_TTFT:-3}
@@ -88,6 +95,10 @@ for isa in ${ALSO_ISAS//,/ }; do  # the same pair, its workers forced onto these
 done
 if [ "$COLOCATED" = 1 ]; then
   start_cluster colocated --num-prefill 0 --threads 2
+fi
+if [ "$SHARED" = 1 ]; then
+  start_cluster shared --share-cores 2 --threads 2 --transport "$SHARED_TRANSPORT"
+  ALSO+=(shared)
 fi
 for weights in ${COLOCATED_WEIGHTS//,/ }; do  # one colocated worker on quantized weights
   start_cluster "colocated_$weights" --num-prefill 0 --threads 2 --weights "$weights" \

@@ -8,6 +8,7 @@ router has no HTTP API (the serve benchmarks are then skipped).
     python -m pdserve.bench cluster --num-prefill 0 --threads 2                  # colocated
     python -m pdserve.bench cluster --weights q4 --prefill-gemm auto             # quantized
     python -m pdserve.bench cluster --num-decode 2 --prefill-policy kv_aware --decode-policy kv_aware
+    python -m pdserve.bench cluster --share-cores 2 --transport shm              # one node, 1P1D
 """
 
 from __future__ import annotations
@@ -52,8 +53,22 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--prefill-policy", default="least_queued", help="router.policies")
     p.add_argument("--decode-policy", default="most_free_blocks", help="router.policies")
+    p.add_argument(
+        "--share-cores",
+        type=int,
+        default=0,
+        metavar="N",
+        help="prefill and decode worker i lend each other N cores step by step (share_cores; "
+        "0: off, each worker keeps --threads)",
+    )
     p.add_argument("--in-process", action="store_true", help="workers as threads of this process")
     p.set_defaults(func=run)
+
+
+def _share_cores(node_cores: int) -> dict:
+    if node_cores == 0:
+        return {}
+    return {"share_cores": {"enabled": True, "node_cores": node_cores}}
 
 
 def run(args) -> int:
@@ -75,6 +90,7 @@ def run(args) -> int:
         kv_dtype=args.kv_dtype,
         prefill_policy=args.prefill_policy,
         decode_policy=args.decode_policy,
+        **_share_cores(args.share_cores),
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
