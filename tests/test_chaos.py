@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import signal
 from dataclasses import dataclass, field
@@ -21,7 +22,8 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from kv_transfer.transport_faults import POLICY_ENV, FaultPolicy
+from kv_transfer.shm.cache import SHM_DIR, sweep_stale
+from kv_transfer.transport_faults import INNER_ENV, POLICY_ENV, FaultPolicy
 from pdserve.client import build_request
 from pdserve.cluster.local import ClusterSpec, LocalCluster
 from protos import pdserve_pb2 as pb
@@ -152,7 +154,8 @@ async def run_chaos(load: Load, decode, prefill, transfer_failures) -> list[int]
 
 
 @pytest.mark.slow
-def test_chaos_every_request_not_cancelled_finishes_exactly(tmp_path, caplog):
+@pytest.mark.parametrize("inner", ["grpc", "shm"])  # shm: a killed worker of a shared pair
+def test_chaos_every_request_not_cancelled_finishes_exactly(tmp_path, caplog, inner):
     caplog.set_level(logging.WARNING, logger="pdserve.router")
     model, _ = tiny_llama_dir(tmp_path, num_kv_heads=2, seed=8)
     planned = plan_requests(random.Random(5))
@@ -164,7 +167,7 @@ def test_chaos_every_request_not_cancelled_finishes_exactly(tmp_path, caplog):
         threads_per_worker=1,
         num_blocks=512,
         max_model_len=256,
-        extra_env={POLICY_ENV: POLICY.encode()},
+        extra_env={POLICY_ENV: POLICY.encode(), INNER_ENV: inner},
     )
     with LocalCluster(spec) as cluster:
         # Transfers fail often here (every kind of fault, on purpose): room for them, on top
@@ -172,6 +175,8 @@ def test_chaos_every_request_not_cancelled_finishes_exactly(tmp_path, caplog):
         # test_faults_cluster.py.
         cluster.router.flow.cfg.max_migrations = 12
         prefill_proc, decode_proc = cluster._procs[0], cluster._procs[1]
+        cache_file = f"pdserve-kv-{decode_proc.pid}-"  # shm: the decode worker's cache
+        assert (inner == "shm") == any(n.startswith(cache_file) for n in os.listdir(SHM_DIR))
         prefill_address, decode_address = cluster.prefill_addresses[0], cluster.decode_addresses[0]
         prefill_handle = cluster.router.prefill.workers[prefill_address]
         # The only prefill worker fails many transfers on purpose; the breaker's cool-down is
@@ -204,6 +209,9 @@ def test_chaos_every_request_not_cancelled_finishes_exactly(tmp_path, caplog):
         assert any(decode_address in m for m in migrations)  # the killed worker's streams
         assert_all_blocks_free(cluster, timeout=30, dead={prefill_address, decode_address})
         assert router.inflight == 0
+    if inner == "shm":  # the killed decode worker could not remove its cache file: swept
+        sweep_stale()  # (or by any other shm worker started since on this node)
+        assert not [n for n in os.listdir(SHM_DIR) if n.startswith(cache_file)]
 
     # The reference after the cluster is gone: it would compete with it for the CPUs.
     sent = [(i, p) for i, p in enumerate(planned) if p.sent]
