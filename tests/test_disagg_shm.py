@@ -48,7 +48,8 @@ def test_shm_between_worker_processes_matches_engine(tiny_model, num_decode):
     )
     before = _cache_files()
     with LocalCluster(spec) as cluster:
-        assert len(_cache_files() - before) == num_decode  # each decode worker's cache
+        ours = _cache_files() - before  # each decode worker's cache (other tests' may come)
+        assert len(ours) >= num_decode
         asked = {"max_tokens": NEW_TOKENS, "ignore_eos": True, "include_timings": True}
         requests = [{"token_ids": p, **asked} for p in prompts]
         outs = generate_concurrently(cluster, requests)
@@ -58,4 +59,4 @@ def test_shm_between_worker_processes_matches_engine(tiny_model, num_decode):
     assert all(o.timings.kv_bytes > 0 for o in outs)  # the KV crossed, none prefilled locally
     decode = [s for s in statuses if s.role == "decode"]
     assert len(decode) == num_decode and all(s.frames_rejected == 0 for s in decode)
-    assert _cache_files() <= before  # each decode worker removed its file as it stopped
+    assert not ours & _cache_files()  # each decode worker removed its file as it stopped
