@@ -348,3 +348,31 @@ def test_a_killed_workers_file_is_swept_by_the_next(tmp_path):
         f.write_bytes(b"x")
     assert sweep_stale(str(tmp_path)) == [dead.name]
     assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name])
+
+
+def test_a_sender_on_another_node_is_told_why(tmp_path):
+    """A sender that cannot open the cache file (another node's /dev/shm) fails to connect,
+    saying that shm needs both workers on one node."""
+    leases = LeaseTable(default_ttl_s=30.0, num_layers=LAYERS)
+    server = start_receiver_server(
+        "shm", KVReceiver(_cache(True), leases), "127.0.0.1", 0, token=TOKEN, shm_dir=str(tmp_path)
+    )
+    try:
+        assert os.listdir(tmp_path) == [os.path.basename(server.cache.path)]
+        os.unlink(server.cache.path)  # as a sender on another node sees it
+        with pytest.raises(ConnectionError, match="needs the prefill and the decode worker on one"):
+            make_sender("shm", server.endpoint, token=TOKEN)
+    finally:
+        server.stop()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_sender_cache_on_the_gpu_lands_exactly(rx):
+    """The prefill worker's cache on a GPU: its blocks come to the host, are hashed there and
+    copied into the shared cache."""
+    r = rx()
+    r.src = [(k.cuda(), v.cuda()) for k, v in r.src]
+    lease, _ = r.transfer(r.sender(), "gpu", [2, 3, 9], [5, 6, 1])
+    assert lease.is_committed
+    r.src = [(k.cpu(), v.cpu()) for k, v in r.src]
+    r.assert_arrived([2, 3, 9], [5, 6, 1])

@@ -107,6 +107,7 @@ class SharedKVCache:
             os.fchmod(fd, 0o600)  # whatever the umask
             os.ftruncate(fd, nbytes)
             self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
+            _ask_huge_pages(self._map)
         except BaseException:
             os.unlink(self.path)
             raise
@@ -132,6 +133,16 @@ class SharedKVCache:
         atexit.unregister(self.remove)
 
 
+def _ask_huge_pages(mapping: mmap.mmap) -> None:
+    """Huge pages for the cache where the kernel gives them to shared memory (its shmem THP
+    mode ``advise`` or ``always``): decode steps read every block of their batch through it, as
+    they read the anonymous memory it replaces (engine/hugepages.py)."""
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # no THP here: 4 KiB pages, same bytes
+        pass
+
+
 def map_shared(path: str, layout: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The receiver's caches, mapped read-write from ``path`` (named by an authenticated
     receiver; still checked: a cache file's name, a regular file of this user, not a link,
@@ -139,7 +150,13 @@ def map_shared(path: str, layout: dict) -> list[tuple[torch.Tensor, torch.Tensor
     if not NAME.fullmatch(os.path.basename(path)) or not os.path.isabs(path):
         raise ConnectionError(f"shm receiver named {path[:128]!r}, not a KV cache file")
     nbytes = file_bytes(layout)
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ConnectionError(
+            f"{path} is not on this node: the shm transport needs the prefill and the decode "
+            "worker on one node (share_cores node groups); use another transport across nodes"
+        ) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != nbytes:
