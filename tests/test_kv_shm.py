@@ -376,3 +376,21 @@ def test_a_sender_cache_on_the_gpu_lands_exactly(rx):
     assert lease.is_committed
     r.src = [(k.cpu(), v.cpu()) for k, v in r.src]
     r.assert_arrived([2, 3, 9], [5, 6, 1])
+
+
+def test_a_cache_that_does_not_fit_fails_at_start_not_with_sigbus(monkeypatch, tmp_path):
+    """Shared memory that cannot hold the cache refuses it when the worker starts, saying how
+    much it needs, and leaves no file."""
+    import errno
+
+    import kv_transfer.shm.cache as shm_cache
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shm_cache.os, "posix_fallocate", full)
+    leases = LeaseTable(default_ttl_s=30.0, num_layers=LAYERS)
+    receiver = KVReceiver(_cache(True), leases)
+    with pytest.raises(OSError, match=r"needs 24,576 bytes in .*No space left.*shm-size"):
+        start_receiver_server("shm", receiver, "127.0.0.1", 0, shm_dir=str(tmp_path))
+    assert not os.listdir(tmp_path)

@@ -93,6 +93,20 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
+def _reserve(fd: int, nbytes: int, directory: str) -> None:
+    """Allocate the file's pages now: a tmpfs that runs out later does not fail a write, it
+    kills the process (SIGBUS) on the page that did not fit."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"the shm transport's KV cache needs {nbytes:,} bytes in {directory}: "
+            f"{e.strerror} (a container's /dev/shm is 64 MiB unless given more, e.g. "
+            "docker --shm-size; or fewer num_blocks)",
+        ) from None
+
+
 class SharedKVCache:
     """``kv_caches`` (host tensors, changed in place) moved into a new shared-memory file."""
 
@@ -105,7 +119,7 @@ class SharedKVCache:
         fd = os.open(self.path, flags, 0o600)
         try:
             os.fchmod(fd, 0o600)  # whatever the umask
-            os.ftruncate(fd, nbytes)
+            _reserve(fd, nbytes, directory)
             self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
             _ask_huge_pages(self._map)
         except BaseException:
