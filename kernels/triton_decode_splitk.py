@@ -76,8 +76,8 @@ def _decode_partial_kernel(
     stride_sh,
     block_size,
     keys_per_split,  # a multiple of BLOCK_N
+    num_splits,  # not a constexpr: a new split count must not compile a new kernel
     NUM_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -139,7 +139,7 @@ def _decode_partial_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split  # [BLOCK_G] rows of m/l
+    part = (seq * NUM_HEADS + heads) * num_splits + split  # [BLOCK_G] rows of m/l
     tl.store(m_ptr + part, m_i, mask=g_mask)
     tl.store(l_ptr + part, l_i, mask=g_mask)
     acc_offs = part[:, None] * HEAD_DIM + offs_d[None, :]
@@ -156,10 +156,10 @@ def _decode_reduce_kernel(
     stride_ot,
     stride_oh,
     stride_od,
+    num_splits,
     NUM_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # num_splits rounded up to a power of two
     BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -167,9 +167,9 @@ def _decode_reduce_kernel(
     token = tl.load(query_start_loc_ptr + seq)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
-    rows = (seq * NUM_HEADS + head) * NUM_SPLITS + offs_s
+    rows = (seq * NUM_HEADS + head) * num_splits + offs_s
     m = tl.load(m_ptr + rows, mask=s_mask, other=float("-inf"))
     l_part = tl.load(l_ptr + rows, mask=s_mask, other=0.0)
     acc = tl.load(
@@ -235,8 +235,8 @@ def decode_attention_split_k(
         *scale_strides,
         k_cache.shape[1],
         keys_per_split,
+        num_splits,
         NUM_HEADS=num_heads,
-        NUM_SPLITS=num_splits,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
@@ -252,8 +252,8 @@ def decode_attention_split_k(
         out,
         meta.query_start_loc,
         *out.stride(),
+        num_splits,
         NUM_HEADS=num_heads,
-        NUM_SPLITS=num_splits,
         HEAD_DIM=head_dim,
         BLOCK_S=triton.next_power_of_2(num_splits),
         BLOCK_D=block_d,

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# GPU checks: the CUDA-only tests (kernels, the engine on the GPU, dummy weights), a measured
-# profile of one GPU worker serving Llama-3.1-8B's shape (random weights: load_format dummy;
-# GPU_PROFILE=1),
-# then the kernel micro-benchmarks (the weight-only int8/q4 matmuls vs cuBLAS on the dequantized
-# weight and torch's _weight_int8pack_mm; attention).
-# Budget: under 10 minutes on one GPU (timeouts: tests 270 s, profile 180 s, benchmarks 105 s);
-# on an H200 the tests took 160 s (2026-12-04), the benchmarks about 50 s.
+# GPU checks: issue 54's figures (attention at Llama-3.1-8B's shapes as fractions of the bf16
+# matmul rate and copy bandwidth measured in the same run, beside torch's SDPA;
+# pdserve/bench/kernels/gpu_figures.py), the CUDA-only tests (kernels, the engine on the GPU,
+# dummy weights), a measured profile of one GPU worker serving Llama-3.1-8B's shape (random
+# weights: load_format dummy; GPU_PROFILE=1 only), then the weight-only int8/q4 matmuls vs
+# cuBLAS on the dequantized weight and torch's _weight_int8pack_mm.
+# Budget: under 8 minutes on one GPU without GPU_PROFILE (timeouts: figures 150 s, tests 240 s,
+# quant benchmark 60 s); on an H200 the tests took 160 s (2026-12-04) before the split-K,
+# autotune and bf16 tests were added. `pdserve bench attention` (the older attention table at
+# 9/3 heads) is no longer run here: the figures supersede it.
 # The disaggregated GPU tests need the project's serving deps (grpcio/protobuf as pinned,
 # crc32c, pydantic): `pip install -e .` first, or on an offline box install their wheels with
 # `pip install --target DIR` and put DIR on PYTHONPATH (the local cluster passes it on).
@@ -22,7 +25,11 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 gpu_tests=$(grep -l "mark.gpu" tests/test_*.py)
 # Every step runs (a failing test does not hide the benchmark); the exit status is the worst.
 rc=0
-timeout 270 python -m pytest -m gpu $gpu_tests -q --timeout=200 -p no:cacheprovider || rc=$?
+# The figures first: they are what a short GPU session is for. Limits, prefill (autotune
+# compiles its 5 configs on the first call), decode at batch 1/32 x context 4k/32k.
+timeout 150 python -m pdserve.bench.kernels.gpu_figures --json "$results/gpu_figures.json" \
+  || rc=$?
+timeout 240 python -m pytest -m gpu $gpu_tests -q --timeout=180 -p no:cacheprovider || rc=$?
 # One worker's latency tables on this GPU, for `pdserve plan` (docs/PLANNING.md section 6):
 # with GPU_PROFILE=1 only, since on an H200 (2026-12-04) its prefill points took 4-24 s each and
 # the whole grid did not finish in 240 s (the engine's GPU prefill needs profiling first).
@@ -31,9 +38,8 @@ if [ "${GPU_PROFILE:-0}" = 1 ]; then
     --device cuda --skip-router --out "$results/profile_gpu_llama8b.json" || rc=$?
 fi
 # Weight-only matmuls (kernels/triton_quant.py), decode rows; each variant compiles on its
-# first call. Each benchmark runs as its own module (`pdserve bench triton-quant` / `attention`
-# alone), which imports no serving package.
+# first call. The benchmark runs as its own module (`pdserve bench triton-quant` alone), which
+# imports no serving package.
 timeout 60 python -m pdserve.bench.kernels.triton_quant --dtypes bfloat16,float32 \
   --rows 1,8,32,64 --reps 30 --json "$results/triton_quant.json" || rc=$?
-timeout 45 python -m pdserve.bench.kernels.attention --dtype bfloat16 --block-size 16 || rc=$?
 exit $rc

@@ -17,8 +17,6 @@ from engine.request import SamplingParams
 from engine.settings import EngineSettings
 from kernels import ops
 from kernels.metadata import AttentionMetadata
-from pdserve.config import ClusterConfig
-from pdserve.settings import settings_from_config
 from tests.conftest import tiny_llama_dir
 
 # Max abs difference of our bf16 logits from transformers' bf16 ones on the tiny models
@@ -50,6 +48,10 @@ def test_dtype_flag_round_trips_through_the_engine_args() -> None:
 
 
 def test_cluster_config_dtype_reaches_both_pools() -> None:
+    # Imported here: the GPU run collects this module on images without the serving deps.
+    from pdserve.config import ClusterConfig
+    from pdserve.settings import settings_from_config
+
     assert ClusterConfig().dtype == "auto"
     s = settings_from_config(ClusterConfig(dtype="bf16"), "127.0.0.1", "/m")
     assert s.prefill.engine.dtype == "bf16" and s.decode.engine.dtype == "bf16"
