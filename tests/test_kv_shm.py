@@ -340,14 +340,34 @@ def test_the_decode_worker_reuses_a_released_leases_blocks_only_once_its_writer_
 
 def test_a_killed_workers_file_is_swept_by_the_next(tmp_path):
     """A worker killed before its stop leaves its file; the next server on the node removes
-    files whose worker is gone (and no other's)."""
-    dead = tmp_path / "pdserve-kv-999999999-0123456789abcdef"  # no such pid
-    live = tmp_path / f"pdserve-kv-{os.getpid()}-0123456789abcdef"
-    other = tmp_path / "unrelated"
-    for f in (dead, live, other):
-        f.write_bytes(b"x")
-    assert sweep_stale(str(tmp_path)) == [dead.name]
-    assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name])
+    the files no live worker holds its lock on (whatever their pid says: another container's
+    pids are not ours to see), and no other's."""
+    import fcntl
+    import subprocess
+    import sys
+
+    leases = LeaseTable(default_ttl_s=30.0, num_layers=LAYERS)
+    live = start_receiver_server(
+        "shm", KVReceiver(_cache(True), leases), "127.0.0.1", 0, shm_dir=str(tmp_path)
+    )
+    # A worker in another process that was killed: its file, its lock gone with it.
+    killed = tmp_path / "pdserve-kv-1-0123456789abcdef"
+    code = "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600); "
+    code += "fcntl.flock(fd, fcntl.LOCK_SH); os.kill(os.getpid(), 9)"
+    subprocess.run([sys.executable, "-c", code, str(killed)], check=False)
+    # A worker of another container whose pid is dead here, still holding its lock.
+    elsewhere = tmp_path / "pdserve-kv-999999999-0123456789abcdef"
+    held = os.open(elsewhere, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(held, fcntl.LOCK_SH)
+    (tmp_path / "unrelated").write_bytes(b"x")
+    try:
+        assert sweep_stale(str(tmp_path)) == [killed.name]
+        names = sorted(os.listdir(tmp_path))
+        assert names == sorted([os.path.basename(live.cache.path), elsewhere.name, "unrelated"])
+    finally:
+        os.close(held)
+        live.stop()
+    assert sweep_stale(str(tmp_path)) == [elsewhere.name]  # its worker went away too
 
 
 def test_a_sender_on_another_node_is_told_why(tmp_path):

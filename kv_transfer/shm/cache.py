@@ -15,6 +15,7 @@ this user, of the layout's size, not a symlink) and mapped read-write as the sam
 from __future__ import annotations
 
 import atexit
+import fcntl
 import logging
 import mmap
 import os
@@ -64,30 +65,30 @@ def _views(whole: torch.Tensor, layout: dict) -> list[tuple[torch.Tensor, torch.
     return [(cache(2 * i), cache(2 * i + 1)) for i in range(layout["num_layers"])]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
-
-
 def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     """Remove this user's cache files whose worker is gone (killed before it could); the
-    names removed."""
+    names removed. A live worker holds a shared lock on its file as long as it runs (the
+    kernel drops it with the process), so a file nobody holds a lock on is stale, whichever
+    pid namespace its worker ran in."""
     removed = []
     for name in os.listdir(directory):
-        match = NAME.fullmatch(name)
+        if NAME.fullmatch(name) is None:
+            continue
         path = os.path.join(directory, name)
         try:
-            if match is None or _alive(int(match[1])) or os.lstat(path).st_uid != os.getuid():
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:  # gone meanwhile, a link, not ours
+            continue
+        try:
+            if os.fstat(fd).st_uid != os.getuid():
                 continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a worker has it
             os.unlink(path)
             removed.append(name)
-        except OSError:  # raced with another sweep, or not ours to remove
+        except OSError:  # held by a live worker, or removed by another sweep
             continue
+        finally:
+            os.close(fd)
     if removed:
         log.info("removed KV cache files of workers that are gone: %s", removed)
     return removed
@@ -114,19 +115,17 @@ class SharedKVCache:
         self.layout = cache_layout(kv_caches)
         nbytes = file_bytes(self.layout)
         sweep_stale(directory)
-        self.path = os.path.join(directory, f"pdserve-kv-{os.getpid()}-{secrets.token_hex(8)}")
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(self.path, flags, 0o600)
+        # Its shared lock says this worker is alive (sweep_stale) until remove or exit.
+        self._fd, self.path = _create_locked(directory)
+        fd = self._fd
         try:
             os.fchmod(fd, 0o600)  # whatever the umask
             _reserve(fd, nbytes, directory)
             self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
             _ask_huge_pages(self._map)
         except BaseException:
-            os.unlink(self.path)
+            self.remove()
             raise
-        finally:
-            os.close(fd)
         atexit.register(self.remove)
         whole = torch.frombuffer(self._map, dtype=torch.uint8)
         for (k, v), (k_shared, v_shared) in zip(kv_caches, _views(whole, self.layout)):
@@ -138,13 +137,32 @@ class SharedKVCache:
         self.nbytes = nbytes
 
     def remove(self) -> None:
-        """Unlink the file (idempotent): no new sender can map it; this process's tensors
-        and mappings already made stay valid."""
+        """Unlink the file and let its lock go (idempotent): no new sender can map it; this
+        process's tensors and mappings already made stay valid."""
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         atexit.unregister(self.remove)
+
+
+def _create_locked(directory: str) -> tuple[int, str]:
+    """A new cache file, 0600, with this process's shared lock on it: (its fd, its path)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(3):
+        path = os.path.join(directory, f"pdserve-kv-{os.getpid()}-{secrets.token_hex(8)}")
+        fd = os.open(path, flags, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:  # a sweep between the create and the lock removed it: make another
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd, path
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    raise OSError(f"could not keep a KV cache file in {directory} (swept as it was made)")
 
 
 def _ask_huge_pages(mapping: mmap.mmap) -> None:
