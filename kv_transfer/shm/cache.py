@@ -6,7 +6,8 @@ K then V, each [num_blocks, ...] contiguous. The tensors keep their identity (``
 engine, the receiver and every other holder of the list use the shared memory from then on,
 so nothing about the engine changes. ``remove`` unlinks the file (the mapping stays valid for
 this process); it runs at ``stop`` and at exit, and a worker that was killed leaves a file
-that the next one on the node removes (``sweep_stale``: its name carries the dead pid).
+that the next one on the node removes (``sweep_stale``: no live worker holds its lock). Its
+pages are allocated at start, so a shared memory too small fails the start, not a later write.
 
 ``map_shared`` is the sender's side: the file the receiver named, checked (a regular file of
 this user, of the layout's size, not a symlink) and mapped read-write as the same tensors.
