@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, graphs_enabled
 from engine.model import KVCache, LayerCallback, LlamaModel
 from engine.sampler import logprob_entries
 from engine.scheduler import ScheduledSequence
@@ -21,6 +22,10 @@ class ModelRunner:
         self.kv_dtype = kv_dtype  # fp32 | int8 (a scale per token and head)
         self.device = model.embed_tokens.weight.device
         self.kv_caches: KVCache = model.allocate_kv_cache(num_blocks, block_size, kv_dtype=kv_dtype)
+        self.graphs: DecodeGraphs | None = None  # decode steps under CUDA graphs (opt-in)
+        if graphs_enabled(self.device):
+            max_len = model.rope.cos.shape[0]  # the positions this engine serves
+            self.graphs = DecodeGraphs(model, self.kv_caches, max_len, block_size, BATCH_BUCKETS)
 
     def prepare(self, batch: Sequence[ScheduledSequence]):
         """Input ids, positions and attention metadata for a mixed prefill/decode batch."""
@@ -40,6 +45,8 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Run the forward; return fp32 logits [num sampling sequences, vocab]."""
         input_ids, positions, meta = self.prepare(batch)
+        if self._graph_step(batch, meta, layer_callback):
+            return self.graphs.run(input_ids, positions, meta)
         hidden = self.model(input_ids, positions, meta, self.kv_caches, layer_callback)
         self._record_prompt_logprobs(batch, hidden)
         last = meta.query_start_loc[1:].long() - 1
@@ -49,6 +56,14 @@ class ModelRunner:
         # Logits for the last token of sampling sequences only: the LM head is the largest
         # matmul of a decode step, and prefill positions before the last need none.
         return self.model.compute_logits(hidden[last[rows]]).float()
+
+    def _graph_step(self, batch, meta, layer_callback) -> bool:
+        """A decode step every row of which samples, no prompt logprobs: a captured graph's."""
+        return (
+            self.graphs is not None
+            and self.graphs.can_run(meta, layer_callback)
+            and all(s.samples and s.request.sampling.prompt_logprobs is None for s in batch)
+        )
 
     def close(self) -> None:
         """Nothing to release on one device (a tensor-parallel runner stops its ranks)."""
