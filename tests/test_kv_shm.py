@@ -414,3 +414,22 @@ def test_a_cache_that_does_not_fit_fails_at_start_not_with_sigbus(monkeypatch, t
     with pytest.raises(OSError, match=r"needs 24,576 bytes in .*No space left.*shm-size"):
         start_receiver_server("shm", receiver, "127.0.0.1", 0, shm_dir=str(tmp_path))
     assert not os.listdir(tmp_path)
+
+
+def test_the_move_frees_the_old_cache(tmp_path):
+    """The cache's anonymous memory goes back once its bytes are in shared memory."""
+    from kv_transfer.shm.cache import SharedKVCache
+
+    def rss_mib(kind: str) -> float:
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith(kind + ":"))
+        return int(line.split()[1]) / 1024
+
+    caches = [(torch.ones(64, 16, 8, 128), torch.ones(64, 16, 8, 128)) for _ in range(16)]
+    anon = rss_mib("RssAnon")  # the 128 MiB cache in it
+    shared = SharedKVCache(caches, str(tmp_path))  # tmp_path: a file system, or tmpfs
+    try:
+        assert rss_mib("RssAnon") < anon - 100  # freed
+        assert all(k.eq(1).all() and v.eq(1).all() for k, v in caches)  # the bytes moved along
+    finally:
+        shared.remove()

@@ -95,11 +95,11 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
-def _reserve(fd: int, nbytes: int, directory: str) -> None:
-    """Allocate the file's pages now: a tmpfs that runs out later does not fail a write, it
-    kills the process (SIGBUS) on the page that did not fit."""
+def _reserve(fd: int, offset: int, size: int, nbytes: int, directory: str) -> None:
+    """Allocate pages of the file now: a tmpfs that runs out later does not fail a write, it
+    kills the process (SIGBUS) on the page that did not fit. ``nbytes``: the whole file's."""
     try:
-        os.posix_fallocate(fd, 0, nbytes)
+        os.posix_fallocate(fd, offset, size)
     except OSError as e:
         raise OSError(
             e.errno,
@@ -114,28 +114,35 @@ class SharedKVCache:
 
     def __init__(self, kv_caches, directory: str = SHM_DIR):
         self.layout = cache_layout(kv_caches)
-        nbytes = file_bytes(self.layout)
+        self.nbytes = nbytes = file_bytes(self.layout)
         sweep_stale(directory)
         # Its shared lock says this worker is alive (sweep_stale) until remove or exit.
         self._fd, self.path = _create_locked(directory)
         fd = self._fd
         try:
             os.fchmod(fd, 0o600)  # whatever the umask
-            _reserve(fd, nbytes, directory)
+            os.ftruncate(fd, nbytes)
             self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
             _ask_huge_pages(self._map)
+            self._move(fd, kv_caches, directory)
         except BaseException:
             self.remove()
             raise
         atexit.register(self.remove)
+
+    def _move(self, fd: int, kv_caches, directory: str) -> None:
+        """Each tensor in turn: its region's pages allocated, its bytes copied, the tensor set
+        onto them (its old memory freed then): at most one tensor more than the cache at
+        once, not the cache twice."""
         whole = torch.frombuffer(self._map, dtype=torch.uint8)
-        for (k, v), (k_shared, v_shared) in zip(kv_caches, _views(whole, self.layout)):
-            k_shared.copy_(k)
-            v_shared.copy_(v)
+        size = self.layout["num_blocks"] * self.layout["block_bytes"]
+        views = _views(whole, self.layout)
+        moves = [(t, v) for pair, shared in zip(kv_caches, views) for t, v in zip(pair, shared)]
+        for index, (tensor, shared) in enumerate(moves):
+            _reserve(fd, index * size, size, self.nbytes, directory)
+            shared.copy_(tensor)
             with torch.no_grad():
-                k.set_(k_shared)
-                v.set_(v_shared)
-        self.nbytes = nbytes
+                tensor.set_(shared)
 
     def remove(self) -> None:
         """Unlink the file and let its lock go (idempotent): no new sender can map it; this
