@@ -88,6 +88,64 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _prefill_tiles(
+    m_i, l_i, acc, lo, hi,
+    q, seq, kv_head, positions, seq_len, offs_d, d_mask, block_tables_ptr, stride_bt,
+    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, qk_scale, stride_cb, stride_cs,
+    stride_ch, stride_cd, stride_sb, stride_ss, stride_sh, block_size,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    MASKED: tl.constexpr,  # tiles across the diagonal or the end: causal and length masks
+):  # fmt: skip
+    """Online softmax over key tiles [lo, hi) (lo a multiple of BLOCK_N) of one query tile."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < seq_len  # all true in unmasked tiles (they end before the queries)
+        table = block_tables_ptr + seq * stride_bt + offs_n // block_size
+        if MASKED:
+            blocks = tl.load(table, mask=n_mask, other=0)
+        else:
+            blocks = tl.load(table)
+        kv_offs = (
+            blocks.to(tl.int64) * stride_cb
+            + (offs_n % block_size) * stride_cs
+            + kv_head * stride_ch
+        )
+        kv_offs = kv_offs[:, None] + offs_d[None, :] * stride_cd
+        if MASKED or BLOCK_D != HEAD_DIM:
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_cache_ptr + kv_offs)
+            v = tl.load(v_cache_ptr + kv_offs)
+        if KV_FP8:
+            scale_offs = blocks.to(tl.int64) * stride_sb + (offs_n % block_size) * stride_ss
+            scale_offs += kv_head * stride_sh
+            k, v, k_scale = fp8_keys_and_values(
+                q, k, v, k_scale_ptr + scale_offs, v_scale_ptr + scale_offs, n_mask
+            )
+
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if KV_FP8:
+            qk = qk * k_scale[None, :]
+        if MASKED:
+            visible = (offs_n[None, :] <= positions[:, None]) & n_mask[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+        # Key lo is visible to every row of the tile, so m_new is finite from the first tile.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
 def _prefill_configs() -> list[triton.Config]:
     """Tile shapes the prefill kernel's autotuner times on first use of each head dim and
     dtype set (FlashAttention-2's on H100: 128-row query tiles with 8 warps for head dim
@@ -168,42 +226,22 @@ def _prefill_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # Keys past the last query row of this tile are causally invisible to all of its rows.
+    # Keys past the last query row of this tile are causally invisible to all of its rows;
+    # keys before its first row are visible to all of them: those tiles need no mask at all
+    # (FlashAttention-2's split of the causal loop), only the tiles across the diagonal do.
     hi = tl.minimum(seq_len, context + (m_block + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < seq_len
-        blocks = tl.load(
-            block_tables_ptr + seq * stride_bt + offs_n // block_size, mask=n_mask, other=0
-        )
-        kv_offs = (
-            blocks.to(tl.int64) * stride_cb
-            + (offs_n % block_size) * stride_cs
-            + kv_head * stride_ch
-        )
-        kv_offs = kv_offs[:, None] + offs_d[None, :] * stride_cd
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        if KV_FP8:
-            scale_offs = blocks.to(tl.int64) * stride_sb + (offs_n % block_size) * stride_ss
-            scale_offs += kv_head * stride_sh
-            k, v, k_scale = fp8_keys_and_values(
-                q, k, v, k_scale_ptr + scale_offs, v_scale_ptr + scale_offs, n_mask
-            )
-
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if KV_FP8:
-            qk = qk * k_scale[None, :]
-        visible = (offs_n[None, :] <= positions[:, None]) & n_mask[None, :]
-        qk = tl.where(visible, qk, float("-inf"))
-        # Key 0 is visible to every row in the first tile, so m_new is finite from then on.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    full_hi = (context + m_block * BLOCK_M) // BLOCK_N * BLOCK_N
+    tile_args = (
+        q, seq, kv_head, positions, seq_len, offs_d, d_mask, block_tables_ptr, stride_bt,
+        k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, qk_scale, stride_cb, stride_cs,
+        stride_ch, stride_cd, stride_sb, stride_ss, stride_sh, block_size,
+    )  # fmt: skip
+    m_i, l_i, acc = _prefill_tiles(
+        m_i, l_i, acc, 0, full_hi, *tile_args, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION, KV_FP8, False
+    )
+    m_i, l_i, acc = _prefill_tiles(
+        m_i, l_i, acc, full_hi, hi, *tile_args, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION, KV_FP8, True
+    )
 
     acc = acc / l_i[:, None]
     o_offs = (q_start + offs_m)[:, None] * stride_ot + head * stride_oh
