@@ -3,12 +3,11 @@ each layer's blocks straight into the leased blocks and commits over the authent
 control connection. Exact bytes; a refused commit for anything wrong (positions outside the
 lease, bytes in the leased blocks that are not what the sender copied, a flipped header bit,
 an expired lease); nothing for a peer without the cluster token; leased blocks counted as
-written until their writer settles; the file private to this user and gone after stop."""
+written until their writer settles (tests/test_kv_shm_cache.py: the cache file itself)."""
 
 from __future__ import annotations
 
 import os
-import stat
 import time
 
 import pytest
@@ -18,7 +17,6 @@ from grpc_plumbing.auth import OpenBindError
 from kv_transfer.lease import LeaseTable
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import TransferError, make_sender, start_receiver_server
-from kv_transfer.shm.cache import sweep_stale
 from kv_transfer.torch_dist.handshake import HandshakeError
 from kv_transfer.transport_faults import FaultPolicy
 
@@ -97,32 +95,6 @@ def _until(predicate, timeout: float = 5.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
-
-
-def test_the_cache_moves_into_a_private_file_that_is_gone_after_stop(rx):
-    """The receiver's cache tensors (the same objects, their contents kept) live in one file
-    of the shared-memory directory, readable and writable by this user only."""
-    leases = LeaseTable(default_ttl_s=30.0, num_layers=LAYERS)
-    caches = _cache(zero=False)
-    before = [(k.clone(), v.clone()) for k, v in caches]
-    tensors = [t for pair in caches for t in pair]
-    server = start_receiver_server("shm", KVReceiver(caches, leases), "127.0.0.1", 0)
-    path = server.cache.path
-    try:
-        mode = os.stat(path).st_mode
-        assert path.startswith("/dev/shm/") and stat.S_IMODE(mode) == 0o600
-        mapping = server.cache._map
-        base, size = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr(), len(mapping)
-        assert size == sum(t.numel() * t.element_size() for t in tensors)
-        assert [t for pair in caches for t in pair] == tensors  # the same tensor objects
-        assert all(base <= t.data_ptr() < base + size for t in tensors)
-        assert all(
-            torch.equal(a, b) for pair, old in zip(caches, before) for a, b in zip(pair, old)
-        )
-    finally:
-        server.stop()
-    assert not os.path.exists(path)
-    caches[0][0][0] = 1.0  # its tensors stay usable after the file is gone
 
 
 def test_blocks_land_in_the_lease_and_chunks_rewrite_a_partial_block(rx):
@@ -338,54 +310,6 @@ def test_the_decode_worker_reuses_a_released_leases_blocks_only_once_its_writer_
         server.stop()
 
 
-def test_a_killed_workers_file_is_swept_by_the_next(tmp_path):
-    """A worker killed before its stop leaves its file; the next server on the node removes
-    the files no live worker holds its lock on (whatever their pid says: another container's
-    pids are not ours to see), and no other's."""
-    import fcntl
-    import subprocess
-    import sys
-
-    leases = LeaseTable(default_ttl_s=30.0, num_layers=LAYERS)
-    live = start_receiver_server(
-        "shm", KVReceiver(_cache(True), leases), "127.0.0.1", 0, shm_dir=str(tmp_path)
-    )
-    # A worker in another process that was killed: its file, its lock gone with it.
-    killed = tmp_path / "pdserve-kv-1-0123456789abcdef"
-    code = "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600); "
-    code += "fcntl.flock(fd, fcntl.LOCK_SH); os.kill(os.getpid(), 9)"
-    subprocess.run([sys.executable, "-c", code, str(killed)], check=False)
-    # A worker of another container whose pid is dead here, still holding its lock.
-    elsewhere = tmp_path / "pdserve-kv-999999999-0123456789abcdef"
-    held = os.open(elsewhere, os.O_CREAT | os.O_RDWR, 0o600)
-    fcntl.flock(held, fcntl.LOCK_SH)
-    (tmp_path / "unrelated").write_bytes(b"x")
-    try:
-        assert sweep_stale(str(tmp_path)) == [killed.name]
-        names = sorted(os.listdir(tmp_path))
-        assert names == sorted([os.path.basename(live.cache.path), elsewhere.name, "unrelated"])
-    finally:
-        os.close(held)
-        live.stop()
-    assert sweep_stale(str(tmp_path)) == [elsewhere.name]  # its worker went away too
-
-
-def test_a_sender_on_another_node_is_told_why(tmp_path):
-    """A sender that cannot open the cache file (another node's /dev/shm) fails to connect,
-    saying that shm needs both workers on one node."""
-    leases = LeaseTable(default_ttl_s=30.0, num_layers=LAYERS)
-    server = start_receiver_server(
-        "shm", KVReceiver(_cache(True), leases), "127.0.0.1", 0, token=TOKEN, shm_dir=str(tmp_path)
-    )
-    try:
-        assert os.listdir(tmp_path) == [os.path.basename(server.cache.path)]
-        os.unlink(server.cache.path)  # as a sender on another node sees it
-        with pytest.raises(ConnectionError, match="needs the prefill and the decode worker on one"):
-            make_sender("shm", server.endpoint, token=TOKEN)
-    finally:
-        server.stop()
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_sender_cache_on_the_gpu_lands_exactly(rx):
     """The prefill worker's cache on a GPU: its blocks come to the host, are hashed there and
@@ -396,40 +320,3 @@ def test_a_sender_cache_on_the_gpu_lands_exactly(rx):
     assert lease.is_committed
     r.src = [(k.cpu(), v.cpu()) for k, v in r.src]
     r.assert_arrived([2, 3, 9], [5, 6, 1])
-
-
-def test_a_cache_that_does_not_fit_fails_at_start_not_with_sigbus(monkeypatch, tmp_path):
-    """Shared memory that cannot hold the cache refuses it when the worker starts, saying how
-    much it needs, and leaves no file."""
-    import errno
-
-    import kv_transfer.shm.cache as shm_cache
-
-    def full(fd, offset, length):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(shm_cache.os, "posix_fallocate", full)
-    leases = LeaseTable(default_ttl_s=30.0, num_layers=LAYERS)
-    receiver = KVReceiver(_cache(True), leases)
-    with pytest.raises(OSError, match=r"needs 24,576 bytes in .*No space left.*shm-size"):
-        start_receiver_server("shm", receiver, "127.0.0.1", 0, shm_dir=str(tmp_path))
-    assert not os.listdir(tmp_path)
-
-
-def test_the_move_frees_the_old_cache(tmp_path):
-    """The cache's anonymous memory goes back once its bytes are in shared memory."""
-    from kv_transfer.shm.cache import SharedKVCache
-
-    def rss_mib(kind: str) -> float:
-        with open("/proc/self/status") as f:
-            line = next(x for x in f if x.startswith(kind + ":"))
-        return int(line.split()[1]) / 1024
-
-    caches = [(torch.ones(64, 16, 8, 128), torch.ones(64, 16, 8, 128)) for _ in range(16)]
-    anon = rss_mib("RssAnon")  # the 128 MiB cache in it
-    shared = SharedKVCache(caches, str(tmp_path))  # tmp_path: a file system, or tmpfs
-    try:
-        assert rss_mib("RssAnon") < anon - 100  # freed
-        assert all(k.eq(1).all() and v.eq(1).all() for k, v in caches)  # the bytes moved along
-    finally:
-        shared.remove()
