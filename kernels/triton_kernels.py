@@ -151,9 +151,13 @@ def _prefill_configs() -> list[triton.Config]:
     dtype set (FlashAttention-2's on H100: 128-row query tiles with 8 warps for head dim
     128; shorter tiles for wide fp32 rows, which would not fit shared memory, and for short
     prompts). A config that does not fit is skipped by the autotuner (OutOfResources). The
-    interpreter gets one config: nothing to time on CPU, and each extra one would rerun."""
+    interpreter gets one config: nothing to time on CPU, and each extra one would rerun.
+    PDSERVE_PREFILL_AUTOTUNE=0 keeps one config that fits every dtype and head dim (GPU test
+    runs, where each new head dim would otherwise compile and time all five)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32})]
+    if os.environ.get("PDSERVE_PREFILL_AUTOTUNE") == "0":
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=3)]
     shapes = [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 128, 8, 2)]
     return [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # GPU checks: issue 54's figures (attention at Llama-3.1-8B's shapes as fractions of the bf16
 # matmul rate and copy bandwidth measured in the same run, beside torch's SDPA;
-# pdserve/bench/kernels/gpu_figures.py), the CUDA-only tests (kernels, the engine on the GPU,
-# dummy weights), a measured profile of one GPU worker serving Llama-3.1-8B's shape (random
-# weights: load_format dummy; GPU_PROFILE=1 only), then the weight-only int8/q4 matmuls vs
-# cuBLAS on the dequantized weight and torch's _weight_int8pack_mm.
-# Budget: under 8 minutes on one GPU without GPU_PROFILE (timeouts: figures 150 s, tests 240 s,
-# quant benchmark 60 s); on an H200 the tests took 160 s (2026-12-04) before the split-K,
-# autotune and bf16 tests were added. `pdserve bench attention` (the older attention table at
+# pdserve/bench/kernels/gpu_figures.py), the whole engine's decode step (eager and under a
+# CUDA graph) and prefill on a random-weight 8B in bf16 (gpu_engine_step.py), the CUDA-only
+# tests (kernels, the engine on the GPU, dummy weights), a measured profile of one GPU worker
+# serving Llama-3.1-8B's shape (random weights: load_format dummy; GPU_PROFILE=1 only), then
+# the weight-only int8/q4 matmuls vs cuBLAS on the dequantized weight and torch's
+# _weight_int8pack_mm.
+# Budget: under 8 minutes on one GPU without GPU_PROFILE (timeouts: figures 120 s, engine
+# 100 s, tests 200 s, quant benchmark 45 s); on an H200 the tests took 160 s (2026-12-04)
+# before the split-K, bf16 and CUDA-graph tests were added. They run the prefill kernel in one
+# config (PDSERVE_PREFILL_AUTOTUNE=0: autotuning each head dim would compile five); the
+# figures autotune it and check it against SDPA. `pdserve bench attention` (the older table at
 # 9/3 heads) is no longer run here: the figures supersede it.
 # The disaggregated GPU tests need the project's serving deps (grpcio/protobuf as pinned,
 # crc32c, pydantic): `pip install -e .` first, or on an offline box install their wheels with
@@ -27,9 +31,12 @@ gpu_tests=$(grep -l "mark.gpu" tests/test_*.py)
 rc=0
 # The figures first: they are what a short GPU session is for. Limits, prefill (autotune
 # compiles its 5 configs on the first call), decode at batch 1/32 x context 4k/32k.
-timeout 150 python -m pdserve.bench.kernels.gpu_figures --json "$results/gpu_figures.json" \
+timeout 120 python -m pdserve.bench.kernels.gpu_figures --json "$results/gpu_figures.json" \
   || rc=$?
-timeout 240 python -m pytest -m gpu $gpu_tests -q --timeout=180 -p no:cacheprovider || rc=$?
+timeout 100 python -m pdserve.bench.kernels.gpu_engine_step \
+  --json "$results/gpu_engine_step.json" || rc=$?
+PDSERVE_PREFILL_AUTOTUNE=0 timeout 200 python -m pytest -m gpu $gpu_tests -q --timeout=150 \
+  -p no:cacheprovider || rc=$?
 # One worker's latency tables on this GPU, for `pdserve plan` (docs/PLANNING.md section 6):
 # with GPU_PROFILE=1 only, since on an H200 (2026-12-04) its prefill points took 4-24 s each and
 # the whole grid did not finish in 240 s (the engine's GPU prefill needs profiling first).
@@ -40,6 +47,6 @@ fi
 # Weight-only matmuls (kernels/triton_quant.py), decode rows; each variant compiles on its
 # first call. The benchmark runs as its own module (`pdserve bench triton-quant` alone), which
 # imports no serving package.
-timeout 60 python -m pdserve.bench.kernels.triton_quant --dtypes bfloat16,float32 \
+timeout 45 python -m pdserve.bench.kernels.triton_quant --dtypes bfloat16,float32 \
   --rows 1,8,32,64 --reps 30 --json "$results/triton_quant.json" || rc=$?
 exit $rc

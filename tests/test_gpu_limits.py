@@ -96,3 +96,25 @@ def test_figure_script_dry_run_on_cpu() -> None:
         "decode b1 ctx300 single pass",
         "decode b2 ctx50 split-K x1",
     ]
+
+
+def test_engine_step_figures_dry_run_on_cpu(tmp_path) -> None:
+    """The whole-engine figure code (gpu_engine_step.py) on a tiny dummy model on CPU: runs,
+    and its FLOP and byte counts follow the model's shape."""
+    from pdserve.bench.kernels import gpu_engine_step as ges
+    from tests.conftest import tiny_llama_dir
+
+    path, hf_model = tiny_llama_dir(tmp_path, num_heads=4, num_kv_heads=2)
+    engine = ges.build(str(path), "cpu", 128)
+    cfg = engine.runner.model.cfg
+    figures = ges.collect(engine, "cpu", 1e12, 1e11, prefill_tokens=40, context=20)
+    assert [f.name for f in figures] == ["engine decode b1 eager", "engine prefill 40"]
+    assert all(f.seconds > 0 for f in figures)
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 on CPU
+    weights = engine.runner.model.weight_bytes_per_step()
+    assert figures[0].work == weights + 20 * kv_per_token
+    params = sum(p.numel() for p in hf_model.model.layers.parameters())
+    params += sum(p.numel() for p in hf_model.model.norm.parameters())
+    params += hf_model.lm_head.weight.numel()
+    attention = gl.attention_flops(cfg.num_heads, cfg.head_dim, 40, 40) * cfg.num_layers
+    assert figures[1].work == 2 * params * 40 + attention
