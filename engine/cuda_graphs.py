@@ -13,7 +13,8 @@ say every row holds ``max_model_len`` tokens, so the split-K decode kernel
 longest context; a shorter context leaves its later splits empty (they write max -inf, which
 the reduction weights 0): correct, with fewer splits at work than an eager step would use.
 
-Gated on CUDA; ``ModelRunner`` uses it where ``PDSERVE_CUDA_GRAPHS=1`` (off by default until
+Only where the Triton kernels serve the step (float and fp8 caches): the torch path masks by
+the host lists, which a graph would fix at capture. Gated on CUDA; ``ModelRunner`` uses it where ``PDSERVE_CUDA_GRAPHS=1`` (off by default until
 a GPU run has checked it: tests/test_cuda_graphs.py, ``-m gpu``).
 """
 
@@ -23,6 +24,7 @@ import os
 
 import torch
 
+from kernels import kv_int8, ops
 from kernels.metadata import AttentionMetadata
 
 # Batch sizes a graph is captured for (vLLM's are 1, 2, 4, then multiples of 8): a batch runs
@@ -105,6 +107,9 @@ class DecodeGraphs:
         }
         self.max_model_len = max_model_len
         self.table_width = -(-max_model_len // block_size)
+        # The Triton kernels take context lengths from the device tensors; the torch path
+        # (int8 caches, no Triton) masks by the host lists, which a graph fixes at capture.
+        self.supported = ops.TRITON_AVAILABLE and not kv_int8.is_int8(kv_caches[0][0])
         self._pool = None  # one memory pool for every bucket's graph (never replayed at once)
 
     def _forward(self, bucket: _Bucket) -> torch.Tensor:
@@ -134,7 +139,8 @@ class DecodeGraphs:
     def can_run(self, meta: AttentionMetadata, layer_callback=None) -> bool:
         """A decode-only batch within the largest bucket and the captured context length."""
         return (
-            layer_callback is None
+            self.supported
+            and layer_callback is None
             and meta.is_decode_only
             and bucket_for(meta.num_seqs, list(self.buckets)) is not None
             and meta.max_seq_len <= self.max_model_len

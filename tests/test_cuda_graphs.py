@@ -76,3 +76,21 @@ def test_graph_replayed_decode_matches_transformers(
     for prompt, req in zip(prompts, outs):
         expected = hf_greedy(hf_model, prompt, 16)
         assert_same_greedy(hf_model, prompt, req.output_token_ids, expected)
+
+
+def test_int8_caches_are_never_replayed() -> None:
+    """The torch path reads int8 caches with the host's context lengths, which a graph would
+    freeze at max_model_len: such steps stay eager."""
+    from engine.cuda_graphs import DecodeGraphs
+
+    class Model:
+        embed_tokens = torch.nn.Embedding(4, 2)
+
+    meta = AttentionMetadata.build([1], [5], [[0]], 16)
+    float_kv = [(torch.zeros(2, 16, 1, 8), torch.zeros(2, 16, 1, 8))]
+    int8_kv = [(torch.zeros(2, 16, 1, 12, dtype=torch.int8),) * 2]
+    assert DecodeGraphs(Model(), float_kv, 64, 16, [1, 2]).can_run(meta) == ops.TRITON_AVAILABLE
+    assert not DecodeGraphs(Model(), int8_kv, 64, 16, [1, 2]).can_run(meta)
+    assert not DecodeGraphs(Model(), float_kv, 64, 16, [1, 2]).can_run(meta, lambda i: None)
+    long_meta = AttentionMetadata.build([1], [65], [[0, 1, 2, 3, 4]], 16)
+    assert not DecodeGraphs(Model(), float_kv, 64, 16, [1, 2]).can_run(long_meta)
