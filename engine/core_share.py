@@ -7,7 +7,9 @@ memory (one per node group, a file under /dev/shm, written by decode and read by
 - decode, each step, publishes the threads its running batch needs to hold its TPOT target
   (``DecodeCores``) and runs with that many itself;
 - prefill, before each chunk, reads it and runs with the rest of the node's cores, at least 1
-  (``PrefillCores``): a decode that needs cores gets them back within one prefill chunk.
+  (``PrefillCores``), and, while decode's measured steps keep well within its budget, on
+  decode's cores too (the OS time-slices them): a decode whose steps reach the budget, or that
+  needs more cores, gets them back within one prefill chunk.
 
 Threads are torch's intra-op threads. ``torch.set_num_threads`` sets the calling thread's
 OpenMP count, so both are called on the engine thread, which runs every forward; a call costs
@@ -39,6 +41,12 @@ EWMA_WEIGHT = 0.2
 # need falls by one only when the estimate fits (need - 1) threads with this much to spare,
 # so a step time at a boundary does not flip the split every step.
 DOWN_MARGIN = 0.9
+# Prefill runs on decode's cores too (one more thread per chunk, up to the node's cores) while
+# decode's measured step stays under this share of its budget (headroom x TPOT target): the
+# OS time-slices the cores, decode's steps slow but keep their target, and a long prompt is
+# prefilled on every core. At or past the budget prefill gives them back from its next chunk.
+LEND_BELOW = 0.6
+RECLAIM_AT = 1.0
 
 
 @dataclass(frozen=True)
@@ -248,26 +256,45 @@ class DecodeCores:
 
 class PrefillCores:
     """Prefill's side: before each chunk (``before_chunk``, on the engine thread), run with
-    the node's cores less decode's published need, at least 1. Nothing published yet, or a
-    publication older than STALE_AFTER_S (decode gone): every core."""
+    the node's cores less decode's published need, at least 1; and, while decode's steps have
+    time to spare (its published step under LEND_BELOW of its budget), on decode's cores too,
+    one more thread a chunk, until its steps reach the budget (RECLAIM_AT: back to the cores
+    decode does not need). Nothing published yet, or a publication older than STALE_AFTER_S
+    (decode gone): every core."""
 
     def __init__(self, s: CoreShareSettings, set_threads: Callable[[int], None] | None = None):
         self.settings = s
         self.ledger = CoreLedger(s.ledger)
         self._threads = _ThreadCount(set_threads)
         self.decode_need = 0
+        self._lent: int | None = None  # decode's cores prefill runs on too (None: decode idle)
 
     @property
     def threads(self) -> int:
         return self._threads.threads
 
     def before_chunk(self) -> int:
-        """Read decode's need and set this thread's count; returns the count."""
+        """Read decode's need and step, and set this thread's count; returns the count."""
         published = self.ledger.read()
         fresh = published is not None and published.age_s < STALE_AFTER_S
         self.decode_need = published.need if fresh else 0
-        self._threads.apply(max(1, self.settings.cores - self.decode_need))
+        self._threads.apply(self._share(published if self.decode_need else None))
         return self._threads.threads
+
+    def _share(self, published: Published | None) -> int:
+        cores = self.settings.cores
+        if published is None:  # decode idle or gone: every core, nothing lent to count
+            self._lent = None
+            return cores
+        own = max(1, cores - published.need)
+        budget = self.settings.headroom * self.settings.tpot_target_s
+        pressure = published.step_s / budget
+        if self._lent is None or pressure >= RECLAIM_AT:
+            self._lent = 0  # decode just got busy, or its steps reach the budget
+        elif 0 < published.step_s and pressure < LEND_BELOW:  # 0: no step measured yet
+            self._lent += 1
+        self._lent = min(self._lent, cores - own)
+        return own + self._lent
 
     def close(self) -> None:
         self.ledger.close()

@@ -81,12 +81,40 @@ def test_prefill_takes_the_cores_decode_does_not_need_and_at_least_one(settings)
     decode, prefill = CoreLedger(settings.ledger), Recorder()
     cores = PrefillCores(settings, prefill)
     assert cores.before_chunk() == 4  # nothing published: every core
+    # Decode's steps at 0.8 of its budget (0.5 x 0.1 s): no time to lend its cores.
     for need, expected in ((0, 4), (1, 3), (3, 1), (4, 1), (2, 2)):
-        decode.publish(need, max(need, 1), need, 0.01)
+        decode.publish(need, max(need, 1), need, 0.04)
         assert cores.before_chunk() == expected
     assert prefill.calls == [4, 3, 1, 2]  # set only when the count changes
     cores.before_chunk()
     assert prefill.calls == [4, 3, 1, 2]
+
+
+def test_prefill_runs_on_decodes_cores_too_while_decode_has_time_and_gives_them_back(settings):
+    """Budget 0.05 s (0.5 x 0.1): decode's steps under 0.6 of it lend prefill one more thread
+    a chunk, up to every core; at the budget prefill is back to the cores decode does not
+    need; in between it holds. A decode that just got busy starts from its own cores."""
+    decode, prefill = CoreLedger(settings.ledger), Recorder()
+    cores = PrefillCores(settings, prefill)
+    shares = []
+    for need, step_s in (
+        (2, 0.01),
+        (2, 0.01),
+        (2, 0.01),
+        (2, 0.01),
+        (2, 0.06),
+        (2, 0.04),
+        (2, 0.02),
+        (3, 0.02),
+        (0, 0.0),
+        (1, 0.01),
+    ):
+        decode.publish(need, need, 4, step_s)
+        shares.append(cores.before_chunk())
+    assert shares == [2, 3, 4, 4, 2, 2, 3, 3, 4, 3]
+    decode.publish(1, 1, 4, 0.0)  # a step not measured yet: nothing more is lent on it
+    assert cores.before_chunk() == 3
+    assert cores.settings.cores == 4
 
 
 def test_a_stale_publication_gives_prefill_every_core(settings, monkeypatch):

@@ -28,8 +28,9 @@ def tiny(tmp_path_factory):
 @pytest.fixture
 def share():
     path = ledger_path(f"test-{uuid.uuid4().hex[:8]}", 0)
-    # Decode takes 2 of 3 cores whenever it has sequences.
-    yield CoreShareSettings(ledger=path, node_cores=3, decode_threads=2)
+    # Decode takes 2 of 3 cores whenever it has sequences, and its steps never have time to
+    # spare (a TPOT target of 1 ns): prefill borrows none of them (tests/test_core_share.py).
+    yield CoreShareSettings(ledger=path, node_cores=3, decode_threads=2, tpot_target_s=1e-9)
     if os.path.exists(path):
         os.unlink(path)
 
