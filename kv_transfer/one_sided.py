@@ -219,6 +219,15 @@ class ControlLink(Link):
     kind = "one-sided"
     protocol = ""
 
+    def __init__(
+        self,
+        endpoint: str,
+        token: str | None = None,
+        timeout_s: float = 60.0,
+        connect_timeout_s: float = 5.0,
+    ):
+        self._connect(endpoint, token, timeout_s, connect_timeout_s)
+
     def _connect(self, endpoint: str, token, timeout_s: float, connect_timeout_s: float) -> None:
         host, _, port = endpoint.rpartition(":")
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=connect_timeout_s)

@@ -247,15 +247,6 @@ def _coalesce(local: np.ndarray, remote: np.ndarray, block_bytes: int):
 class NixlLink(ControlLink):
     kind, protocol = "nixl", PROTOCOL
 
-    def __init__(
-        self,
-        endpoint: str,
-        token: str | None = None,
-        timeout_s: float = 60.0,
-        connect_timeout_s: float = 5.0,
-    ):
-        self._connect(endpoint, token, timeout_s, connect_timeout_s)
-
     def _greeted(self, hello: dict) -> None:
         """Load the receiver's agent metadata (the receiver proved the token already)."""
         self.layout = field(hello, "layout", dict)

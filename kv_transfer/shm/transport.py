@@ -164,15 +164,6 @@ def _check_layout(layout: dict) -> dict:
 class ShmLink(ControlLink):
     kind, protocol = "shm", PROTOCOL
 
-    def __init__(
-        self,
-        endpoint: str,
-        token: str | None = None,
-        timeout_s: float = 60.0,
-        connect_timeout_s: float = 5.0,
-    ):
-        self._connect(endpoint, token, timeout_s, connect_timeout_s)
-
     def _greeted(self, hello: dict) -> None:
         """Map the receiver's cache (the receiver proved the token already)."""
         self.layout = _check_layout(field(hello, "layout", dict))
