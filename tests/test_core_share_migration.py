@@ -16,7 +16,9 @@ from tests.cluster_utils import assert_all_blocks_free, worker_statuses
 from tests.test_disagg import engine_reference, mixed_prompts
 from tests.test_migration import NEW_TOKENS, _decode_proc, _spec, _stream_all, tiny_model  # noqa: F401
 
-SHARED = {"enabled": True, "node_cores": 2}
+# Decode's steps never have time to spare (a TPOT target of 1 ns): prefill borrows none of its
+# cores, so group 0's prefill worker runs on 1 of the 2 while its partner decodes.
+SHARED = {"enabled": True, "node_cores": 2, "tpot_target_s": 1e-9}
 
 
 @pytest.mark.slow
