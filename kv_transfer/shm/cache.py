@@ -16,6 +16,7 @@ this user, of the layout's size, not a symlink) and mapped read-write as the sam
 from __future__ import annotations
 
 import atexit
+import ctypes
 import fcntl
 import logging
 import mmap
@@ -143,6 +144,7 @@ class SharedKVCache:
             shared.copy_(tensor)
             with torch.no_grad():
                 tensor.set_(shared)
+        _give_back_freed_memory()
 
     def remove(self) -> None:
         """Unlink the file and let its lock go (idempotent): no new sender can map it; this
@@ -155,6 +157,17 @@ class SharedKVCache:
             os.close(self._fd)
             self._fd = None
         atexit.unregister(self.remove)
+
+
+def _give_back_freed_memory() -> None:
+    """glibc serves allocations under its mmap threshold (dynamic, up to 32 MiB: it rises as
+    large blocks are freed) from its heap and keeps what is freed there resident: in a process
+    that freed large blocks before, the old cache would stay in memory after the move.
+    malloc_trim returns the free pages to the system (nothing to do on another libc)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _create_locked(directory: str) -> tuple[int, str]:
