@@ -248,6 +248,14 @@ class ControlLink(Link):
     def _greeted(self, hello: dict) -> None:
         raise NotImplementedError
 
+    def lease(self, request_id: str, lease_id: str) -> dict:
+        """The receiver's answer naming where ``lease_id``'s blocks are; LeaseRefused if it
+        will not name them (unknown, expired, another request's)."""
+        reply = self.request({"op": "lease", "lease": lease_id, "request": request_id})
+        if not reply.get("ok"):
+            raise LeaseRefused(str(reply.get("error", "lease refused"))[:512])
+        return reply
+
     def _new_channel(self, request_id: str, lease_id: str) -> Channel:
         raise NotImplementedError
 

@@ -35,7 +35,7 @@ from kv_transfer.nixl.commit import (
 )
 from kv_transfer.nixl.control import PROTOCOL, field
 from kv_transfer.nixl.server import NixlReceiverServer
-from kv_transfer.one_sided import ControlLink, LeaseRefused
+from kv_transfer.one_sided import ControlLink
 
 log = logging.getLogger("pdserve.kv")
 
@@ -94,11 +94,7 @@ class NixlChannel(Channel):
         self._lock = threading.Lock()
 
     def _fetch_addresses(self) -> None:
-        reply = self._link.request(
-            {"op": "lease", "lease": self.lease_id, "request": self.request_id}
-        )
-        if not reply.get("ok"):
-            raise LeaseRefused(str(reply.get("error", "lease refused"))[:512])
+        reply = self._link.lease(self.request_id, self.lease_id)
         n, layers = field(reply, "blocks", int), self._link.layout["num_layers"]
         k, v = (np.frombuffer(field(reply, name, bytes), dtype="<u8") for name in ("k", "v"))
         if k.size != layers * n or v.size != layers * n:

@@ -24,7 +24,7 @@ import torch
 from kv_transfer.interfaces import Channel, Link, ReceiverServer
 from kv_transfer.nixl.commit import block_rows, cell_crcs, digest, encode_notification
 from kv_transfer.nixl.control import field
-from kv_transfer.one_sided import ControlLink, LeaseRefused
+from kv_transfer.one_sided import ControlLink
 from kv_transfer.shm.cache import map_shared
 from kv_transfer.shm.server import PROTOCOL, ShmReceiverServer
 
@@ -61,11 +61,7 @@ class ShmChannel(Channel):
         self._lock = threading.Lock()
 
     def _fetch_blocks(self) -> None:
-        reply = self._link.request(
-            {"op": "lease", "lease": self.lease_id, "request": self.request_id}
-        )
-        if not reply.get("ok"):
-            raise LeaseRefused(str(reply.get("error", "lease refused"))[:512])
+        reply = self._link.lease(self.request_id, self.lease_id)
         blocks, total = field(reply, "blocks", list), self._link.layout["num_blocks"]
         if not all(isinstance(b, int) and 0 <= b < total for b in blocks):
             raise ConnectionError("shm receiver named blocks outside its cache")
