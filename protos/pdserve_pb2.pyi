@@ -252,7 +252,7 @@ class KvCacheEvents(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., seq: _Optional[int] = ..., full: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "queued_prompt_tokens", "draining", "prefix_hit_tokens", "prefix_query_tokens", "num_preemptions", "num_leases", "frames_rejected", "kv_endpoint", "kv_transport", "num_transfers", "block_size", "cpu_kernels", "open_streams", "max_streams", "kv_events", "threads", "node_cores")
+    __slots__ = ("worker_id", "role", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "queued_prompt_tokens", "draining", "prefix_hit_tokens", "prefix_query_tokens", "num_preemptions", "num_leases", "frames_rejected", "kv_endpoint", "kv_transport", "num_transfers", "block_size", "cpu_kernels", "open_streams", "max_streams", "kv_events", "threads", "node_cores", "tensor_parallel")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +276,7 @@ class WorkerStatus(_message.Message):
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     NODE_CORES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_free_blocks: int
@@ -299,7 +300,26 @@ class WorkerStatus(_message.Message):
     kv_events: KvCacheEvents
     threads: int
     node_cores: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_leases: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., num_transfers: _Optional[int] = ..., block_size: _Optional[int] = ..., cpu_kernels: _Optional[str] = ..., open_streams: _Optional[int] = ..., max_streams: _Optional[int] = ..., kv_events: _Optional[_Union[KvCacheEvents, _Mapping]] = ..., threads: _Optional[int] = ..., node_cores: _Optional[int] = ...) -> None: ...
+    tensor_parallel: TensorParallelRanks
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_leases: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., num_transfers: _Optional[int] = ..., block_size: _Optional[int] = ..., cpu_kernels: _Optional[str] = ..., open_streams: _Optional[int] = ..., max_streams: _Optional[int] = ..., kv_events: _Optional[_Union[KvCacheEvents, _Mapping]] = ..., threads: _Optional[int] = ..., node_cores: _Optional[int] = ..., tensor_parallel: _Optional[_Union[TensorParallelRanks, _Mapping]] = ...) -> None: ...
+
+class TensorParallelRanks(_message.Message):
+    __slots__ = ("size", "ranks")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankState]
+    def __init__(self, size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ...) -> None: ...
+
+class RankState(_message.Message):
+    __slots__ = ("rank", "pid", "alive")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    pid: int
+    alive: bool
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., alive: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "num_tokens", "lease_seconds", "lease_id", "block_hashes")
