@@ -73,6 +73,13 @@ def convert_gguf(
     return out
 
 
+def read_hf_config(gguf_path: Path) -> dict:
+    """The Hugging Face ``config.json`` dict of a GGUF file, from its header (no conversion)."""
+    import gguf
+
+    return _hf_config(gguf.GGUFReader(str(gguf_path)))
+
+
 def _field(reader, key: str, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()

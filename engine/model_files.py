@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from engine.errors import ModelNotFoundError
+from engine.errors import ModelNotFoundError, PdserveError
 from engine.gguf_convert import convert_gguf
 
 EMBEDDED_MODEL = "embedded"
@@ -42,3 +42,27 @@ def resolve_model_dir(model: str | Path, progress: bool = True) -> Path:
     if path.is_dir() and (path / "config.json").is_file():
         return path
     raise ModelNotFoundError(f"{path} is neither a .gguf file nor a folder with config.json")
+
+
+def model_shape(model: str | Path):
+    """``model``'s ``ModelConfig`` (heads, KV heads, MLP columns) read from its config alone,
+    without converting or loading anything; None where it cannot be read here (no such path
+    yet, a missing package, an unsupported model: the worker that loads it says why). The
+    cluster config checks each pool's tensor_parallel_size against it before anything starts."""
+    import json
+
+    from engine.config import ModelConfig
+    from engine.gguf_convert import cache_dir_for, read_hf_config
+
+    try:
+        path = embedded_gguf_path() if str(model) == EMBEDDED_MODEL else Path(model).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            converted = cache_dir_for(path) / "config.json"  # a converted copy: no header parse
+            hf = json.loads(converted.read_text()) if converted.is_file() else read_hf_config(path)
+        elif (path / "config.json").is_file():
+            hf = json.loads((path / "config.json").read_text())
+        else:
+            return None
+        return ModelConfig.from_hf_dict(hf)
+    except (PdserveError, OSError, ValueError, KeyError, ImportError):
+        return None

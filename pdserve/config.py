@@ -28,6 +28,7 @@ from engine.config import (
 from engine.errors import PdserveError
 from engine.request import MAX_LOGPROBS
 from engine.settings import EngineSettings
+from engine.tensor_parallel import check_tensor_parallel
 from grpc_plumbing.tracing import tracing_missing
 from grpc_plumbing.worker_process import ServerSettings
 from kv_transfer.lease import MAX_LEASE_TTL_S
@@ -67,17 +68,27 @@ class PoolConfig(_Strict):
     max: int = Field(4, ge=1)
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
-    threads: int = Field(1, ge=0, description="torch threads per worker (0: torch's default)")
+    threads: int = Field(
+        1,
+        ge=0,
+        description="torch threads per rank: a worker of tensor_parallel_size k runs k x this "
+        "(0: torch's default at TP=1, the node's cores / k for each of k ranks)",
+    )
     resources: dict[str, float] = Field(default_factory=dict, description="Ray custom resources")
-    # Ranks per worker: the engine runs TP=k (engine/tp_ranks.py), the workers not yet.
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="ranks per worker (engine/tp_ranks.py): under Ray one placement group per "
+        "worker, a bundle of num_cpus, resources (and num_gpus) per rank, all on one node",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> PoolConfig:
-        if self.tensor_parallel_size != 1:
+        if self.tensor_parallel_size > 1 and self.num_gpus not in (0, 1):
+            # Rank r runs on cuda:r of the devices its worker sees (engine/tp_ranks.py).
             raise ValueError(
-                f"tensor_parallel_size {self.tensor_parallel_size}: workers do not run "
-                "tensor-parallel ranks yet; give 1 and scale with replicas"
+                f"num_gpus {self.num_gpus} with tensor_parallel_size "
+                f"{self.tensor_parallel_size}: each rank takes one whole GPU; give 1 (or 0)"
             )
         if self.min > self.max:
             raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
@@ -304,6 +315,11 @@ class ClusterConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _tensor_parallel_fits(self) -> ClusterConfig:
+        check_pools_tensor_parallel(self)
+        return self
+
+    @model_validator(mode="after")
     def _lease_bounds(self) -> ClusterConfig:
         if self.lease_ttl_s > self.limits.max_lease_seconds:
             raise ValueError(
@@ -311,6 +327,30 @@ class ClusterConfig(_Strict):
                 f"({self.limits.max_lease_seconds})"
             )
         return self
+
+
+def check_pools_tensor_parallel(cfg: ClusterConfig) -> None:
+    """Each pool's tensor_parallel_size against the model's heads, KV heads and MLP columns,
+    where the model's config can be read here (engine.model_files.model_shape; elsewhere the
+    worker refuses it as it loads); and no TP pool under share_cores, whose node groups pair
+    one prefill with one decode actor."""
+    sizes = {role: cfg.pools[role].tensor_parallel_size for role in ("prefill", "decode")}
+    if max(sizes.values()) == 1:
+        return
+    if cfg.share_cores.enabled:
+        raise ValueError(
+            "share_cores pairs single-rank workers: give share_cores.enabled false or every "
+            "pool's tensor_parallel_size 1"
+        )
+    from engine.model_files import model_shape  # numpy, for GGUF: only where TP is asked
+
+    shape = model_shape(cfg.model)
+    for role, size in sizes.items():
+        if shape is not None and size > 1:
+            try:
+                check_tensor_parallel(shape, size)
+            except ValueError as e:  # "tensor_parallel_size 2: must divide ..."
+                raise ValueError(f"pools.{role}.{e}") from None
 
 
 def with_cluster_token(cfg: ClusterConfig) -> ClusterConfig:

@@ -91,7 +91,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=tensor_parallel,
         default=None,
         metavar="K|P:D",
-        help="Number of tensor parallel replicas, per pool as P:D (only 1 for now).",
+        help="Number of tensor parallel replicas: ranks per worker, both pools (K) or each "
+        "(P:D, prefill:decode); each must divide the model's heads.",
     )
     g.add_argument(
         "--kv-transport",
@@ -118,7 +119,6 @@ def apply_serve_args(cfg, args: argparse.Namespace, environ=os.environ):
     by the config's model. Raises ``FlagError`` naming the flag a bad value came from."""
     from pdserve.config import ConfigError, validate_config
 
-    _check_tensor_parallel(getattr(args, "tensor_parallel_size", None))
     _check_model(getattr(args, "model", None))
     data, given = cfg.model_dump(), []
     for flag, (dest, field) in FIELDS.items():
@@ -130,6 +130,7 @@ def apply_serve_args(cfg, args: argparse.Namespace, environ=os.environ):
             data["pools"][dest] = _pool_with(data["pools"][dest], value)
         else:
             data[field] = value
+    given += _with_tensor_parallel(data, getattr(args, "tensor_parallel_size", None))
     if not data.get("api_key") and environ.get(API_KEY_ENV):
         data["api_key"] = environ[API_KEY_ENV]  # the router actor may not see the variable
     try:
@@ -152,21 +153,25 @@ def _pool_with(pool: dict, replicas: int) -> dict:
 def _blame(message: str, given: list[tuple[str, str]]) -> FlagError:
     """The config's error, pinned on the flag whose field it names (first match)."""
     lines = message.splitlines()[1:] or [message]
+    # The most specific field first: pools.decode.tensor_parallel_size before pools.decode.
+    given = sorted(given, key=lambda g: -len(g[1]))
     for line in lines:
         for flag, field in given:
-            if line.startswith((f"{field}:", f"{field}.")):
+            if line.startswith((f"{field}:", f"{field}.", f"{field} ")):
                 return FlagError(flag, line)
     return FlagError(None, "; ".join(lines))
 
 
-def _check_tensor_parallel(tp: tuple[int, int] | None) -> None:
-    # The config has no tensor-parallel field yet: every worker is one device.
-    if tp is not None and tp != (1, 1):
-        raise FlagError(
-            "--tensor-parallel-size",
-            f"{tp[0] if tp[0] == tp[1] else f'{tp[0]}:{tp[1]}'}: tensor parallelism is not supported yet (each prefill and "
-            "decode worker runs on one device); give 1 or 1:1, and scale with --prefill/--decode",
-        )
+def _with_tensor_parallel(data: dict, sizes: tuple[int, int] | None) -> list[tuple[str, str]]:
+    """Set each pool's tensor_parallel_size from ``--tensor-parallel-size`` (prefill, decode);
+    returns the fields it set, for ``_blame``."""
+    if sizes is None:
+        return []
+    given = []
+    for role, size in zip(("prefill", "decode"), sizes):
+        data["pools"][role] = {**data["pools"][role], "tensor_parallel_size": size}
+        given.append(("--tensor-parallel-size", f"pools.{role}.tensor_parallel_size"))
+    return given
 
 
 def _check_model(model: str | None) -> None:

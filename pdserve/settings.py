@@ -20,8 +20,10 @@ from pdserve.security_config import api_security, cluster_tls, request_limits
 from prefill_worker.launch import PrefillSettings
 from router.settings import RouterSettings
 
-# What a ClusterConfig field of the same name sets; model and threads come from elsewhere.
-ENGINE_FIELDS = tuple(f.name for f in fields(EngineSettings) if f.name not in ("model", "threads"))
+# What a ClusterConfig field of the same name sets; model and the pool's own (threads: per
+# rank, tensor_parallel_size) come from elsewhere.
+_PER_POOL = ("model", "threads", "tensor_parallel_size")
+ENGINE_FIELDS = tuple(f.name for f in fields(EngineSettings) if f.name not in _PER_POOL)
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,13 @@ def settings_from_config(cfg: ClusterConfig, host: str, model_dir: str | None = 
         # Every engine knob the config names the same way (block_size, weights, kv_dtype...)
         # is copied: a new one reaches the workers by being declared on both.
         same = {k: getattr(cfg, k) for k in ENGINE_FIELDS if k in ClusterConfig.model_fields}
-        return EngineSettings(**same, model=model, threads=cfg.pools[role].threads)
+        pool = cfg.pools[role]
+        return EngineSettings(
+            **same,
+            model=model,
+            threads=pool.threads,
+            tensor_parallel_size=pool.tensor_parallel_size,
+        )
 
     server = ServerSettings(
         host=host,

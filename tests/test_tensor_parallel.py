@@ -271,12 +271,17 @@ def test_workers_refuse_more_than_one_rank():
         start_decode_worker(DecodeSettings(engine=engine))
 
 
-def test_the_cluster_config_refuses_more_than_one_rank():
+def test_the_cluster_config_takes_each_pools_degree_where_it_divides_the_heads(tmp_path):
     from pdserve.config import ClusterConfig, ConfigError, validate_config
 
-    data = ClusterConfig().model_dump()
-    data["pools"]["decode"]["tensor_parallel_size"] = 2
-    with pytest.raises(ConfigError, match="pools.decode: tensor_parallel_size 2: workers do not"):
+    path, _ = tiny_dir(tmp_path, "llama", 4, 2)
+    data = ClusterConfig(model=str(path)).model_dump()
+    data["pools"]["prefill"]["tensor_parallel_size"] = 2
+    data["pools"]["decode"]["tensor_parallel_size"] = 4  # KV heads replicated
+    cfg = validate_config(data, "the test's config")
+    assert (cfg.pools.prefill.tensor_parallel_size, cfg.pools.decode.tensor_parallel_size) == (2, 4)
+    data["pools"]["decode"]["tensor_parallel_size"] = 3
+    with pytest.raises(ConfigError, match="pools.decode.tensor_parallel_size 3: must divide the"):
         validate_config(data, "the test's config")
 
 

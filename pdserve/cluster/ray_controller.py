@@ -28,6 +28,7 @@ from pdserve.cluster.core_pairs import NodePairs, free_group
 from pdserve.cluster.ray_actors import RouterActor, WorkerActor
 from pdserve.cluster.ray_autoscaling import ROLES, PoolAutoscaling
 from pdserve.cluster.router_supervisor import supervise_router
+from pdserve.cluster.tp_groups import RankGroups
 from pdserve.config import ClusterConfig, with_cluster_token
 from pdserve.share_cores import with_share_name
 
@@ -66,6 +67,7 @@ class Controller(PoolAutoscaling):
         self.cfg = with_share_name(with_cluster_token(ClusterConfig.model_validate(cfg)))
         # share_cores: prefill worker i and decode worker i placed on one node (core_pairs.py)
         self.pairs = NodePairs(self.cfg) if self.cfg.share_cores.enabled else None
+        self.ranks = RankGroups(self.cfg)  # a placement group per TP worker (tp_groups.py)
         self.model_dir = model_dir
         self.targets = {role: self.cfg.pools[role].replicas for role in ROLES}
         self.workers: dict[str, WorkerRecord] = {}
@@ -115,6 +117,7 @@ class Controller(PoolAutoscaling):
         self.workers.clear()
         if self.pairs is not None:
             self.pairs.remove()
+        self.ranks.remove_all()
         if self.router is not None:
             ray.kill(self.router)
             self.router = None
@@ -180,17 +183,17 @@ class Controller(PoolAutoscaling):
     async def _add_worker(self, role: str) -> WorkerRecord:
         worker_id = f"{role}-{next(self._ids[role])}"
         pool = self.cfg.pools[role]
-        group, placement = None, {}
+        group, placement = None, {"num_gpus": pool.num_gpus}
         if self.pairs is not None:  # the group missing this role's member, on its node
             group = free_group(role, {r.group for r in self._pool(role)})
-            placement = self.pairs.options(group, role)
+            placement |= self.pairs.options(group, role)
+        placement |= self.ranks.options(worker_id, role)  # TP: its ranks' group (tp_groups.py)
         actor = (
             ray.remote(WorkerActor)
             .options(
                 name=f"pdserve-{worker_id}",
                 namespace=NAMESPACE,
                 num_cpus=pool.num_cpus,
-                num_gpus=pool.num_gpus,
                 resources=dict(pool.resources) or None,
                 max_concurrency=8,
                 runtime_env={"env_vars": hugepages.env_vars()},  # set before torch loads
@@ -206,7 +209,7 @@ class Controller(PoolAutoscaling):
             await self.router.add_worker.remote(role, rec.address)
         except Exception as e:  # noqa: BLE001 - any start failure: report it, keep serving
             self.workers.pop(worker_id, None)
-            ray.kill(actor)
+            self._kill(rec)
             self._event(f"{worker_id} failed to start: {root_cause(e)}")
             raise RuntimeError(f"{worker_id} failed to start: {root_cause(e)}") from None
         rec.state = "ready"
@@ -249,7 +252,12 @@ class Controller(PoolAutoscaling):
 
     async def _stop_actor(self, rec: WorkerRecord) -> None:
         await _quietly(rec.actor.stop.remote(), 15)
+        self._kill(rec)
+
+    def _kill(self, rec: WorkerRecord) -> None:
+        """The actor, its followers (its children) with it, and its ranks' placement group."""
         ray.kill(rec.actor)
+        self.ranks.remove(rec.worker_id)
 
     # ---- health --------------------------------------------------------------------------
     @staticmethod
@@ -286,7 +294,7 @@ class Controller(PoolAutoscaling):
             return
         self._event(f"{rec.worker_id} at {rec.address} is dead ({reason}); replacing it")
         self.workers.pop(rec.worker_id, None)
-        ray.kill(rec.actor)
+        self._kill(rec)
         await _quietly(self.router.remove_worker.remote(rec.role, rec.address))
         self._spawn(self._reconcile(rec.role))
 
@@ -363,6 +371,7 @@ def _worker_row(rec: WorkerRecord, routed: dict) -> dict:
         "threads": st.get("threads", 0),  # torch threads now (a node group's share of its cores)
         "node_cores": st.get("node_cores", 0),  # 0: shares no cores
         "group": rec.group,
+        "tensor_parallel": st.get("tensor_parallel"),  # its ranks; None at TP=1
     }
 
 

@@ -53,11 +53,13 @@ def connect(
 
 def _local_cpus(cfg: ClusterConfig | None) -> int:
     # Ray's CPUs are a logical count: on a small machine, give it enough for every pool at its
-    # max so actors never wait for CPUs that torch threads share anyway.
+    # max so actors never wait for CPUs that torch threads share anyway (a TP worker's
+    # placement group holds num_cpus for each of its ranks: pdserve/cluster/tp_groups.py).
     cpus = os.cpu_count() or 1
     if cfg is None:
         return cpus
-    wanted = sum(p.num_cpus * max(p.max, p.replicas) for p in (cfg.pools.prefill, cfg.pools.decode))
+    pools = (cfg.pools.prefill, cfg.pools.decode)
+    wanted = sum(p.num_cpus * p.tensor_parallel_size * max(p.max, p.replicas) for p in pools)
     return max(cpus, math.ceil(wanted))
 
 
@@ -214,6 +216,16 @@ def serve_forever(cfg: ClusterConfig, address: str | None = None) -> int:
     return code
 
 
+def _rank_lines(tp: dict | None) -> list[str]:
+    """A tensor-parallel worker's ranks under its line (threads above: each rank's)."""
+    if not tp or tp.get("size", 1) <= 1:
+        return []
+    return [
+        f"    rank {r['rank']}/{tp['size']}  pid {r['pid']:<8} {'alive' if r['alive'] else 'dead'}"
+        for r in tp.get("ranks", [])
+    ]
+
+
 def _threads(row: dict) -> str:
     """Torch threads now; with share_cores, of the node group's cores: '3/4'."""
     threads, cores = row.get("threads", 0), row.get("node_cores", 0)
@@ -248,6 +260,7 @@ def format_status(st: dict) -> str:
                 f"{w['kv_usage']:>5.0%} {w['running']:>4} {w['waiting']:>4} "
                 f"{w['served_requests']:>6} {_threads(w):>7}"
             )
+            lines += _rank_lines(w.get("tensor_parallel"))
     if st.get("autoscaler") and "planner_prediction" in st:
         from pdserve.planner.drift import format_prediction
 
