@@ -194,7 +194,8 @@ class Request:
         self.mark("arrived")
 
     def mark(self, event: str) -> None:
-        self.events.setdefault(event, time.monotonic())
+        if event not in self.events:  # the first time only (a decode marks every token)
+            self.events[event] = time.monotonic()
 
     @property
     def is_finished(self) -> bool:

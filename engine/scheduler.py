@@ -157,7 +157,9 @@ class Scheduler:
         """One request's update: its computed tokens, cached blocks, new token and stop."""
         req = s.request
         req.num_computed_tokens += s.num_new_tokens
-        if req.num_computed_tokens // self.blocks.block_size > len(req.block_hashes):
+        full_blocks = req.num_computed_tokens // self.blocks.block_size
+        # Caching checked first: ``all_token_ids`` copies the sequence, once per decoded token.
+        if self.blocks.enable_prefix_caching and full_blocks > len(req.block_hashes):
             self.blocks.cache_full_blocks(
                 req.block_table, req.block_hashes, req.all_token_ids, req.num_computed_tokens
             )

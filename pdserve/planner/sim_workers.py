@@ -25,6 +25,7 @@ from engine.config import SchedulerConfig
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step import StepHooks, StepLoop, TokensDone
+from engine.step_trace import PlanShape
 from pdserve.planner.cpu_share import CpuShare
 from pdserve.planner.kv_link import LinkQueue
 from pdserve.planner.profile import EngineSettings, Profile
@@ -129,8 +130,9 @@ class SimWorker(StepHooks):
     def run(self, plan: SchedulerOutput, after_layer, done: TokensDone) -> None:
         """The executor: the forward takes the profile's latency; the tokens come at its end."""
         self.busy = True
-        kind = "prefill" if self.profile.has_prefill(plan.scheduled) else "decode"
-        alone = self.profile.step_seconds(plan.scheduled)
+        shape = PlanShape.of(plan.scheduled)  # once: the kind and the price both read it
+        kind = "prefill" if shape.prompt_tokens else "decode"  # Profile.has_prefill's answer
+        alone = self.profile.shape_seconds(shape)
         if kind == self.slowed_kind:
             alone *= self.step_slowdown
         self.steps += 1
