@@ -2,18 +2,23 @@
 
 A probe is one deployment (a prefill shape x workers, a decode shape x workers, or a colocated
 pool) at one rate, scored against the SLO spec or one pool's part of it; a capacity probe
-bisects the rate of one deployment inside its process. ``ProbeRunner.run`` sends the uncached
-ones to a ``concurrent.futures.ProcessPoolExecutor`` (each process gets the profiles, the
-workload and the settings once, at start) and keeps every answer.
-"""
+bisects the rate of one deployment inside its process. ``ProbeRunner.run`` sends the
+simulations not asked for before to a ``concurrent.futures.ProcessPoolExecutor`` (each process
+gets the profiles, the workload and the settings once, at start) and keeps every answer: one
+simulation per (deployment, rate, length), scored there for every part, so a pool's search and
+the whole cluster's check of the same deployment share it. Threads may share a runner (shapes
+sized side by side): a simulation two of them ask for runs once."""
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ProcessPoolExecutor
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from pdserve.metrics import compute_result
+from pdserve.planner.capacity_search import capacity_of
 from pdserve.planner.profile import Profile
 from pdserve.planner.sim import SimConfig, Split, simulate
 from pdserve.planner.slo import SloSpec
@@ -110,8 +115,18 @@ def _margins(spec: SloSpec, res, tail) -> tuple[float, float, float]:
 
 def _score(ctx: dict, probe: Probe) -> Outcome:
     res, tail = _simulate(ctx, probe.deployment, probe.rate, probe.longer)
-    spec: SloSpec = ctx["spec"]
-    scored = spec if probe.part == "all" else spec.part(probe.part)
+    return _outcome(ctx["spec"], probe.part, probe.rate, res, tail)
+
+
+def _outcomes(ctx: dict, dep: Deployment, rate: float, longer: float) -> tuple[Outcome, ...]:
+    """One simulation scored for every part (``PARTS`` order): a pool's search and the whole
+    cluster's check of the same deployment at the same rate share it."""
+    res, tail = _simulate(ctx, dep, rate, longer)
+    return tuple(_outcome(ctx["spec"], part, rate, res, tail) for part in PARTS)
+
+
+def _outcome(spec: SloSpec, part: str, rate: float, res, tail) -> Outcome:
+    scored = spec if part == "all" else spec.part(part)
     margin = min(scored.margin(res), scored.margin(tail))
     pre_margin, dec_margin = _margins(spec, res, tail)[1:]
     s = 1e-3
@@ -121,7 +136,7 @@ def _score(ctx: dict, probe: Probe) -> Outcome:
         pre_margin,
         dec_margin,
         scored.attained(res),
-        (res.slo_attainment or scored.attained(res)) * probe.rate,
+        (res.slo_attainment or scored.attained(res)) * rate,
         res.ttft_ms.median * s,
         res.ttft_ms.p90 * s,
         res.ttft_ms.p99 * s,
@@ -136,40 +151,21 @@ def _capacity(
     ctx: dict, dep: Deployment, part: str, start: float, steps: int, factor: float = 2.0
 ) -> float:
     """Highest rate at which ``dep`` holds ``part``: bracket from ``start`` by ``factor``,
-    then bisect ``steps`` times."""
-
-    def holds(rate: float) -> bool:
-        return _score(ctx, Probe(dep, rate, part)).holds
-
-    lo, hi, rate = 0.0, 0.0, start
-    for _ in range(12):
-        if holds(rate):
-            lo = rate
-            if hi:
-                break
-            rate *= factor
-        else:
-            hi = rate
-            if lo:
-                break
-            rate /= factor
-    if not lo or not hi:
-        return lo
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if holds(mid) else (lo, mid)
-    return lo
+    then bisect ``steps`` times (capacity_search.py), one probe after another."""
+    return capacity_of(lambda rate: _score(ctx, Probe(dep, rate, part)).holds, start, steps, factor)
 
 
 def _task(args):
     kind, payload = args
-    if kind == "probe":
-        return _score(_ctx, payload)
+    if kind == "sim":
+        return _outcomes(_ctx, *payload)
     return _capacity(_ctx, *payload)
 
 
 class ProbeRunner:
-    """Runs probes over ``workers`` processes (1: in this process, as tests do)."""
+    """Runs probes over ``workers`` processes (1: in this process, as tests do). Thread-safe:
+    searches of different shapes run side by side (``concurrently``) and share the processes,
+    and a simulation asked for twice (by two threads, or for two parts) runs once."""
 
     def __init__(
         self,
@@ -181,8 +177,9 @@ class ProbeRunner:
     ):
         self.ctx = {"profiles": profiles, "workload": workload, "spec": spec, "base": base}
         self.workers = workers or os.cpu_count() or 1
-        self.cache: dict = {}
-        self.simulations = 0
+        self.simulations = 0  # tasks run: a probe's simulation, or a whole capacity bisection
+        self._futures: dict = {}  # task -> its Future, pending or done
+        self._lock = threading.Lock()
         self._pool: ProcessPoolExecutor | None = None
 
     def __enter__(self):
@@ -196,21 +193,58 @@ class ProbeRunner:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
 
+    def _submit(self, task) -> Future:
+        with self._lock:
+            future = self._futures.get(task)
+            if future is None:
+                self.simulations += 1
+                future = self._futures[task] = self._start(task)
+            return future
+
+    def _start(self, task) -> Future:
+        if self._pool is not None:
+            return self._pool.submit(_task, task)
+        future = Future()
+        try:
+            future.set_result(_task(task))
+        except Exception as e:  # noqa: BLE001 - raised again by whoever reads the result
+            future.set_exception(e)
+        return future
+
     def _map(self, tasks: list) -> list:
-        todo = [t for t in dict.fromkeys(tasks) if t not in self.cache]
-        if todo:
-            self.simulations += len(todo)
-            results = self._pool.map(_task, todo) if self._pool else map(_task, todo)
-            self.cache.update(zip(todo, results))
-        return [self.cache[t] for t in tasks]
+        return [f.result() for f in [self._submit(t) for t in tasks]]
+
+    @staticmethod
+    def _sim(probe: Probe) -> tuple:
+        return ("sim", (probe.deployment, probe.rate, probe.longer))
 
     def run(self, probes: list[Probe]) -> list[Outcome]:
-        return self._map([("probe", p) for p in probes])
+        outs = self._map([self._sim(p) for p in probes])
+        return [o[PARTS.index(p.part)] for o, p in zip(outs, probes)]
 
     def one(self, probe: Probe) -> Outcome:
         return self.run([probe])[0]
 
+    def submit(self, probes: list[Probe]) -> None:
+        """Start ``probes`` without waiting for them (a later ``run`` collects them)."""
+        for p in probes:
+            self._submit(self._sim(p))
+
+    def known(self, probe: Probe) -> bool:
+        """Whether ``probe``'s answer is in (a ``run`` of it would not wait)."""
+        with self._lock:
+            future = self._futures.get(self._sim(probe))
+        return future is not None and future.done()
+
     def capacities(self, asks: list[tuple]) -> list[float]:
         """For each (deployment, part, start rate, bisection steps[, bracket factor]): its
-        capacity."""
+        capacity (``_capacity``, the whole bisection in one process)."""
         return self._map([("capacity", a) for a in asks])
+
+    def concurrently(self, calls: list[Callable[[], object]]) -> list:
+        """Each call's result; run side by side in threads when there are processes to share
+        (their probes queue on the one pool), else one after another."""
+        if self._pool is None or len(calls) < 2:
+            return [call() for call in calls]
+        with ThreadPoolExecutor(len(calls)) as threads:
+            return list(threads.map(lambda call: call(), calls))

@@ -167,32 +167,38 @@ def fewest_devices(
     colos: list[str],
     tp: dict[str, int],
 ) -> list[Sized]:
-    """Every shape sized for ``rate`` (headroom already in it), fewest devices first."""
-    units = unit_capacities(runner, pairs, colos, rate)
-    searches, meta = [], []
-    for pk, dk in pairs:
+    """Every shape sized for ``rate`` (headroom already in it), fewest devices first. The
+    shapes' searches are independent: they run side by side on the runner's processes, so
+    one shape's probes fill the cores another's rounds leave idle."""
+    shapes = [(pk, dk) for pk, dk in pairs] + [(None, ck) for ck in colos]
+    sized = runner.concurrently(
+        [lambda pk=pk, dk=dk: _size_shape(runner, rate, pk, dk, tp) for pk, dk in shapes]
+    )
+    return sorted(sized, key=lambda s: (not s.holds, s.devices, -s.outcome.margin))
+
+
+def _size_shape(runner: ProbeRunner, rate: float, pk: str | None, dk: str, tp) -> Sized:
+    """One shape (``pk`` None: colocated on ``dk``): its units, each pool's fewest workers at
+    full scale, then the whole settled."""
+    if pk is None:
+        units = unit_capacities(runner, [], [dk], rate)
+        g = _guess(rate, units["colocated", dk, dk])
+        [n] = _fewest(runner, [(lambda n: Deployment(None, 0, dk, n), "all", g)], rate)
+        dep, guess = Deployment(None, 0, dk, n), Deployment(None, 0, dk, g)
+        unit = {"colocated": units["colocated", dk, dk]}
+    else:
+        units = unit_capacities(runner, [(pk, dk)], [], rate)
         gp = _guess(rate, units["prefill", pk, dk])
         gd = _guess(rate, units["decode", pk, dk])
-        searches.append((lambda n, pk=pk, dk=dk, gd=gd: Deployment(pk, n, dk, gd), "prefill", gp))
-        searches.append((lambda n, pk=pk, dk=dk, gp=gp: Deployment(pk, gp, dk, n), "decode", gd))
-        meta.append((pk, dk, gp, gd))
-    for ck in colos:
-        g = _guess(rate, units["colocated", ck, ck])
-        searches.append((lambda n, ck=ck: Deployment(None, 0, ck, n), "all", g))
-        meta.append((None, ck, 0, g))
-    counts = iter(_fewest(runner, searches, rate))
-    sized = []
-    for pk, dk, gp, gd in meta:
-        if pk is None:
-            dep = Deployment(None, 0, dk, next(counts))
-            unit = {"colocated": units["colocated", dk, dk]}
-        else:
-            dep = Deployment(pk, next(counts), dk, next(counts))
-            unit = {"prefill": units["prefill", pk, dk], "decode": units["decode", pk, dk]}
-        dep, out = _settle(runner, dep, rate)
-        guess = Deployment(pk, gp, dk, gd)
-        sized.append(Sized(dep, out, devices(dep, tp), devices(guess, tp), unit))
-    return sorted(sized, key=lambda s: (not s.holds, s.devices, -s.outcome.margin))
+        searches = [
+            (lambda n: Deployment(pk, n, dk, gd), "prefill", gp),
+            (lambda n: Deployment(pk, gp, dk, n), "decode", gd),
+        ]
+        n_p, n_d = _fewest(runner, searches, rate)
+        dep, guess = Deployment(pk, n_p, dk, n_d), Deployment(pk, gp, dk, gd)
+        unit = {"prefill": units["prefill", pk, dk], "decode": units["decode", pk, dk]}
+    dep, out = _settle(runner, dep, rate)
+    return Sized(dep, out, devices(dep, tp), devices(guess, tp), unit)
 
 
 def best_within(
