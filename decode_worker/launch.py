@@ -13,7 +13,7 @@ from engine.core_share import (
     core_share_args,
     core_share_from_args,
 )
-from engine.settings import EngineSettings, LoadedModel, check_one_rank
+from engine.settings import EngineSettings, LoadedModel, shared_weights
 from grpc_plumbing import worker_process as process
 from grpc_plumbing.tracing import start_tracing
 from kv_transfer.lease import DEFAULT_LEASE_TTL_S
@@ -38,10 +38,16 @@ def start_decode_worker(s: DecodeSettings, loaded: LoadedModel | None = None):
     from decode_worker.worker import DecodeWorker
     from engine.llm_engine import build_engine  # torch: only when a worker starts
 
-    check_one_rank(s.engine, "decode")
+    if s.engine.tensor_parallel_size > 1 and s.kv_transport in ("nixl", "shm"):
+        raise ValueError(
+            f"kv_transport {s.kv_transport} writes into rank 0's cache only: a tensor-parallel "
+            "decode worker takes grpc, flight or torch_dist"
+        )
     srv = s.server
     tracing = start_tracing(srv.otlp_traces_endpoint, "pdserve-decode")
-    worker = DecodeWorker(build_engine(s.engine, loaded), srv.worker_id, s.lease_ttl_s)
+    worker = DecodeWorker(
+        build_engine(s.engine, shared_weights(s.engine, loaded)), srv.worker_id, s.lease_ttl_s
+    )
     if s.max_lease_s is not None:
         worker.leases.max_ttl_s = s.max_lease_s
     if s.core_share is not None:

@@ -27,7 +27,7 @@ from engine.scheduler import SchedulerOutput
 from engine.worker_base import EngineWorker
 from kv_transfer.errors import FrameError
 from kv_transfer.lease import DEFAULT_LEASE_TTL_S, LeaseStateError, LeaseTable
-from kv_transfer.receiver import KVReceiver
+from kv_transfer.receiver import KVReceiver, RankCache
 
 log = logging.getLogger("pdserve.decode")
 
@@ -64,9 +64,12 @@ class DecodeWorker(LeaseReservations, EngineWorker):
     ):
         super().__init__(engine, worker_id)
         self.scheduler.requeue_preempted = False  # preempted requests go back through the router
-        # Each lease promises KV for every layer x block: a commit must cover them all.
-        self.leases = LeaseTable(lease_ttl_s, num_layers=len(engine.runner.kv_caches))
-        self.receiver = KVReceiver(engine.runner.kv_caches, self.leases)
+        # Each lease promises KV for every layer x block x KV head: a commit must cover them
+        # all (a tensor-parallel sender ships each rank's heads in frames of their own).
+        ranks = [RankCache(heads, caches) for heads, caches in engine.runner.rank_caches()]
+        num_heads = max(r.heads[1] for r in ranks)
+        self.leases = LeaseTable(lease_ttl_s, num_layers=len(ranks[0].caches), num_heads=num_heads)
+        self.receiver = KVReceiver(engine.runner.kv_caches, self.leases, ranks=ranks)
         self._streams: dict[str, _Stream] = {}
         # Released leases whose blocks one-sided writers may still reach (Lease.remote_writers)
         self._parked: list = []

@@ -68,6 +68,14 @@ class ModelRunner:
     def close(self) -> None:
         """Nothing to release on one device (a tensor-parallel runner stops its ranks)."""
 
+    def rank_caches(self) -> list[tuple[tuple[int, int], list]]:
+        """Each rank's (the model's KV heads [lo, hi) it holds, its KV cache): one rank of
+        every head here (a tensor-parallel runner has one per rank: engine/tp_ranks.py)."""
+        return [((0, self.model.cfg.num_kv_heads), self.kv_caches)]
+
+    def tensor_parallel_status(self) -> dict:
+        return {"size": 1, "ranks": []}
+
     @torch.inference_mode()
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's KV in every layer (a forked sequence's own partial block)."""

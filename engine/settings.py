@@ -83,15 +83,10 @@ def load_model_once(s: EngineSettings, progress: bool = False, shard=None) -> Lo
     return LoadedModel(cfg, weights, Tokenizer(model_dir) if has_tokenizer else None)
 
 
-def check_one_rank(s: EngineSettings, role: str) -> None:
-    """A worker is one process on one device for now: the tensor-parallel engine exists
-    (engine/tp_ranks.py), its wiring into the workers (their servers, KV streams between
-    degrees) does not yet."""
-    if s.tensor_parallel_size != 1:
-        raise ValueError(
-            f"tensor_parallel_size {s.tensor_parallel_size}: the {role} worker does not run "
-            "tensor-parallel ranks yet; give 1 and scale with more workers"
-        )
+def shared_weights(s: EngineSettings, loaded: LoadedModel | None) -> LoadedModel | None:
+    """``loaded`` where the engine can run on weights loaded whole (one rank); a
+    tensor-parallel engine's ranks each load their own shard (engine/tp_ranks.py)."""
+    return loaded if s.tensor_parallel_size == 1 else None
 
 
 def context_length(s: EngineSettings, model_cfg) -> int:

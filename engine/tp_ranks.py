@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from engine.model_runner import ModelRunner, plan_lists
 from engine.settings import EngineSettings, LoadedModel, load_model_once
+from engine.shared_kv_cache import SharedKVCache, map_shared
 from engine.tensor_parallel import TPShard, check_tensor_parallel
 
 log = logging.getLogger("pdserve.engine")
@@ -91,11 +92,15 @@ def install_all_reduce(model, group) -> None:
 class FollowerRanks:
     """Rank 0's side: the followers' processes, their pipes, and the group."""
 
-    def __init__(self, s: EngineSettings, timeout_s: float = COLLECTIVE_TIMEOUT_S):
+    def __init__(self, s: EngineSettings, cfg, timeout_s: float = COLLECTIVE_TIMEOUT_S):
         self.size, self.host, self.timeout_s = s.tensor_parallel_size, s.tp_host, timeout_s
+        self.cfg = cfg  # the whole model's shape: which KV heads each rank holds
         self.device = rank_device(s.device, 0)
         self.broken: str | None = None
         self.group = None
+        # Each follower's KV cache, mapped here from its shared-memory file (host caches
+        # only): the worker ships and receives every rank's KV slices from rank 0's process.
+        self.follower_caches: list = []
         start = datetime.timedelta(seconds=START_TIMEOUT_S)
         self.store = dist.TCPStore(s.tp_host, 0, self.size, True, start, wait_for_workers=False)
         ctx = torch.multiprocessing.get_context("spawn")
@@ -123,6 +128,8 @@ class FollowerRanks:
                 raise TensorParallelError(f"tensor-parallel {self._rank_state(rank)} at start")
             if reply[0] != OP_LOADED:
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed to load: {reply[1]}")
+            if reply[1] is not None:  # its cache's file: mapped before the group forms
+                self.follower_caches.append(map_shared(reply[1], reply[2]))
         args = (self.store, 0, self.size, self.device, self.timeout_s, self.host)
         self.group = make_group(*args)
 
@@ -181,6 +188,14 @@ class FollowerRanks:
                 proc.join(STOP_GRACE_S)
         self.broken = self.broken or "tensor-parallel engine closed"
 
+    def rank_status(self) -> list[dict]:
+        """Each follower as ``pdserve status`` shows it (rank 0 is the worker's process)."""
+        procs = [(r, p.pid, p.is_alive()) for r, p in enumerate(self.procs, start=1)]
+        return [{"rank": 0, "pid": os.getpid(), "alive": True}] + [
+            {"rank": r, "pid": pid, "alive": alive and self.broken is None}
+            for r, pid, alive in procs
+        ]
+
     def _rank_state(self, rank: int) -> str:
         proc = self.procs[rank - 1]
         code = proc.exitcode
@@ -213,6 +228,20 @@ class TensorParallelRunner(ModelRunner):
         self.ranks.send([OP_COPY, src, dst])
         super().copy_block(src, dst)
 
+    def rank_caches(self) -> list[tuple[tuple[int, int], list]]:
+        """Every rank's (the model's KV heads [lo, hi) it holds, its cache), rank 0 first."""
+        ranks = self.ranks
+        if len(ranks.follower_caches) != ranks.size - 1:
+            raise TensorParallelError(
+                "the followers' KV caches are not mapped here (a cache on a GPU stays in its "
+                "rank's process): a tensor-parallel worker ships KV from host caches only"
+            )
+        caches = [self.kv_caches, *ranks.follower_caches]
+        return [(TPShard(r, ranks.size).kv_heads(ranks.cfg), c) for r, c in enumerate(caches)]
+
+    def tensor_parallel_status(self) -> dict:
+        return {"size": self.ranks.size, "ranks": self.ranks.rank_status()}
+
     def close(self) -> None:
         self.ranks.close()
 
@@ -225,7 +254,7 @@ def start_tensor_parallel(s: EngineSettings, timeout_s: float = COLLECTIVE_TIMEO
     cfg = load_config(resolve_model_dir(s.model, progress=False))  # converts a GGUF once
     check_tensor_parallel(cfg, s.tensor_parallel_size)  # before anything is spawned
     torch.set_num_threads(threads_per_rank(s))
-    ranks = FollowerRanks(s, timeout_s)
+    ranks = FollowerRanks(s, cfg, timeout_s)
     try:
         loaded = load_model_once(_rank_settings(s, 0), shard=TPShard(0, s.tensor_parallel_size))
         ranks.join()
@@ -250,10 +279,14 @@ def follower_main(rank, s, port, conn, timeout_s, parent_pid) -> None:
         rs = _rank_settings(s, rank)
         loaded: LoadedModel = load_model_once(rs, shard=TPShard(rank, s.tensor_parallel_size))
         runner = ModelRunner(loaded.weights, s.num_blocks, s.block_size, s.kv_dtype)
-        conn.send_bytes(msgpack.packb([OP_LOADED]))
+        shared = None if runner.device.type == "cuda" else SharedKVCache(runner.kv_caches)
+        where = [shared.path, shared.layout] if shared is not None else [None, None]
+        conn.send_bytes(msgpack.packb([OP_LOADED, *where]))
         start = datetime.timedelta(seconds=START_TIMEOUT_S)
         store = dist.TCPStore(s.tp_host, port, s.tensor_parallel_size, False, start)
         group = make_group(store, rank, s.tensor_parallel_size, rs.device, timeout_s, s.tp_host)
+        if shared is not None:  # rank 0 mapped it before forming the group: no one else may
+            shared.remove()
         install_all_reduce(loaded.weights, group)
         _follow(conn, runner, parent_pid)
         code = 0

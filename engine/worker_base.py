@@ -107,7 +107,13 @@ class EngineWorker(StepHooks):
             "draining": self.draining,
             "cpu_kernels": self._cpu_kernels(),
             **self._thread_share(),
+            **self._ranks(),
         }
+
+    def _ranks(self) -> dict:
+        """A tensor-parallel worker's ranks (size; each rank's pid and whether it lives)."""
+        tp = self.engine.runner.tensor_parallel_status()
+        return {"tensor_parallel": tp} if tp["size"] > 1 else {}
 
     def _thread_share(self) -> dict:
         """The torch threads this worker's engine runs with now, and the cores it shares with

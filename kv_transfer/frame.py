@@ -10,7 +10,12 @@ kv frames it should have accepted for the lease. The header is a msgpack map:
 
     {"version": 4, "kind": "kv" | "commit", "request_id": str, "lease_id": str,
      "layer": int, "blocks": [int], "dtype": str, "shape": [int], "checksum": int,
-     "num_frames": int, "header_crc": bin(4)}
+     "num_frames": int, ["heads": [lo, hi],] "header_crc": bin(4)}
+
+``heads`` (kv frames, optional): the frame carries only the model's KV heads [lo, hi), one
+tensor-parallel rank's slice (its shape's head dimension is hi - lo); the receiver writes them
+into whichever of its ranks hold those heads, and the lease is complete when every head of
+every layer x block has come (engine/tensor_parallel.py). Absent: all heads.
 
 ``header_crc``, always the map's last entry, is 4 bytes (msgpack bin 8, so the header ends
 ``c4 04`` + the CRC): the CRC-32C, little-endian, of every header byte before it. It covers
@@ -85,6 +90,9 @@ class FrameHeader:
     shape: tuple[int, ...]  # [2, n_blocks, block_size, num_kv_heads, head_dim]; () on commit
     checksum: int  # CRC-32C of the payload
     num_frames: int = 0  # commit frames only: kv frames sent for the lease before the commit
+    # kv frames of one tensor-parallel rank's slice: the model's KV heads [lo, hi) it carries
+    # (shape[3] == hi - lo); None: every KV head of the model.
+    heads: tuple[int, int] | None = None
 
 
 def checksum(payload) -> int:
@@ -106,11 +114,19 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def encode_kv_frame(
-    request_id: str, lease_id: str, layer: int, blocks, kv: torch.Tensor, crc: int | None = None
+    request_id: str,
+    lease_id: str,
+    layer: int,
+    blocks,
+    kv: torch.Tensor,
+    crc: int | None = None,
+    heads: tuple[int, int] | None = None,
 ) -> tuple[bytes, memoryview]:
     """Encode one layer's K/V for the lease's ``blocks`` (positions in the lease); the
     payload is a view of ``kv`` (no copy). ``crc``: the payload's CRC-32C when the caller
-    already has it (computed while gathering the blocks), else it is computed here."""
+    already has it (computed while gathering the blocks), else it is computed here.
+    ``heads``: the model's KV heads [lo, hi) that ``kv`` holds (one tensor-parallel rank's
+    slice); None: all of them."""
     kv = kv.detach()
     if kv.device.type != "cpu":
         kv = kv.cpu()
@@ -131,6 +147,8 @@ def encode_kv_frame(
         "checksum": checksum(payload) if crc is None else int(crc),
         "num_frames": 0,
     }
+    if heads is not None:
+        header["heads"] = [int(heads[0]), int(heads[1])]
     return seal_header(header), payload
 
 
@@ -234,7 +252,17 @@ def _parse_header(fields: dict) -> FrameHeader:
         shape=_int_list(fields, "shape", 8),
         checksum=_field(fields, "checksum", int),
         num_frames=_field(fields, "num_frames", int),
+        heads=_heads(fields),
     )
+
+
+def _heads(fields: dict) -> tuple[int, int] | None:
+    if "heads" not in fields:
+        return None
+    lo, hi = (*_int_list(fields, "heads", 2), -1, -1)[:2]
+    if not 0 <= lo < hi:
+        raise FrameError("header field 'heads' must be [lo, hi] with 0 <= lo < hi")
+    return lo, hi
 
 
 def _check_kv_header(h: FrameHeader) -> None:
@@ -246,6 +274,8 @@ def _check_kv_header(h: FrameHeader) -> None:
         raise FrameError("kv frame repeats a block")
     if len(h.shape) != _KV_RANK or h.shape[0] != 2 or h.shape[1] != len(h.blocks):
         raise FrameError(f"shape {list(h.shape)} is not [2, {len(h.blocks)}, bs, h, d]")
+    if h.heads is not None and h.heads[1] - h.heads[0] != h.shape[3]:
+        raise FrameError(f"heads {list(h.heads)} do not match the shape's {h.shape[3]} heads")
 
 
 def _payload_view(payload) -> memoryview:

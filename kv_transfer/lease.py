@@ -94,7 +94,10 @@ class Lease:
     committed_at: float | None = None  # monotonic time the commit frame was accepted
     # Layers whose every block the commit must cover (None: the frame count alone decides).
     num_layers: int | None = None
-    covered: bytearray = field(default_factory=bytearray)  # [layer * blocks + block] filled
+    # [(layer * blocks + block) * num_heads + head] filled; num_heads 1 where frames carry
+    # every KV head, the model's KV heads where a tensor-parallel sender ships rank slices.
+    covered: bytearray = field(default_factory=bytearray)
+    num_heads: int = 1
     num_covered: int = 0
     commit_refused: str | None = None  # why the commit was refused (final)
     # Its first blocks hold their KV already (the decode worker's prefix cache, shared with
@@ -116,29 +119,35 @@ class Lease:
         for layer in range(self.num_layers or 0) if self.first_block else ():
             self.cover(layer, range(self.first_block))
 
-    def cover(self, layer: int, positions) -> None:
-        """Frames filled ``positions`` (in the lease) of ``layer``."""
+    def cover(self, layer: int, positions, heads: tuple[int, int] | None = None) -> None:
+        """Frames filled ``positions`` (in the lease) of ``layer``, for the model's KV heads
+        ``heads`` [lo, hi) (a tensor-parallel rank's slice; None: all of them)."""
         if self.num_layers is None:
             return
-        n = len(self.block_ids)
+        n, units = len(self.block_ids), self.num_heads
+        lo, hi = (0, units) if heads is None else heads
         if not self.covered:
-            self.covered = bytearray(self.num_layers * n)
+            self.covered = bytearray(self.num_layers * n * units)
+        filled = bytes([1]) * (hi - lo)
         for b in positions:
-            cell = layer * n + b
-            self.num_covered += not self.covered[cell]
-            self.covered[cell] = 1
+            at = (layer * n + b) * units
+            self.num_covered += (hi - lo) - self.covered[at + lo : at + hi].count(1)
+            self.covered[at + lo : at + hi] = filled
 
     def missing(self) -> str | None:
         """What a commit now would leave without KV (None: every promised cell is filled)."""
-        n = len(self.block_ids)
-        if self.num_layers is None or self.num_covered == self.num_layers * n:
+        n, units = len(self.block_ids), self.num_heads
+        cells = self.num_layers * n if self.num_layers is not None else 0
+        if self.num_layers is None or self.num_covered == cells * units:
             return None
-        empty = self.num_layers * n - self.num_covered
-        covered = self.covered or bytearray(self.num_layers * n)
-        layer = next(i for i in range(self.num_layers) if not all(covered[i * n : (i + 1) * n]))
-        blocks = [b for b in range(n) if not covered[layer * n + b]]
+        covered = self.covered or bytearray(cells * units)
+        full = bytes([1]) * units
+        empty = [c for c in range(cells) if covered[c * units : (c + 1) * units] != full]
+        layer = empty[0] // n
+        blocks = [c % n for c in empty if c // n == layer]
+        heads = "" if units == 1 else f" for {units} KV heads"
         return (
-            f"{empty} of {self.num_layers} x {n} (layer x block) cells have no KV "
+            f"{len(empty)} of {self.num_layers} x {n} (layer x block) cells have no KV{heads} "
             f"(first: layer {layer}, blocks {blocks[:8]})"
         )
 
@@ -167,13 +176,17 @@ class LeaseTable:
         default_ttl_s: float = DEFAULT_LEASE_TTL_S,
         max_ttl_s: float | None = None,
         num_layers: int | None = None,
+        num_heads: int = 1,
     ):
         """``num_layers``: the cache's layers, every one of which each lease's commit must
-        cover (None: the frame count alone decides, for tables without a cache behind)."""
+        cover (None: the frame count alone decides, for tables without a cache behind);
+        ``num_heads``: the model's KV heads, each of which it must cover in each layer x
+        block (frames may carry a slice of them: kv_transfer/frame.py)."""
         self.max_ttl_s = max(MAX_LEASE_TTL_S, default_ttl_s) if max_ttl_s is None else max_ttl_s
         self._check_ttl(default_ttl_s)
         self.default_ttl_s = default_ttl_s
         self.num_layers = num_layers
+        self.num_heads = num_heads
         self._leases: dict[str, Lease] = {}
         self._refused: OrderedDict[str, str] = OrderedDict()
         self._attached: OrderedDict[str, None] = OrderedDict()
@@ -199,6 +212,7 @@ class LeaseTable:
             deadline=time.monotonic() + ttl,
             ttl_s=ttl,
             num_layers=self.num_layers,
+            num_heads=self.num_heads,
             first_block=first_block,
         )
         with self._changed:

@@ -6,9 +6,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from kernels import kv_fp8
 from kernels.kv_blocks import scatter_kv_blocks
 from kv_transfer.errors import FrameError
 from kv_transfer.frame import FrameHeader, decode_frame
@@ -21,8 +23,25 @@ log = logging.getLogger("pdserve.kv")
 EventHook = Callable[[str, str, int], None]
 
 
+@dataclass(frozen=True)
+class RankCache:
+    """One tensor-parallel rank's KV cache (per layer: K, V) and the model's KV heads
+    [lo, hi) it holds (engine/tensor_parallel.py); a TP=1 worker has one, of every head."""
+
+    heads: tuple[int, int]
+    caches: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def whole_cache(kv_caches) -> list[RankCache]:
+    """A one-rank worker's cache: it holds every KV head (the cache's head dimension)."""
+    return [RankCache((0, kv_caches[0][0].shape[2]), kv_caches)]
+
+
 class KVReceiver:
-    """Accepts frames from any transport; one instance per decode worker."""
+    """Accepts frames from any transport; one instance per decode worker. ``ranks``: where
+    its caches are when the worker is tensor-parallel (a frame's heads are written into each
+    rank that holds them, so a sender of any degree fills a receiver of any degree);
+    ``kv_caches``: rank 0's (the one-sided transports map that one only)."""
 
     def __init__(
         self,
@@ -30,8 +49,15 @@ class KVReceiver:
         leases: LeaseTable,
         on_event: EventHook | None = None,
         pending_lease_wait_s: float = 2.0,
+        ranks: list[RankCache] | None = None,
     ):
         self.kv_caches = kv_caches
+        self.ranks = ranks or whole_cache(kv_caches)
+        self.num_kv_heads = max(hi for _, hi in (r.heads for r in self.ranks))
+        if leases.num_heads not in (1, self.num_kv_heads):
+            raise ValueError(
+                f"leases cover {leases.num_heads} heads; the cache holds {self.num_kv_heads}"
+            )
         self.leases = leases
         self.on_event = on_event
         # How long a frame waits for a lease whose reservation is still in flight (the router
@@ -146,21 +172,49 @@ class KVReceiver:
     def _write(self, h: FrameHeader, lease: Lease, kv: torch.Tensor) -> None:
         if not 0 <= h.layer < self.num_layers:
             raise FrameError(f"layer {h.layer} out of range [0, {self.num_layers})")
-        k_cache, v_cache = self.kv_caches[h.layer]
         _check_positions(h, lease, h.blocks)
-        expected = (2, len(h.blocks), *k_cache.shape[1:])
+        lo, hi = self._frame_heads(h)
+        k0 = self.ranks[0].caches[h.layer][0]
+        expected = (2, len(h.blocks), k0.shape[1], hi - lo, k0.shape[3])
         if tuple(h.shape) != expected:
             raise FrameError(f"shape {list(h.shape)} does not match cache {list(expected)}")
-        if kv.dtype != k_cache.dtype:
-            raise FrameError(f"dtype {h.dtype} does not match cache {k_cache.dtype}")
-        scatter_kv_blocks(kv, k_cache, v_cache, [lease.block_ids[b] for b in h.blocks])
-        lease.cover(h.layer, h.blocks)
+        if kv.dtype != k0.dtype:
+            raise FrameError(f"dtype {h.dtype} does not match cache {k0.dtype}")
+        block_ids = [lease.block_ids[b] for b in h.blocks]
+        for rank in self.ranks:
+            _write_heads(kv, (lo, hi), rank, h.layer, block_ids)
+        lease.cover(h.layer, h.blocks, None if lease.num_heads == 1 else (lo, hi))
         nbytes = kv.numel() * kv.element_size()
         lease.frames_received += 1
         lease.bytes_received += nbytes
         if lease.first_frame_at is None:
             lease.first_frame_at = time.monotonic()
         self.bytes_received += nbytes
+
+    def _frame_heads(self, h: FrameHeader) -> tuple[int, int]:
+        if h.heads is None:
+            return 0, self.num_kv_heads
+        if h.heads[1] > self.num_kv_heads or (
+            self.leases.num_heads == 1 and h.heads != (0, self.num_kv_heads)
+        ):
+            raise FrameError(f"heads {list(h.heads)} outside the cache's {self.num_kv_heads}")
+        return h.heads
+
+
+def _write_heads(kv: torch.Tensor, heads: tuple[int, int], rank: RankCache, layer, block_ids):
+    """Write the part of ``kv`` (the model's KV heads ``heads``) that ``rank`` holds."""
+    lo, hi = max(heads[0], rank.heads[0]), min(heads[1], rank.heads[1])
+    if lo >= hi:
+        return
+    k_cache, v_cache = rank.caches[layer]
+    if (lo, hi) == heads == rank.heads:  # the frame is this rank's whole slice
+        scatter_kv_blocks(kv, k_cache, v_cache, block_ids)
+        return
+    src = kv_fp8.as_bytes(kv[:, :, :, lo - heads[0] : hi - heads[0]].to(k_cache.device))
+    idx = torch.tensor(block_ids, dtype=torch.int64, device=k_cache.device)
+    dst = slice(lo - rank.heads[0], hi - rank.heads[0])  # fp8 as bytes: no float8 index_put
+    kv_fp8.as_bytes(k_cache)[idx, :, dst] = src[0]
+    kv_fp8.as_bytes(v_cache)[idx, :, dst] = src[1]
 
 
 def _check_positions(h: FrameHeader, lease: Lease, positions) -> None:

@@ -60,6 +60,7 @@ class _LayerJob:
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     ready: object | None  # a CUDA event recorded after the layer's compute, or None
+    heads: tuple[int, int] | None = None  # the model's KV heads these caches hold (None: all)
 
 
 def _blocks_per_frame(k_cache: torch.Tensor) -> int:
@@ -91,10 +92,11 @@ class KVStream:
         """Committed (or its commit failed) or aborted: it will use its sender no more."""
         return self._committed or self._aborted
 
-    def send_layer(self, layer, src_block_ids, lease_blocks, k_cache, v_cache) -> None:
+    def send_layer(self, layer, src_block_ids, lease_blocks, k_cache, v_cache, heads=None) -> None:
         """Queue one layer's blocks ``src_block_ids`` of the local cache, to land in the
         lease's blocks at positions ``lease_blocks``; returns at once. Blocks must not change
-        afterwards."""
+        afterwards. ``heads``: the model's KV heads [lo, hi) the caches hold (one
+        tensor-parallel rank's; each rank's slice is sent as its own frames), None: all."""
         if self._closed:
             raise RuntimeError(f"stream for lease {self.lease_id} is closed")
         src, dst = [int(b) for b in src_block_ids], [int(b) for b in lease_blocks]
@@ -105,10 +107,12 @@ class KVStream:
         dtype_name(k_cache.dtype)
         _blocks_per_frame(k_cache)
         ready = None
+        if heads is not None and self._channel.writes_blocks:
+            raise ValueError("one-sided transports take a whole cache, not a rank's heads")
         if k_cache.is_cuda:  # the sender thread must not read the layer before it is computed
             ready = torch.cuda.Event()
             ready.record()
-        self._sender._submit(self, _LayerJob(layer, src, dst, k_cache, v_cache, ready))
+        self._sender._submit(self, _LayerJob(layer, src, dst, k_cache, v_cache, ready, heads))
 
     def commit(self, timeout: float = 60.0) -> TransferStats:
         """Wait until all frames are pushed, commit the lease, and wait for the receiver's ack."""
@@ -159,7 +163,7 @@ class KVStream:
             kv, crc = gather_kv_blocks(job.k_cache, job.v_cache, job.src[start : start + step])
             dst = job.dst[start : start + step]
             header, payload = encode_kv_frame(
-                self.request_id, self.lease_id, job.layer, dst, kv, crc
+                self.request_id, self.lease_id, job.layer, dst, kv, crc, job.heads
             )
             self._channel.push(header, payload)
             self._frames += 1

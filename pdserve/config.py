@@ -329,6 +329,11 @@ class ClusterConfig(_Strict):
         return self
 
 
+# Transports that write straight into the decode worker's (rank 0's) cache, not frames of KV
+# heads that each rank's slice can travel in (kv_transfer/frame.py).
+ONE_SIDED_TRANSPORTS = ("nixl", "shm")
+
+
 def check_pools_tensor_parallel(cfg: ClusterConfig) -> None:
     """Each pool's tensor_parallel_size against the model's heads, KV heads and MLP columns,
     where the model's config can be read here (engine.model_files.model_shape; elsewhere the
@@ -341,6 +346,11 @@ def check_pools_tensor_parallel(cfg: ClusterConfig) -> None:
         raise ValueError(
             "share_cores pairs single-rank workers: give share_cores.enabled false or every "
             "pool's tensor_parallel_size 1"
+        )
+    if cfg.kv_transport in ONE_SIDED_TRANSPORTS:
+        raise ValueError(
+            f"kv_transport {cfg.kv_transport} writes into one cache, not each rank's KV heads: "
+            "with a pool's tensor_parallel_size over 1 give grpc, flight or torch_dist"
         )
     from engine.model_files import model_shape  # numpy, for GGUF: only where TP is asked
 

@@ -13,7 +13,7 @@ from engine.core_share import (
     core_share_args,
     core_share_from_args,
 )
-from engine.settings import EngineSettings, LoadedModel, check_one_rank
+from engine.settings import EngineSettings, LoadedModel, shared_weights
 from grpc_plumbing import worker_process as process
 from grpc_plumbing.tracing import start_tracing
 
@@ -32,10 +32,11 @@ def start_prefill_worker(s: PrefillSettings, loaded: LoadedModel | None = None):
     from prefill_worker.server import serve_prefill_worker
     from prefill_worker.worker import PrefillWorker
 
-    check_one_rank(s.engine, "prefill")
     srv = s.server
     tracing = start_tracing(srv.otlp_traces_endpoint, "pdserve-prefill")
-    worker = PrefillWorker(build_engine(s.engine, loaded), srv.worker_id, s.layerwise_kv)
+    worker = PrefillWorker(
+        build_engine(s.engine, shared_weights(s.engine, loaded)), srv.worker_id, s.layerwise_kv
+    )
     if s.core_share is not None:
         from engine.core_share import PrefillCores
 

@@ -53,6 +53,7 @@ class PrefillWorker(EngineWorker):
         # measured by pdserve bench netns-cluster link).
         self.layerwise_kv = layerwise_kv
         self._jobs: dict[str, PrefillJob] = {}
+        self.kv_sources = kv_sources(engine.runner.rank_caches())
         # Hook for tests that check ordering: called as (layer, request ids) after each layer.
         self.on_layer_computed = None
 
@@ -149,9 +150,8 @@ class PrefillWorker(EngineWorker):
         return sends, timed
 
     def _send_after_each_layer(self, sends, timed=()):
-        kv_caches = self.engine.runner.kv_caches
         ids = [stream.request_id for stream, _, _ in sends]
-        last = len(kv_caches) - 1
+        last = len(self.kv_sources[0][1]) - 1
 
         def after_layer(layer: int) -> None:
             if self.layerwise_kv:
@@ -159,9 +159,10 @@ class PrefillWorker(EngineWorker):
             else:  # every layer at once, after the last one
                 ready = range(layer + 1) if layer == last else ()
             for sent in ready:
-                k_cache, v_cache = kv_caches[sent]
-                for stream, src, dst in sends:
-                    stream.send_layer(sent, src, dst, k_cache, v_cache)
+                for heads, caches in self.kv_sources:
+                    k_cache, v_cache = caches[sent]
+                    for stream, src, dst in sends:
+                        stream.send_layer(sent, src, dst, k_cache, v_cache, heads)
             if self.on_layer_computed is not None:
                 self.on_layer_computed(layer, ids)
             if layer == last:
@@ -220,3 +221,16 @@ class PrefillWorker(EngineWorker):
                 # token went out: a draining worker is idle only when this is 0.
                 "num_transfers": len(self._jobs),
             }
+
+
+def kv_sources(rank_caches) -> list[tuple[tuple[int, int] | None, list]]:
+    """Where each KV head is sent from: (heads [lo, hi), cache) of one rank per distinct
+    slice (ranks that replicate a head send it once), each rank's slice in frames of its own
+    (no rank's cache is gathered with another's); heads None where one rank holds them all,
+    so a one-rank worker's frames are as before."""
+    if len(rank_caches) == 1:
+        return [(None, rank_caches[0][1])]
+    seen: dict[tuple[int, int], list] = {}
+    for heads, caches in rank_caches:
+        seen.setdefault(tuple(heads), caches)
+    return sorted(seen.items())

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from kv_transfer.shm.cache import SHM_DIR, sweep_stale
+from engine.shared_kv_cache import SHM_DIR, sweep_stale
 from kv_transfer.transport_faults import INNER_ENV, POLICY_ENV, FaultPolicy
 from pdserve.client import build_request
 from pdserve.cluster.local import ClusterSpec, LocalCluster

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from kv_transfer.shm.cache import NAME, SHM_DIR
+from engine.shared_kv_cache import NAME, SHM_DIR
 from pdserve.cluster.local import ClusterSpec, LocalCluster
 from tests.cluster_utils import assert_all_blocks_free, generate_concurrently, worker_statuses
 from tests.test_disagg import NEW_TOKENS, engine_reference, mixed_prompts

@@ -1,4 +1,4 @@
-"""The shm transport's cache file (kv_transfer.shm.cache): the decode worker's cache moved into
+"""The shm transport's cache file (engine.shared_kv_cache): the decode worker's cache moved into
 one private shared-memory file (same tensors, same bytes, the old memory freed), gone after
 stop, swept when its worker was killed, refused at start when shared memory cannot hold it,
 and a sender elsewhere told why it cannot map it."""
@@ -14,7 +14,7 @@ import torch
 from kv_transfer.lease import LeaseTable
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import make_sender, start_receiver_server
-from kv_transfer.shm.cache import sweep_stale
+from engine.shared_kv_cache import sweep_stale
 from tests.test_kv_shm import LAYERS, TOKEN, _cache
 
 
@@ -97,7 +97,7 @@ def test_a_cache_that_does_not_fit_fails_at_start_not_with_sigbus(monkeypatch, t
     much it needs, and leaves no file."""
     import errno
 
-    import kv_transfer.shm.cache as shm_cache
+    import engine.shared_kv_cache as shm_cache
 
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -112,7 +112,7 @@ def test_a_cache_that_does_not_fit_fails_at_start_not_with_sigbus(monkeypatch, t
 
 def test_the_move_frees_the_old_cache(tmp_path):
     """The cache's anonymous memory goes back once its bytes are in shared memory."""
-    from kv_transfer.shm.cache import SharedKVCache
+    from engine.shared_kv_cache import SharedKVCache
 
     def rss_mib(kind: str) -> float:
         with open("/proc/self/status") as f:
@@ -141,7 +141,7 @@ def test_the_move_frees_the_old_cache_when_it_came_from_the_heap(tmp_path):
 import ctypes, torch
 if not ctypes.CDLL("libc.so.6").mallopt(-3, 64 << 20):  # M_MMAP_THRESHOLD
     raise SystemExit(3)
-from kv_transfer.shm.cache import SharedKVCache
+from engine.shared_kv_cache import SharedKVCache
 def rss():
     return int(next(x for x in open("/proc/self/status") if x.startswith("RssAnon:")).split()[1])
 caches = [(torch.ones(64, 16, 8, 128), torch.ones(64, 16, 8, 128)) for _ in range(16)]

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from kv_transfer.shm.cache import NAME, SHM_DIR, sweep_stale
+from engine.shared_kv_cache import NAME, SHM_DIR, sweep_stale
 
 
 def _cache_files() -> set[str]:

@@ -20,8 +20,8 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.llm_engine import build_engine
 from engine.request import SamplingParams
-from engine.settings import EngineSettings, check_one_rank
-from engine.tensor_parallel import TPShard, check_tensor_parallel, kv_transfer_plan, read_hf_shard
+from engine.settings import EngineSettings
+from engine.tensor_parallel import TPShard, check_tensor_parallel, read_hf_shard
 from engine.tp_ranks import COLLECTIVE_TIMEOUT_S, STOP_GRACE_S
 from tests.conftest import needs_embedded, tiny_llama_dir, write_word_tokenizer
 from tests.greedy import assert_same_greedy, hf_greedy
@@ -223,30 +223,45 @@ def test_shards_read_from_safetensors_add_up_to_the_whole(tmp_path):
 
 
 @pytest.mark.parametrize("heads,kv", [(8, 4), (8, 2), (9, 3), (8, 8)])
-def test_kv_between_degrees_moves_each_needed_head_once(heads, kv):
-    """For every pair of degrees a -> b (replicated cases too): each receiving rank gets each of
-    its KV heads exactly once, from a sending rank that holds it; the heads sent add up to
-    what the receiving ranks hold (no rank ships the whole cache when a > 1)."""
+def test_kv_between_degrees_moves_each_head_once_into_every_rank_that_holds_it(heads, kv):
+    """For every pair of degrees a -> b (replicated cases too): the prefill side sends each
+    KV head once, from one rank that holds it, each rank's slice in frames of its own
+    (prefill_worker.worker.kv_sources); the decode side's receiver writes each frame's heads
+    into every rank that holds them (replicas included), and the lease's commit is complete
+    only once every head of every layer x block came."""
+    from kv_transfer.frame import encode_kv_frame
+    from kv_transfer.lease import LeaseTable
+    from kv_transfer.receiver import KVReceiver, RankCache
+    from prefill_worker.worker import kv_sources
+
     cfg = _cfg(heads, kv, inter=heads * 32)
+    whole = torch.randn(2, 3, 4, kv, 8)  # K/V x blocks x block size x heads x head dim
     degrees = [k for k in range(1, 2 * heads + 1) if not heads % k and not (kv % k and k % kv)]
     for a in degrees:
+        src = [TPShard(r, a).kv_heads(cfg) for r in range(a)]
+        rank_caches = [
+            (h, [(whole[0][:, :, h[0] : h[1]], whole[1][:, :, h[0] : h[1]])]) for h in src
+        ]
+        sources = kv_sources(rank_caches)
+        sent = [h or (0, kv) for h, _ in sources]
+        assert sorted(x for lo, hi in sent for x in range(lo, hi)) == list(range(kv)), a
+        assert a == 1 or all(hi - lo < kv or kv == 1 for lo, hi in sent), a  # nobody ships it all
         for b in degrees:
-            plan = kv_transfer_plan(cfg, a, b)
-            for d in range(b):
-                d0, d1 = TPShard(d, b).kv_heads(cfg)
-                got = sorted(
-                    h for s in plan if s.dst_rank == d for h in range(s.head, s.head + s.count)
-                )
-                assert got == list(range(d0, d1)), (a, b, d)
-            for s in plan:
-                p0, p1 = TPShard(s.src_rank, a).kv_heads(cfg)
-                assert p0 <= s.head and s.head + s.count <= p1, (a, b, s)
-                assert s.src_offset == s.head - p0
-                assert s.dst_offset == s.head - TPShard(s.dst_rank, b).kv_heads(cfg)[0]
-            sent = sum(s.count for s in plan)
-            assert sent == sum(max(1, kv // b) for _ in range(b)), (a, b)
-            per_sender = [sum(s.count for s in plan if s.src_rank == r) for r in range(a)]
-            assert a == 1 or max(per_sender) < sent, (a, b, per_sender)  # nobody ships it all
+            ranks = [TPShard(r, b).kv_heads(cfg) for r in range(b)]
+            empty = [torch.zeros(3, 4, hi - lo, 8) for lo, hi in ranks]
+            caches = [RankCache(h, [(e, e.clone())]) for h, e in zip(ranks, empty)]
+            leases = LeaseTable(num_layers=1, num_heads=kv)
+            receiver = KVReceiver(caches[0].caches, leases, ranks=caches)
+            lease = leases.open("r", [0, 1, 2])
+            for i, (h, layer) in enumerate(sources):
+                assert lease.missing() is not None, (a, b, i)
+                kv_t = torch.stack([layer[0][0], layer[0][1]]).contiguous()
+                receiver.accept(*encode_kv_frame("r", lease.lease_id, 0, [0, 1, 2], kv_t, heads=h))
+            assert lease.missing() is None, (a, b)
+            for c in caches:
+                lo, hi = c.heads
+                assert torch.equal(c.caches[0][0], whole[0][:, :, lo:hi]), (a, b, c.heads)
+                assert torch.equal(c.caches[0][1], whole[1][:, :, lo:hi]), (a, b, c.heads)
 
 
 def test_an_engine_of_a_degree_that_does_not_divide_spawns_nothing(tmp_path):
@@ -258,17 +273,17 @@ def test_an_engine_of_a_degree_that_does_not_divide_spawns_nothing(tmp_path):
     assert multiprocessing.active_children() == []
 
 
-def test_workers_refuse_more_than_one_rank():
-    with pytest.raises(ValueError, match="tensor_parallel_size 2: the decode worker"):
-        check_one_rank(replace(EngineSettings(), tensor_parallel_size=2), "decode")
+def test_one_sided_transports_are_refused_for_tensor_parallel_workers():
+    """nixl and shm write into rank 0's cache alone: refused by the config and the worker."""
     from decode_worker.launch import DecodeSettings, start_decode_worker
-    from prefill_worker.launch import PrefillSettings, start_prefill_worker
+    from pdserve.config import ConfigError, validate_config
 
     engine = replace(EngineSettings(), tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="prefill worker does not run tensor-parallel"):
-        start_prefill_worker(PrefillSettings(engine=engine))
-    with pytest.raises(ValueError, match="decode worker does not run tensor-parallel"):
-        start_decode_worker(DecodeSettings(engine=engine))
+    with pytest.raises(ValueError, match="kv_transport shm writes into rank 0's cache only"):
+        start_decode_worker(DecodeSettings(engine=engine, kv_transport="shm"))
+    pools = {"decode": {"tensor_parallel_size": 3}}
+    with pytest.raises(ConfigError, match="kv_transport shm writes into one cache"):
+        validate_config({"model": "embedded", "kv_transport": "shm", "pools": pools})
 
 
 def test_the_cluster_config_takes_each_pools_degree_where_it_divides_the_heads(tmp_path):

@@ -1,5 +1,5 @@
 """shm transport, decode side: the worker's KV cache moved into shared memory
-(kv_transfer.shm.cache); a control port hands each sender that proved the cluster token the
+(engine.shared_kv_cache); a control port hands each sender that proved the cluster token the
 cache file's name and layout once, and per lease only that lease's block ids; commits come over
 the same connection and are checked like nixl's (kv_transfer.one_sided): positions inside the
 lease, every cell covered, the digest of the bytes in the leased blocks.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 
+from engine.shared_kv_cache import SHM_DIR, SharedKVCache
 from kv_transfer.errors import FrameError
 from kv_transfer.nixl.commit import block_rows, decode_notification
 from kv_transfer.nixl.control import ControlConnection, field
@@ -25,7 +26,6 @@ from kv_transfer.one_sided import (
     digest_check,
     refuse_open_without_token,
 )
-from kv_transfer.shm.cache import SHM_DIR, SharedKVCache
 
 log = logging.getLogger("pdserve.kv")
 

@@ -21,11 +21,11 @@ import time
 
 import torch
 
+from engine.shared_kv_cache import map_shared
 from kv_transfer.interfaces import Channel, Link, ReceiverServer
 from kv_transfer.nixl.commit import block_rows, cell_crcs, digest, encode_notification
 from kv_transfer.nixl.control import field
 from kv_transfer.one_sided import ControlLink
-from kv_transfer.shm.cache import map_shared
 from kv_transfer.shm.server import PROTOCOL, ShmReceiverServer
 
 log = logging.getLogger("pdserve.kv")

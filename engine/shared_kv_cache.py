@@ -1,4 +1,7 @@
-"""The decode worker's KV cache in one shared-memory file, and a sender's mapping of it.
+"""A KV cache in one shared-memory file, and another process's mapping of it: the decode
+worker's cache for the shm transport's senders (kv_transfer/shm/), and each tensor-parallel
+follower's cache for its rank 0, which ships and receives the ranks' KV slices
+(engine/tp_ranks.py).
 
 ``SharedKVCache`` moves every layer's K and V cache tensors into one file under /dev/shm
 (mode 0600: only this user's processes on this node can map it), laid out layer by layer,
@@ -9,7 +12,7 @@ this process); it runs at ``stop`` and at exit, and a worker that was killed lea
 that the next one on the node removes (``sweep_stale``: no live worker holds its lock). Its
 pages are allocated at start, so a shared memory too small fails the start, not a later write.
 
-``map_shared`` is the sender's side: the file the receiver named, checked (a regular file of
+``map_shared`` is the other side: the file the receiver named, checked (a regular file of
 this user, of the layout's size, not a symlink) and mapped read-write as the same tensors.
 """
 
