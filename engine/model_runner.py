@@ -76,6 +76,10 @@ class ModelRunner:
     def tensor_parallel_status(self) -> dict:
         return {"size": 1, "ranks": []}
 
+    def problem(self) -> str | None:
+        """Why this runner cannot step again (None: it can; a TP runner's rank may be lost)."""
+        return None
+
     @torch.inference_mode()
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's KV in every layer (a forked sequence's own partial block)."""

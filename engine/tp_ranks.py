@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 import time
 from dataclasses import replace
 
@@ -97,6 +98,7 @@ class FollowerRanks:
         self.cfg = cfg  # the whole model's shape: which KV heads each rank holds
         self.device = rank_device(s.device, 0)
         self.broken: str | None = None
+        self._failing = threading.Lock()  # the engine thread and the health watch both fail it
         self.group = None
         # Each follower's KV cache, mapped here from its shared-memory file (host caches
         # only): the worker ships and receives every rank's KV slices from rank 0's process.
@@ -152,6 +154,10 @@ class FollowerRanks:
 
     def fail(self, error: BaseException) -> TensorParallelError:
         """Mark the ranks broken by ``error``, tear the followers down; the error to raise."""
+        with self._failing:
+            return self._fail(error)
+
+    def _fail(self, error: BaseException) -> TensorParallelError:
         if self.broken is None:
             lost = "; ".join(self._exited_ranks(LOST_RANK_WAIT_S)) or "no rank exited"
             cause = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
@@ -241,6 +247,16 @@ class TensorParallelRunner(ModelRunner):
 
     def tensor_parallel_status(self) -> dict:
         return {"size": self.ranks.size, "ranks": self.ranks.rank_status()}
+
+    def problem(self) -> str | None:
+        """A lost rank, seen by a step or by the health watch between steps (a follower
+        killed while the engine idles): the ranks are torn down then, and the worker reports
+        NOT_SERVING so its streams move and the controller replaces it."""
+        try:
+            self.ranks.check()
+        except TensorParallelError as e:
+            return str(e)
+        return None
 
     def close(self) -> None:
         self.ranks.close()

@@ -103,6 +103,8 @@ def add_worker_health(
     servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     liveness = Liveness(worker, servicer, service_name, stall_timeout_s)
+    # A tensor-parallel engine whose rank died or hung cannot step again: the worker is down.
+    liveness.checks.append(worker.engine.runner.problem)
     worker.on_draining_change.append(lambda _draining: liveness.update())
     liveness.start()
     return liveness

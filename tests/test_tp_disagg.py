@@ -9,6 +9,7 @@ rank ships another rank's heads, and replicated heads travel once."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -116,3 +117,52 @@ def test_replicated_kv_heads_travel_once(two_kv_heads, transport):
     assert [o.token_ids for o in outs] == engine_reference(two_kv_heads, prompts)
     assert [o.timings.kv_bytes for o in outs] == [prompt_kv_bytes(len(p), 2) for p in prompts]
     assert all(s.frames_rejected == 0 for s in statuses if s.role == "decode")
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie counts: its parent has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_killed_rank_of_a_decode_worker_loses_no_stream(tiny_model):
+    """kill -9 of one follower of a TP=4 decode worker while 6 greedy streams run: its
+    worker's step fails, the worker turns NOT_SERVING, its streams migrate to the other
+    decode worker and finish with the undisturbed tokens; its other ranks are torn down
+    within 30 s (none is left in a collective), and the survivor's blocks are all free."""
+    import asyncio
+    import signal
+    import time
+
+    from tests.test_migration import NEW_TOKENS as new_tokens
+    from tests.test_migration import _stream_all
+
+    prompts = distinct_prompts(6, seed=13)
+    reference = engine_reference(tiny_model, prompts, new_tokens=new_tokens)
+    pools = {"prefill": {"threads": 1}, "decode": {"threads": 1, "tensor_parallel_size": 4}}
+    spec = ClusterSpec(
+        model=str(tiny_model), num_decode=2, num_blocks=256, max_model_len=256, pools=pools
+    )
+    with LocalCluster(spec) as cluster:
+        victim = cluster.decode_addresses[0]
+        ranks = worker_statuses(cluster)[spec.num_prefill]  # decode worker 0's
+        pids = [r.pid for r in ranks.tensor_parallel.ranks if r.rank > 0]
+        killed_at: list[list[int]] = []
+
+        def kill_a_rank(counts):
+            if not killed_at and min(counts) >= 4:
+                killed_at.append(list(counts))
+                os.kill(pids[1], signal.SIGKILL)
+
+        outs, reasons = asyncio.run(_stream_all(cluster.address, prompts, kill_a_rank))
+        assert killed_at and max(killed_at[0]) < new_tokens  # killed while they streamed
+        assert outs == reference and reasons == ["length"] * len(prompts)
+        assert cluster.servers.router.metrics.migrations._value.get() >= 1
+        deadline = time.monotonic() + 30
+        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(_gone(p) for p in pids), "a rank of the broken worker is still running"
+        assert_all_blocks_free(cluster, dead={victim})
