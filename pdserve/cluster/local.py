@@ -248,15 +248,15 @@ class LocalCluster:
         from engine.settings import load_model_once
 
         # Weights are read-only during inference: in-process workers share one copy. They
-        # share this process's torch threads too (a worker's own count is a process's). A
-        # tensor-parallel worker's ranks load their own shards (0 threads: the cores / k each).
+        # share this process's torch threads too (a worker's own count is a process's); a
+        # tensor-parallel worker's ranks load their own shards (engine.settings.shared_weights).
         loaded = load_model_once(self.settings.prefill.engine)
         for role, index in self._members():
             s = self._worker_settings(role, index)
             engine = dataclasses.replace(s.engine, threads=0)
             server = dataclasses.replace(s.server, worker_id=f"{role}-{index}")
             s = dataclasses.replace(s, engine=engine, server=server)
-            running = build_worker(role, s, loaded if engine.tensor_parallel_size == 1 else None)
+            running = build_worker(role, s, loaded)
             self.running.append(running)
             self._addresses(role).append(running.address)
 
