@@ -9,6 +9,7 @@ from engine.config import (
     ACTIVATIONS,
     DTYPES,
     KV_DTYPES,
+    LOAD_FORMATS,
     PREFILL_GEMMS,
     WEIGHT_FORMATS,
     WEIGHT_GROUPS,
@@ -57,10 +58,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="int8 / q4 weights' decode rows on CPU: int8 (byte dot products) or fp32 (exact)",
     )
     g.add_argument(
+        "--load-format",
+        default=d.load_format,
+        choices=LOAD_FORMATS,
+        help="dummy: random weights of the model folder's config.json (benchmarks, profiles)",
+    )
+    g.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=d.tensor_parallel_size,
-        help="ranks the model is split over (engine/tp_ranks.py); the workers take 1 for now",
+        help="ranks the model is split over (engine/tp_ranks.py), each with --threads threads",
     )
 
 
@@ -82,6 +89,7 @@ def engine_settings_from_args(args: argparse.Namespace) -> EngineSettings:
         prefill_gemm=args.prefill_gemm,
         activations=args.activations,
         tensor_parallel_size=args.tensor_parallel_size,
+        load_format=args.load_format,
     )
 
 
@@ -98,6 +106,7 @@ def engine_args(s: EngineSettings) -> list[str]:
         *("--kv-dtype", s.kv_dtype, "--prefill-gemm", s.prefill_gemm),
         *("--activations", s.activations),
         *("--tensor-parallel-size", str(s.tensor_parallel_size)),
+        *("--load-format", s.load_format),
     ]
 
 
