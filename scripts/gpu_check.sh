@@ -13,6 +13,9 @@
 # config (PDSERVE_PREFILL_AUTOTUNE=0: autotuning each head dim would compile five); the
 # figures autotune it and check it against SDPA. `pdserve bench attention` (the older table at
 # 9/3 heads) is no longer run here: the figures supersede it.
+# Tensor parallelism (issue 49): the workers at TP=1 on the GPU are what test_engine_cuda and
+# test_disagg_cuda check here; TP > 1 needs NCCL between GPUs, which a one-GPU machine cannot
+# check (docs/ARCHITECTURE.md, "Tensor parallelism").
 # The disaggregated GPU tests need the project's serving deps (grpcio/protobuf as pinned,
 # crc32c, pydantic): `pip install -e .` first, or on an offline box install their wheels with
 # `pip install --target DIR` and put DIR on PYTHONPATH (the local cluster passes it on).
