@@ -4,22 +4,31 @@ them to a live tiny cluster. None may get a 5xx, the server stays up, and every 
 free at the end.
 
 About 350 requests run in the normal suite (seconds); the slow marker runs thousands (at
-least 4,000 asserted; 4 minutes here).
+least 4,000 asserted). Two processes beside the server's generate and send them
+(tests/http_fuzz_cases.py): generation is the larger part, and in the server's process it
+waited for the server's turn on the interpreter lock with a core idle.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
 from tests.cluster_utils import assert_all_blocks_free, http_cluster
 from tests.conftest import tiny_llama_dir
+from tests.http_fuzz_cases import check_stream, fuzz_operation
+
+ROOT = Path(__file__).resolve().parents[1]
+FUZZ_PROCESSES = 2  # beside the server's: generating the requests is the larger part
 
 
 @pytest.fixture(scope="module")
@@ -29,71 +38,30 @@ def fuzzed_cluster(tmp_path_factory):
         yield cluster
 
 
-def _fuzz(cluster, examples: int) -> collections.Counter:
+def _fuzz(cluster, examples: int, claims: Path) -> collections.Counter:
     """Every operation of the served schema, ``examples`` generated requests per operation
-    and mode (valid bodies; invalid ones for operations that take a body); returns the
-    requests sent per (operation, mode)."""
-    schema = schemathesis.openapi.from_url(f"http://{cluster.http_address}/openapi.json")
-    sent: collections.Counter = collections.Counter()
-    for result in schema.get_all_operations():
-        op = result.ok()
-        modes = [GenerationMode.POSITIVE]
-        if op.method.upper() == "POST":
-            modes.append(GenerationMode.NEGATIVE)
-        for mode in modes:
-            _fuzz_operation(op, mode, examples, sent)
-    return sent
-
-
-def _fuzz_operation(
-    op, mode: GenerationMode, examples: int, sent: collections.Counter, stream: bool = False
-) -> None:
-    """``stream``: every generated body (a JSON object) asks for a stream."""
-
-    @given(case=op.as_strategy(generation_mode=mode))
-    @settings(
-        max_examples=examples,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    def send(case):
-        if stream and isinstance(case.body, dict):
-            case.body["stream"] = True
-        response = case.call(timeout=60)
-        sent[op.label, mode.value] += 1
-        assert response.status_code < 500, (
-            f"{op.label} -> {response.status_code}: {response.text[:300]}\n"
-            f"body: {str(case.body)[:500]}"
-        )
-        if _check_stream(response, op.label, case.body):
-            sent["streamed 200", op.label] += 1
-
-    send()
-
-
-def _check_stream(response, label: str, body) -> bool:
-    """A streamed 200 (an SSE body) ends with ``data: [DONE]`` and has no error event; True
-    where ``response`` was one."""
-    if response.status_code != 200:
-        return False
-    content_type = response.headers.get("content-type") or ""  # schemathesis: a list of values
-    if "text/event-stream" not in str(content_type):
-        return False
-    text = response.text
-    if getattr(response, "stream_cut_short", False):  # schemathesis: 20 events at most
-        req = response.request
-        text = httpx.post(req.url, content=req.body, headers=dict(req.headers), timeout=60).text
-    blocks = text.replace("\r\n", "\n").split("\n\n")
-    data = [
-        [ln[len("data: ") :] for ln in b.split("\n") if ln.startswith("data: ")] for b in blocks
+    and mode (valid bodies; invalid ones for operations that take a body), each checked
+    (tests/http_fuzz_cases.py), sent by FUZZ_PROCESSES processes that share the pairs out;
+    returns the requests sent per (operation, mode)."""
+    argv = [sys.executable, "-m", "tests.http_fuzz_cases", f"http://{cluster.http_address}"]
+    argv += [str(examples), str(claims)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [
+        subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(FUZZ_PROCESSES)
     ]
-    events = ["\n".join(d) for d in data if d]
-    where = f"{label}, body {str(body)[:300]}: {text[-300:]!r}"
-    assert events and events[-1] == "[DONE]", f"streamed 200 without [DONE]: {where}"
-    errors = [e for e in events[:-1] if '"error"' in e and "error" in json.loads(e)]
-    assert not errors, f"streamed 200 with an error event: {errors[:1]} ({where})"
-    return True
+    sent: collections.Counter = collections.Counter()
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=1800)
+            assert proc.returncode == 0, err.decode()[-6000:]
+            for *key, n in json.loads(out.decode().strip().splitlines()[-1]):
+                sent[tuple(key)] += n
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    return sent
 
 
 def _assert_fuzzed_and_still_serving(cluster, sent: collections.Counter, examples: int) -> None:
@@ -108,8 +76,8 @@ def _assert_fuzzed_and_still_serving(cluster, sent: collections.Counter, example
     assert_all_blocks_free(cluster)
 
 
-def test_generated_requests_never_get_a_5xx(fuzzed_cluster):
-    sent = _fuzz(fuzzed_cluster, examples=40)
+def test_generated_requests_never_get_a_5xx(fuzzed_cluster, tmp_path):
+    sent = _fuzz(fuzzed_cluster, examples=40, claims=tmp_path)
     _assert_fuzzed_and_still_serving(fuzzed_cluster, sent, examples=40)
 
 
@@ -139,7 +107,7 @@ def test_generated_streamed_requests_end_with_done_and_no_error_event(fuzzed_clu
     for result in schema.get_all_operations():
         op = result.ok()
         if op.method.upper() == "POST" and op.path.endswith("completions"):
-            _fuzz_operation(op, GenerationMode.POSITIVE, 20, sent, stream=True)
+            fuzz_operation(op, GenerationMode.POSITIVE, 20, sent, stream=True)
     posts = {k: n for k, n in sent.items() if k[0].startswith("POST")}
     assert len(posts) == 2 and all(n >= 10 for n in posts.values()), sent
     base = f"http://{fuzzed_cluster.http_address}"
@@ -147,7 +115,7 @@ def test_generated_streamed_requests_end_with_done_and_no_error_event(fuzzed_clu
         for body in bodies:
             response = httpx.post(base + path, json={**body, "stream": True}, timeout=60)
             assert response.status_code == 200, response.text[:300]
-            assert _check_stream(response, "POST " + path, body)
+            assert check_stream(response, "POST " + path, body)
             sent["streamed 200", "POST " + path] += 1
     streamed = {k: n for k, n in sent.items() if k[0] == "streamed 200"}
     assert len(streamed) == 2 and all(n >= 3 for n in streamed.values()), sent  # both checked
@@ -155,7 +123,7 @@ def test_generated_streamed_requests_end_with_done_and_no_error_event(fuzzed_clu
 
 
 @pytest.mark.slow
-def test_thousands_of_generated_requests_never_get_a_5xx(fuzzed_cluster):
-    sent = _fuzz(fuzzed_cluster, examples=1000)
+def test_thousands_of_generated_requests_never_get_a_5xx(fuzzed_cluster, tmp_path):
+    sent = _fuzz(fuzzed_cluster, examples=1000, claims=tmp_path)
     assert sum(sent.values()) >= 4000, sent
     _assert_fuzzed_and_still_serving(fuzzed_cluster, sent, examples=1000)
