@@ -272,3 +272,12 @@ def test_the_worker_status_message_carries_the_ranks():
         (1, 4107, False),
     ]
     assert not pb.WorkerStatus(role="decode").HasField("tensor_parallel")
+
+
+def test_a_worker_with_a_dead_rank_is_dead_though_its_actor_answers():
+    assert tp_groups.dead_rank_reason({"tensor_parallel": TP2}) == (
+        "its tensor-parallel rank 1 (pid 4107) is gone"
+    )
+    alive = {"size": 2, "ranks": [{**r, "alive": True} for r in TP2["ranks"]]}
+    assert tp_groups.dead_rank_reason({"tensor_parallel": alive}) is None
+    assert tp_groups.dead_rank_reason({"num_running": 0}) is None  # TP=1

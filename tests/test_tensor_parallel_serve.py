@@ -1,11 +1,15 @@
-"""``pdserve serve embedded --tensor-parallel-size 3:1`` on the Ray path (issue 49): prefill
-workers of 3 ranks (the embedded model has 9 query and 3 KV heads), decode of 1, KV moving
-between the degrees over grpc. The official openai client's greedy chat answer is transformers'
-greedy text; ``pdserve status`` shows the prefill worker as its 3 ranks; and on SIGTERM every
-rank exits with the cluster."""
+"""Tensor-parallel workers on the Ray path (issue 49). ``pdserve serve embedded
+--tensor-parallel-size 3:1``: prefill workers of 3 ranks (the embedded model has 9 query and 3 KV
+heads), decode of 1, KV moving between the degrees over grpc; the official openai client's
+greedy chat answer is transformers' greedy text, ``pdserve status`` shows the prefill worker as
+its 3 ranks, and on SIGTERM every rank exits with the cluster. And a decode worker of 2 ranks
+whose follower is killed -9 is replaced whole: a new worker in a new placement group, the old
+group and the old ranks gone, the answers token-exact again."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -110,6 +114,65 @@ def test_serve_embedded_tp3_prefill_answers_openai_as_transformers(tmp_path, tra
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        ray.shutdown()
+
+
+def test_a_decode_worker_that_loses_a_rank_comes_back_whole(tmp_path):
+    import ray
+    from ray.util import placement_group_table
+
+    from pdserve.cluster.ray_launcher import launch
+    from tests.conftest import tiny_llama_dir
+    from tests.ray_utils import (
+        engine_reference,
+        generate,
+        init_local_ray,
+        make_prompts,
+        tiny_config,
+        wait_for,
+    )
+
+    model, _ = tiny_llama_dir(tmp_path, num_kv_heads=2, seed=5)
+    prompts = make_prompts(4, seed=1)
+    reference = engine_reference(model, prompts)
+    pool = {"num_cpus": 0, "threads": 1, "min": 1, "max": 2}
+    pools = {"prefill": pool, "decode": {**pool, "tensor_parallel_size": 2}}
+    init_local_ray()
+    try:
+        with launch(tiny_config(model, pools=pools), progress=False) as cluster:
+            assert [o.token_ids for o in generate(cluster.grpc_address, prompts)] == reference
+
+            def decode_row() -> dict | None:  # once the health loop has read its status
+                [row] = cluster.status()["pools"]["decode"]["workers"]
+                return row if row["tensor_parallel"] else None
+
+            old = wait_for(decode_row, 10, "the decode worker's ranks in the status")
+            old_ranks = old["tensor_parallel"]["ranks"]
+            os.kill(old_ranks[1]["pid"], signal.SIGKILL)
+
+            def replaced() -> dict | None:
+                workers = cluster.status()["pools"]["decode"]["workers"]
+                new = [w for w in workers if w["id"] != old["id"] and w["state"] == "ready"]
+                ranks = (new[0]["tensor_parallel"] or {}).get("ranks") if new else None
+                return (
+                    new[0]
+                    if len(workers) == 1 and ranks and all(r["alive"] for r in ranks)
+                    else None
+                )
+
+            new = wait_for(replaced, 120, "a whole decode worker in the lost one's place")
+            events = "\n".join(cluster.status()["events"])
+            assert f"{old['id']} at {old['address']} is dead (its tensor-parallel rank 1" in events
+            wait_for(
+                lambda: not any(_alive(r["pid"]) for r in old_ranks), RANKS_EXIT_S, "old ranks"
+            )
+            created = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
+            assert len(created) == 1 and len(created[0]["bundles"]) == 2  # the new worker's only
+            assert {r["pid"] for r in new["tensor_parallel"]["ranks"]}.isdisjoint(
+                r["pid"] for r in old_ranks
+            )
+            assert [o.token_ids for o in generate(cluster.grpc_address, prompts)] == reference
+    finally:
         ray.shutdown()
 
 

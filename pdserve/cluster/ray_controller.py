@@ -28,7 +28,7 @@ from pdserve.cluster.core_pairs import NodePairs, free_group
 from pdserve.cluster.ray_actors import RouterActor, WorkerActor
 from pdserve.cluster.ray_autoscaling import ROLES, PoolAutoscaling
 from pdserve.cluster.router_supervisor import supervise_router
-from pdserve.cluster.tp_groups import RankGroups
+from pdserve.cluster.tp_groups import RankGroups, dead_rank_reason
 from pdserve.config import ClusterConfig, with_cluster_token
 from pdserve.share_cores import with_share_name
 
@@ -285,7 +285,7 @@ class Controller(PoolAutoscaling):
         try:
             status = rec.actor.status.remote()
             rec.status = await asyncio.wait_for(status, ACTOR_STATUS_TIMEOUT_S)
-            reason = self._unreachable_reason(rec, routed)
+            reason = dead_rank_reason(rec.status) or self._unreachable_reason(rec, routed)
         except asyncio.TimeoutError:
             reason = f"hung: its actor has not answered for {ACTOR_STATUS_TIMEOUT_S:.0f} s"
         except ray.exceptions.RayError as e:

@@ -39,6 +39,18 @@ def actor_gpus(pool) -> float:
     return pool.tensor_parallel_size * pool.num_gpus
 
 
+def dead_rank_reason(status: dict) -> str | None:
+    """Why a TP worker whose actor answers is dead anyway: one of its ranks has exited (or
+    broke its group), so its engine cannot step again; None while every rank lives. The
+    controller replaces it at once rather than waiting for a request to fail there."""
+    tp = status.get("tensor_parallel") or {}
+    dead = [r for r in tp.get("ranks", []) if not r["alive"]]
+    if not dead:
+        return None
+    names = ", ".join(f"{r['rank']} (pid {r['pid']})" for r in dead)
+    return f"its tensor-parallel rank {names} is gone"
+
+
 class RankGroups:
     """The placement groups of a cluster's TP workers, by worker id."""
 
