@@ -115,7 +115,9 @@ class Scheduler:
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req not in self.running:  # preempted while making room for an earlier one
+            # Preempted while making room for an earlier one (only then can it have left: the
+            # list scan, O(batch) a request, runs only in a step that preempted).
+            if out.preempted and req not in self.running:
                 continue
             n = self._chunk(req, budget)
             if not self._grow_or_preempt(req, n, out):

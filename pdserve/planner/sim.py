@@ -277,7 +277,8 @@ class SimCluster:
         self.arrive(req)
 
     def _emit(self, req: _Req, t: float) -> None:
-        self.cpu.charge(self.clock.now, self.cpu_per_token_s)
+        if self.cpu.cores:  # else charge() does nothing: not called, once per token
+            self.cpu.charge(self.clock.now, self.cpu_per_token_s)
         req.outputs += 1
         req.record.token_times.append(t)
 

@@ -257,7 +257,6 @@ class SimDecodeWorker(SimWorker):
 
     def on_updated(self, updated: list[Request]) -> None:
         for req in updated:
-            owner = self.owner[req.request_id]
-            if req.is_finished:
-                del self.owner[req.request_id]
-            self.on_token(owner, req, self.clock.now, finished=req.is_finished, new_token=True)
+            finished = req.is_finished
+            owner = self.owner.pop(req.request_id) if finished else self.owner[req.request_id]
+            self.on_token(owner, req, self.clock.now, finished, True)
