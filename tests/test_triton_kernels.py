@@ -22,6 +22,7 @@ from tests.triton_interpret_check import interpreter_cases
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 5e-2}
 INTERPRETER_CASES = interpreter_cases()
+INTERPRETER_SHARDS = 2  # processes: the interpreter runs on one core each
 
 needs_triton = pytest.mark.skipif(not ops.TRITON_AVAILABLE, reason="Triton is not installed")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -29,18 +30,31 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture(scope="module")
 def interpreter_errors() -> dict[str, dict[str, float]]:
+    """Every interpreter case's errors, from INTERPRETER_SHARDS processes side by side."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.triton_interpret_check"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.triton_interpret_check", str(i), str(INTERPRETER_SHARDS)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(INTERPRETER_SHARDS)
+    ]
+    errors: dict[str, dict[str, float]] = {}
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, f"interpreter run failed:\n{err[-4000:]}"
+            errors.update(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert sorted(errors) == sorted(case.name for case in INTERPRETER_CASES)  # every case ran
+    return errors
 
 
 def _assert_within(case: KernelCase, errors: dict[str, float]) -> None:

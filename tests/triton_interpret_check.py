@@ -1,6 +1,7 @@
 """Run every Triton kernel on CPU tensors under the Triton interpreter; print JSON errors.
 
-Run as ``TRITON_INTERPRET=1 python -m tests.triton_interpret_check`` from the repo root.
+Run as ``TRITON_INTERPRET=1 python -m tests.triton_interpret_check [SHARD NUM_SHARDS]`` from
+the repo root.
 tests/test_triton_kernels.py runs it in a subprocess because Triton picks interpreter or
 compiler when ``@triton.jit`` decorates a kernel (at import of kernels.triton_kernels), and
 an earlier test module in the same pytest process may already have imported it.
@@ -29,14 +30,17 @@ def interpreter_cases() -> list[KernelCase]:
     return cases
 
 
-def main() -> int:
+def main(shard: int = 0, num_shards: int = 1) -> int:
+    """Every ``num_shards``-th case from the ``shard``-th: the test runs shards side by side,
+    one process a core (the interpreter is single-threaded numpy)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1 before running this script", file=sys.stderr)
         return 2
-    results = {case.name: check_case(case, backend="triton") for case in interpreter_cases()}
+    cases = interpreter_cases()[shard::num_shards]
+    results = {case.name: check_case(case, backend="triton") for case in cases}
     print(json.dumps(results))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(*(int(a) for a in sys.argv[1:3])))
