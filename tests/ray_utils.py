@@ -155,3 +155,36 @@ def wait_for(predicate, timeout: float, what: str, period: float = 0.2):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(period)
+
+
+class FakeRemote:
+    """A Ray actor method without Ray: ``.remote(*args)`` is an awaitable of ``fn(*args)``."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        async def call():
+            return self.fn(*args)
+
+        return call()
+
+
+class FakeActorClass:
+    """``ray.remote(WorkerActor)`` without Ray: records each actor's options and arguments in
+    ``made``; its actors are ready at once (an address of their order) and stop."""
+
+    def __init__(self, made: list):
+        self.made = made
+
+    def options(self, **options):
+        made = self.made
+
+        class Handle:
+            def remote(self, *args):
+                made.append((options, args))
+                info = {"address": f"127.0.0.1:{len(made)}", "node_id": "n1"}
+                calls = {"ready": FakeRemote(lambda: info), "stop": FakeRemote(lambda: None)}
+                return type("Actor", (), calls)()
+
+        return Handle()

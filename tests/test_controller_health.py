@@ -9,29 +9,18 @@ import pytest
 
 from pdserve.cluster import ray_controller
 from pdserve.cluster.ray_controller import Controller, WorkerRecord
-from tests.ray_utils import tiny_config
-
-
-class _Remote:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        async def call():
-            return self.fn(*args)
-
-        return call()
+from tests.ray_utils import FakeRemote, tiny_config
 
 
 class FakeActor:
     def __init__(self):
-        self.status = _Remote(lambda: {"num_running": 0})
+        self.status = FakeRemote(lambda: {"num_running": 0})
 
 
 class FakeRouter:
     def __init__(self):
         self.removed = []
-        self.remove_worker = _Remote(lambda role, address: self.removed.append(address))
+        self.remove_worker = FakeRemote(lambda role, address: self.removed.append(address))
 
 
 @pytest.fixture

@@ -12,38 +12,9 @@ from pdserve.cluster import core_pairs, ray_controller
 from pdserve.cluster.core_pairs import MIN_BUNDLE_CPU, pair_bundles
 from pdserve.cluster.ray_controller import Controller
 from pdserve.cluster.ray_launcher import format_status
-from tests.ray_utils import tiny_config
+from tests.ray_utils import FakeActorClass, FakeRemote, tiny_config
 
 SHARED = {"enabled": True, "node_cores": 2}
-
-
-class _Remote:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        async def call():
-            return self.fn(*args)
-
-        return call()
-
-
-class FakeActorClass:
-    """``ray.remote(WorkerActor)``: records the options and arguments of each actor made."""
-
-    def __init__(self, made: list):
-        self.made = made
-
-    def options(self, **options):
-        made = self.made
-
-        class Handle:
-            def remote(self, *args):
-                made.append((options, args))
-                info = {"address": f"127.0.0.1:{len(made)}", "node_id": "n1"}
-                return type("Actor", (), {"ready": _Remote(lambda: info)})()
-
-        return Handle()
 
 
 @pytest.fixture
@@ -64,7 +35,7 @@ def controller(tmp_path, monkeypatch):
     pools = {"replicas": 2, "max": 3}
     cfg = tiny_config(tmp_path, share_cores=SHARED, pools={"prefill": pools, "decode": pools})
     ctl = Controller(cfg.model_dump(), str(tmp_path))
-    ctl.router = type("Router", (), {"add_worker": _Remote(lambda role, address: None)})()
+    ctl.router = type("Router", (), {"add_worker": FakeRemote(lambda role, address: None)})()
     ctl.made, ctl.groups = made, groups
     return ctl
 

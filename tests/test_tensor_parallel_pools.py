@@ -23,7 +23,7 @@ from pdserve.serve_args import FlagError, apply_serve_args
 from pdserve.settings import settings_from_config
 from protos import pdserve_pb2 as pb
 from tests.conftest import needs_embedded, tiny_llama_dir
-from tests.ray_utils import tiny_config
+from tests.ray_utils import FakeActorClass, FakeRemote, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -123,36 +123,6 @@ def test_a_tp_workers_bundles_are_one_per_rank_with_its_gpus_in_the_actors(model
     assert tp_groups.actor_gpus(gpu) == 2  # CUDA_VISIBLE_DEVICES: both ranks' devices
 
 
-class _Remote:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        async def call():
-            return self.fn(*args)
-
-        return call()
-
-
-class FakeActorClass:
-    """``ray.remote(WorkerActor)``: records each actor's options; its actors start and stop."""
-
-    def __init__(self, made: list):
-        self.made = made
-
-    def options(self, **options):
-        made = self.made
-
-        class Handle:
-            def remote(self, *args):
-                made.append((options, args))
-                info = {"address": f"127.0.0.1:{len(made)}", "node_id": "n1"}
-                calls = {"ready": _Remote(lambda: info), "stop": _Remote(lambda: None)}
-                return type("Actor", (), calls)()
-
-        return Handle()
-
-
 @pytest.fixture
 def tp_controller(model_4q_2kv, monkeypatch):
     """A controller of prefill TP=1 and decode TP=2 whose actors and groups are recorded."""
@@ -173,7 +143,7 @@ def tp_controller(model_4q_2kv, monkeypatch):
     )
     cfg = tp_config(model_4q_2kv, prefill=1, decode=2)
     ctl = Controller(cfg.model_dump(), str(model_4q_2kv))
-    ctl.router = type("Router", (), {"add_worker": _Remote(lambda role, address: None)})()
+    ctl.router = type("Router", (), {"add_worker": FakeRemote(lambda role, address: None)})()
     ctl.made, ctl.groups, ctl.removed, ctl.killed = made, groups, removed, killed
     return ctl
 
