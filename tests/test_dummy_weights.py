@@ -92,6 +92,19 @@ def test_the_config_names_a_bad_load_format():
     assert validate_config({"load_format": "dummy"}).load_format == "dummy"
 
 
+def test_a_worker_process_command_line_carries_the_load_format(shape_dir):
+    """The local harness starts worker processes from engine_args: dummy must survive it (else
+    a worker looks for weights the folder does not have)."""
+    import argparse
+
+    from engine.args import add_engine_args, engine_args, engine_settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    s = EngineSettings(model=str(shape_dir), load_format="dummy", tensor_parallel_size=2)
+    assert engine_settings_from_args(parser.parse_args(engine_args(s))) == s
+
+
 def test_profile_of_a_shape_without_weights(shape_dir, tmp_path):
     cfg = tmp_path / "shape.yaml"
     cfg.write_text(f"model: {shape_dir}\nmax_model_len: 256\nnum_blocks: 128\n")

@@ -18,6 +18,7 @@ BENCH_MODULES = (
     "micro.transfer",
     "micro.engine",
     "micro.tp_decode",
+    "micro.tp_transfer",
     "micro.router_overhead",
     "fidelity.cli",
     "fidelity.cpu_costs",

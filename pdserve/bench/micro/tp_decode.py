@@ -24,7 +24,9 @@ from engine.request import SamplingParams
 from engine.settings import EngineSettings
 
 
-def _model_folder(args) -> Path:
+def dummy_model_folder(args) -> Path:
+    """A folder holding only the config.json of a Llama of ``args``' shape (the flags of
+    ``add_model_shape_arguments``), for ``load_format: dummy``."""
     cfg = {
         "model_type": "llama", "vocab_size": args.vocab, "hidden_size": args.hidden,
         "intermediate_size": args.intermediate, "num_hidden_layers": args.layers,
@@ -58,7 +60,7 @@ def _step_ms(engine, threads: int, steps: int) -> float:
 
 
 def cmd_tp_decode(args) -> None:
-    folder = _model_folder(args)
+    folder = dummy_model_folder(args)
     base = EngineSettings(
         str(folder), num_blocks=args.batch * (args.context // 16 + 40), device="cpu",
         load_format="dummy", max_num_seqs=args.batch,
@@ -107,10 +109,15 @@ def add_parser(sub) -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=10, help="decode steps per timed round")
     p.add_argument("--rounds", type=int, default=7)
+    add_model_shape_arguments(p)
+    p.set_defaults(func=cmd_tp_decode)
+
+
+def add_model_shape_arguments(p) -> None:
+    """The random model's shape (default: 24 layers, hidden 768, 12 query / 4 KV heads)."""
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--intermediate", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=49152)
-    p.set_defaults(func=cmd_tp_decode)
