@@ -168,7 +168,8 @@ class Scheduler:
         if token is None:
             return False
         req.output_token_ids.append(token)
-        req.mark("first_token")
+        if "first_token" not in req.events:  # a call saved on every later token
+            req.mark("first_token")
         status = self.check_stop(req) if check_stop else None
         if status is not None:
             self.finish(req, status)
@@ -197,14 +198,16 @@ class Scheduler:
 
     def _grow_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Make room for ``n`` more tokens of ``req``; False if ``req`` itself was preempted."""
-        needed = req.num_computed_tokens + n
-        while not self.blocks.can_allocate(self.blocks.slots_needed(req.block_table, needed)):
+        # Counted once: preempting others frees blocks but leaves ``req``'s table as it is.
+        extra = self.blocks.slots_needed(req.block_table, req.num_computed_tokens + n)
+        while not self.blocks.can_allocate(extra):
             victim = self.running[-1]
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is req:
                 return False
-        self.blocks.append_slots(req.block_table, needed)
+        if extra:
+            req.block_table.extend(self.blocks.allocate(extra))
         return True
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
