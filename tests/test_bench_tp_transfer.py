@@ -47,16 +47,16 @@ def fake_sender(calls: list):
 def test_interleaved_requests_go_one_per_pair_a_round_after_one_warm_up_each():
     calls = []
     pairs = parse_pairs("1:1,2:1")
-    samples = collect_samples(pairs, 2, fake_sender(calls))
+    samples = collect_samples(pairs, 2, fake_sender(calls), interleave=True)
     sends = [name for what, name in calls if what == "send"]
     assert calls[:2] == [("open", "1->1"), ("open", "2->1")]  # both live at once
     assert sends == ["1->1", "2->1"] * 3  # warm-up round, then 2 timed rounds
     assert [len(samples[p]) for p in pairs] == [2, 2]  # the warm-up is not kept
 
 
-def test_one_at_a_time_closes_each_cluster_before_the_next_opens():
+def test_by_default_each_cluster_closes_before_the_next_opens():
     calls = []
-    collect_samples(parse_pairs("1:1,2:1"), 1, fake_sender(calls), one_at_a_time=True)
+    collect_samples(parse_pairs("1:1,2:1"), 1, fake_sender(calls))
     assert [c for c in calls if c[0] != "send"] == [
         ("open", "1->1"), ("close", "1->1"), ("open", "2->1"), ("close", "2->1"),
     ]  # fmt: skip

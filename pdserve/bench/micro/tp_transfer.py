@@ -8,9 +8,10 @@ prompts of fresh random token ids (no prefix-cache hits), one at a time (nothing
 ``include_timings``. Timings.kv_transfer_s is the transfer time *not* hidden behind prefill
 (each prefill rank streams its own KV heads layer by layer while prefill runs; the decode
 side writes each frame's heads into every rank that holds them), so share = kv_transfer_s /
-ttft_s. By default every pair's cluster runs at once and the requests go round robin, one per
-pair a round, so a shared machine's slow minutes fall on every pair alike (``--one-at-a-time``
-runs each cluster alone instead, for a machine short of memory).
+ttft_s. By default each pair's cluster runs alone, one after the other (a worker of the
+default shape holds about 3 GB, so four clusters at once need some 25 GB); ``--interleave``
+keeps every pair's cluster up at once and sends the requests round robin, one per pair a
+round, so a shared machine's slow minutes fall on every pair alike.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import contextlib
 import json
 import math
 import shutil
+import signal
 import statistics
 import sys
 from collections.abc import Callable
@@ -153,12 +155,13 @@ OpenSender = Callable[[Pair], contextlib.AbstractContextManager[Callable[[], Sam
 
 
 def collect_samples(
-    pairs: list[Pair], requests: int, open_sender: OpenSender, one_at_a_time: bool = False
+    pairs: list[Pair], requests: int, open_sender: OpenSender, interleave: bool = False
 ) -> dict[Pair, list[Sample]]:
-    """``requests`` timed samples per pair after one untimed warm-up each. Interleaved: every
-    pair's cluster open at once, one request per pair a round; else each cluster alone."""
+    """``requests`` timed samples per pair after one untimed warm-up each. ``interleave``:
+    every pair's cluster open at once, one request per pair a round; else each cluster alone,
+    one after the other."""
     out: dict[Pair, list[Sample]] = {p: [] for p in pairs}
-    groups = [[p] for p in pairs] if one_at_a_time else [pairs]
+    groups = [pairs] if interleave else [[p] for p in pairs]
     for group in groups:
         with contextlib.ExitStack() as stack:
             senders = {p: stack.enter_context(open_sender(p)) for p in group}
@@ -199,7 +202,7 @@ def open_cluster(pair: Pair, shape: ClusterShape, seed: int):
     }
     spec = ClusterSpec(
         model=shape.model_dir, kv_transport=shape.transport, load_format=shape.load_format,
-        block_size=block, num_blocks=4 * per_request, max_model_len=per_request * block,
+        block_size=block, num_blocks=3 * per_request, max_model_len=per_request * block,
         max_num_batched_tokens=max(512, shape.prompt_tokens), pools=pools,
         separate_processes=shape.processes,
     )  # fmt: skip
@@ -240,7 +243,7 @@ def _setup_line(args, shape: ClusterShape) -> str:
         if args.model is None
         else f"model {args.model}"
     )
-    mode = "one cluster at a time" if args.one_at_a_time else "pairs interleaved per request"
+    mode = "pairs interleaved per request" if args.interleave else "one cluster at a time"
     return (
         f"{model}; {args.prompt_tokens}-token prompts; transport {shape.transport}; 1 thread a rank; "
         f"workers as {'processes' if shape.processes else 'threads'}; {mode}; "
@@ -250,6 +253,8 @@ def _setup_line(args, shape: ClusterShape) -> str:
 
 def cmd_tp_transfer(args) -> int:
     pairs = parse_pairs(args.pairs)
+    # SIGTERM unwinds like Ctrl-C, so every open cluster stops its worker processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     folder = random_model_folder(args) if args.model is None else None
     shape = ClusterShape(
         folder or args.model, "dummy" if folder else "auto", args.transport,
@@ -260,7 +265,7 @@ def cmd_tp_transfer(args) -> int:
             pairs,
             args.requests,
             lambda p: open_cluster(p, shape, seed=args.seed + 1000 * p.prefill_tp + p.decode_tp),
-            args.one_at_a_time,
+            args.interleave,
         )
     finally:
         if folder is not None:
@@ -289,7 +294,11 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--requests", type=int, default=6, help="timed requests a pair")
     p.add_argument("--transport", default="grpc", choices=WORKER_TRANSPORTS)
-    p.add_argument("--one-at-a-time", action="store_true", help="each pair's cluster alone")
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="every pair's cluster up at once, one request per pair a round (memory: all of them)",
+    )
     p.add_argument("--in-process", action="store_true", help="rank 0s as threads of this process")
     p.add_argument(
         "--model",
