@@ -67,6 +67,16 @@ def test_a_speculative_capacity_equals_the_one_probe_at_a_time_one(width):
         assert runner.simulations == again
 
 
+def test_a_speculative_capacity_looks_ahead_only_of_what_is_not_known():
+    dep = Deployment("toy", 2, "toy", 1)
+    with _runner({"toy": toy_profile()}) as runner:
+        start = _capacity(runner.ctx, dep, "all", 4.0, 0) / 2  # a rate that holds
+        assert runner.one(Probe(dep, start)).holds
+        speculative_capacity(runner, dep, "all", start, 2, 2.0, width=2)
+        # The start held (known before): the rate its miss would have led to is not simulated.
+        assert not runner.known(Probe(dep, start / 2))
+
+
 def test_one_simulation_serves_every_part_of_the_targets():
     dep = Deployment("toy", 1, "toy", 1)
     with _runner({"toy": toy_profile()}) as runner:

@@ -74,9 +74,12 @@ def speculative_capacity(
 
     width = width or runner.workers
     state = Bisection(start, steps, factor)
-    while not state.done:
-        runner.submit([Probe(dep, rate, part) for rate in state.ahead(width)])
-        state = state.after(runner.one(Probe(dep, state.rate, part)).holds)
+    while True:
+        # Through what is known first: looking ahead of a known rate would start probes of
+        # the branch its outcome has already ruled out.
         while not state.done and runner.known(Probe(dep, state.rate, part)):
             state = state.after(runner.one(Probe(dep, state.rate, part)).holds)
-    return state.lo
+        if state.done:
+            return state.lo
+        runner.submit([Probe(dep, rate, part) for rate in state.ahead(width)])
+        state = state.after(runner.one(Probe(dep, state.rate, part)).holds)
