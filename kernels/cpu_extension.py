@@ -18,7 +18,9 @@ dot products (quant_dot_cpu.cpp); the plain AVX-512 build stays for CPUs without
 branch in csrc/simd.h. If the compiler fails, a warning is logged and the next choice is tried.
 
 Processes that build (or load) one build folder at once take turns under an OS file lock
-(``exclusive_build``), which also clears the lock file a killed build leaves behind.
+(``exclusive_build``), which also clears the lock file a killed build leaves behind. A build
+folder is named by what the build depends on (``_build_key``), not by the checkout, so every
+checkout of the same sources on a machine shares one build of each variant.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import contextlib
 import logging
 import os
 import platform
+import shutil
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -205,17 +208,59 @@ def _vector_math_flags() -> list[str]:
     return ["-lmvec"] if is_glibc and platform.machine() in ("x86_64", "AMD64") else []
 
 
-def _build_directory(variant: str) -> Path:
-    """A build folder per checkout and variant: two checkouts of this repository on one machine
-    (a CI clone beside a working tree) would otherwise rebuild each other's objects in torch's
-    one shared folder, and a process could load a module built from the other's sources."""
-    import hashlib
+def _compile_flags(variant: Variant) -> tuple[list[str], list[str]]:
+    """The compiler's and the linker's flags for ``variant``'s build. Tuned for no CPU in
+    particular: the build must run, and run well, on every CPU with the variant's flags."""
+    cflags = ["-O3", "-mtune=generic", *variant.cflags, "-fopenmp"]
+    return cflags, ["-fopenmp", *_vector_math_flags()]
 
+
+def _build_key(variant: Variant) -> str:
+    """What a build depends on: every file in csrc (headers too), the flags, and the Python,
+    torch and compiler it is built with and for. Equal keys, equal modules."""
+    import hashlib
+    import sysconfig
+
+    import torch
+
+    digest = hashlib.sha1()
+    for path in sorted(p for p in _CSRC.iterdir() if p.is_file()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    cflags, ldflags = _compile_flags(variant)
+    toolchain = [
+        sysconfig.get_config_var("EXT_SUFFIX") or "",
+        torch.__version__,
+        torch.version.git_version,
+        os.environ.get("CXX", ""),
+    ]
+    digest.update(repr((cflags, ldflags, toolchain)).encode())
+    return digest.hexdigest()[:16]
+
+
+def _build_directory(variant: str) -> Path:
+    """A build folder per variant and build key (``_build_key``), not per checkout: a fresh
+    clone (CI, a second working tree) loads the module an earlier checkout of the same sources
+    built instead of compiling it again (2 minutes a variant on 2 cores), while checkouts whose
+    sources differ never share a folder, so none rebuilds another's objects or loads a module
+    built from another's sources."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
-    checkout = hashlib.sha1(str(_CSRC.resolve()).encode()).hexdigest()[:10]
-    path = Path(root) / f"pdserve-{checkout}" / variant
+    path = Path(root) / "pdserve" / f"{variant}-{_build_key(_BY_NAME[variant])}"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _staged_sources(build_directory: Path) -> list[Path]:
+    """The sources as copied into ``build_directory`` (headers too), the copies compiled: the
+    commands ninja records then name no checkout, so a second checkout's load finds the same
+    commands and the objects up to date instead of compiling again. The folder's key covers
+    the files' contents, so copies already there are these files; under ``exclusive_build``."""
+    staged = build_directory / "src"
+    if not staged.is_dir():
+        tmp = build_directory / f"src.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(_CSRC, tmp)
+        tmp.rename(staged)
+    return [staged / name for name in _SOURCES]
 
 
 def _build(variant: Variant):
@@ -223,15 +268,14 @@ def _build(variant: Variant):
         from torch.utils.cpp_extension import load as load_extension
 
         build_directory = _build_directory(variant.name)
+        cflags, ldflags = _compile_flags(variant)
         with exclusive_build(build_directory):
             module = load_extension(
                 name=f"pdserve_cpu_kernels_{variant.name}",
-                sources=[str(_CSRC / name) for name in _SOURCES],
+                sources=[str(path) for path in _staged_sources(build_directory)],
                 build_directory=str(build_directory),
-                # Tuned for no CPU in particular: the build must run, and run well, on every
-                # CPU with the variant's flags.
-                extra_cflags=["-O3", "-mtune=generic", *variant.cflags, "-fopenmp"],
-                extra_ldflags=["-fopenmp", *_vector_math_flags()],
+                extra_cflags=cflags,
+                extra_ldflags=ldflags,
                 verbose=False,
             )
     except Exception as e:  # noqa: BLE001  (no compiler, no headers: the torch path still works)
