@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # KV-aware routing against today's routing (issue 51), side by side on one workload:
-# two local 1P2D clusters of the embedded model, one with the default policies, one with
-# prefill_policy and decode_policy kv_aware; `pdserve bench compare` interleaves them rate by
+# two local 1P2D clusters of the embedded model, one with the policies that were the defaults
+# before it (least_queued, most_free_blocks), one with prefill_policy and decode_policy
+# kv_aware (the defaults now); `pdserve bench compare` interleaves them rate by
 # rate; each router's pdserve:kv_transfer_bytes_total before and after gives the KV shipped.
 #
 #   scripts/bench_kv_routing.sh [WORKLOAD] [RATES] [N]      # defaults: multiturn 0.5 60
@@ -37,7 +38,7 @@ url() { # NAME: the URL its cluster prints once ready
 }
 kv_bytes() { curl -s "$1/metrics" | awk '/^pdserve:kv_transfer_bytes_total/{s+=$2} END{printf "%d\n", s}'; }
 
-start today
+start today --prefill-policy least_queued --decode-policy most_free_blocks
 start kv_aware --prefill-policy kv_aware --decode-policy kv_aware
 A=$(url today)
 B=$(url kv_aware)

@@ -216,6 +216,9 @@ def add_plan(sub) -> None:
         help="simulated seconds per probe (more requests at higher rates)",
     )
     p.add_argument("--max-requests", type=positive_int, default=4000)
+    # Not the router's defaults (kv_aware): the simulated workers keep no KV index, so kv_aware
+    # would fall back to a load-only cost nobody calibrated; the planner simulates the load-based
+    # policies its fidelity runs were measured with (as SimConfig's defaults).
     p.add_argument("--prefill-policy", default="least_queued")
     p.add_argument("--decode-policy", default="most_free_blocks")
     p.add_argument("--local-prefill-max-tokens", type=int, default=0)

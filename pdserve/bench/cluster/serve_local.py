@@ -7,7 +7,7 @@ router has no HTTP API (the serve benchmarks are then skipped).
     python -m pdserve.bench cluster --model embedded --transport grpc            # 1P + 1D
     python -m pdserve.bench cluster --num-prefill 0 --threads 2                  # colocated
     python -m pdserve.bench cluster --weights q4 --prefill-gemm auto             # quantized
-    python -m pdserve.bench cluster --num-decode 2 --prefill-policy kv_aware --decode-policy kv_aware
+    python -m pdserve.bench cluster --num-decode 2 --decode-policy most_free_blocks  # by load
     python -m pdserve.bench cluster --share-cores 2 --transport shm              # one node, 1P1D
 """
 
@@ -18,6 +18,7 @@ import sys
 import threading
 
 from pdserve.cluster.local import ClusterSpec, LocalCluster
+from router.settings import RouterSettings
 from router.warmup import warm_up_router
 
 
@@ -51,8 +52,11 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--kv-dtype", default="fp32", help="the KV cache: fp32 | int8 | fp8 (engine.config)"
     )
-    p.add_argument("--prefill-policy", default="least_queued", help="router.policies")
-    p.add_argument("--decode-policy", default="most_free_blocks", help="router.policies")
+    # The router's own defaults, so a benchmarked cluster routes as `pdserve serve` does.
+    p.add_argument(
+        "--prefill-policy", default=RouterSettings.prefill_policy, help="router.policies"
+    )
+    p.add_argument("--decode-policy", default=RouterSettings.decode_policy, help="router.policies")
     p.add_argument(
         "--share-cores",
         type=int,

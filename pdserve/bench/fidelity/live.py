@@ -77,6 +77,10 @@ def _run_real(split: Split, workload: str, rate: float, n: int, slo: SLO, seed: 
         threads_per_worker=1,
         separate_processes=True,
         http_port=0,
+        # The policies the simulation runs (SimConfig's, load-based: its workers keep no KV
+        # index), not the router's default kv_aware, so real and simulated route alike.
+        prefill_policy=SimConfig.prefill_policy,
+        decode_policy=SimConfig.decode_policy,
     )
     with LocalCluster(spec) as cluster:
         cfg = ServeConfig(
