@@ -1,5 +1,5 @@
-"""Tensor-parallel workers on the Ray path (issue 49). ``pdserve serve embedded
---tensor-parallel-size 3:1``: prefill workers of 3 ranks (the embedded model has 9 query and 3 KV
+"""Tensor-parallel workers on the Ray path (issue 49). ``pdserve serve embedded`` with a
+cluster YAML of prefill tensor_parallel_size 3 and decode 1: prefill workers of 3 ranks (the embedded model has 9 query and 3 KV
 heads), decode of 1, KV moving between the degrees over grpc; the official openai client's
 greedy chat answer is transformers' greedy text, ``pdserve status`` shows the prefill worker as
 its 3 ranks, and on SIGTERM every rank exits with the cluster. And a decode worker of 2 ranks
@@ -76,11 +76,16 @@ def test_serve_embedded_tp3_prefill_answers_openai_as_transformers(tmp_path, tra
     from tests.ray_utils import init_local_ray
     from tests.test_ray_cluster import _read_until_ready, start_serve
 
+    # The degrees in the cluster YAML, as an operator writes them (the flag sets the same).
+    base = load_config()
+    pools = base.pools.model_dump()
+    pools["prefill"]["tensor_parallel_size"] = 3
     config = tmp_path / "local.yaml"
-    config.write_text(yaml.safe_dump(load_config().with_overrides(grpc_port=0).model_dump()))
+    config.write_text(yaml.safe_dump(base.with_overrides(grpc_port=0, pools=pools).model_dump()))
+    assert "tensor_parallel_size: 3" in config.read_text()
     ray_address = init_local_ray()  # 4 CPUs: prefill's 3 bundles and decode's 1
     port = _free_port()
-    argv = ["embedded", "--tensor-parallel-size", "3:1", "--port", str(port)]
+    argv = ["embedded", "--port", str(port)]
     proc = start_serve(config, *argv, "--address", ray_address)
     lines: list[str] = []
     try:
