@@ -123,6 +123,9 @@ def _settle(runner: ProbeRunner, dep: Deployment, rate: float) -> tuple[Deployme
     """Grow the pools whose part misses until the whole spec holds (a few sizes at once, one
     per process), then shrink either pool while it still holds: a deployment verified at
     ``rate``, with no worker to spare."""
+    # The check first, then the likely next probes (each pool holds its own part already) on
+    # the processes it leaves idle: cached, and nothing is decided by them early.
+    runner.submit([Probe(d, rate) for d in [dep, *_fewer(dep)][: runner.workers]])
     out = runner.one(Probe(dep, rate))
     for _ in range(16):
         if out.holds:
@@ -136,14 +139,19 @@ def _settle(runner: ProbeRunner, dep: Deployment, rate: float) -> tuple[Deployme
     if not out.holds:
         return dep, out
     while True:
-        pools = ["decode"] if dep.colocated else ["prefill", "decode"]
-        fewer = [dep.grow(p, -1) for p in pools]
-        fewer = [d for d in fewer if d.num_decode >= 1 and (d.colocated or d.num_prefill >= 1)]
+        fewer = _fewer(dep)
         outs = runner.run([Probe(d, rate) for d in fewer])
         held = [(d, o) for d, o in zip(fewer, outs) if o.holds]
         if not held:
             return dep, out
         dep, out = max(held, key=lambda x: x[1].margin)
+
+
+def _fewer(dep: Deployment) -> list[Deployment]:
+    """``dep`` with one worker fewer in each pool in turn (where the pool keeps one)."""
+    pools = ["decode"] if dep.colocated else ["prefill", "decode"]
+    fewer = [dep.grow(p, -1) for p in pools]
+    return [d for d in fewer if d.num_decode >= 1 and (d.colocated or d.num_prefill >= 1)]
 
 
 def _missing(dep: Deployment, out: Outcome) -> list[str]:
