@@ -74,7 +74,7 @@ def test_medians_share_and_the_ratio_against_the_same_prefill_degree():
     assert r.kv_transfer == pytest.approx(2.0) and r.ttft == pytest.approx(1.0)
     assert r.share_points == pytest.approx(10.0)  # 20% of TTFT against 10%
     report = format_report(rows, [r], "setup")
-    assert "2->1 vs 2->2" in report and "+10.0" in report
+    assert "2->1 vs 2->2" in report and "+10.00" in report
 
 
 def test_a_base_that_exposed_nothing_gives_no_transfer_ratio():

@@ -135,14 +135,14 @@ def format_report(rows: list[PairRow], ratio_rows: list[Ratio], setup: str) -> s
     for r in rows:
         lines.append(
             f"{r.pair:<7}{r.requests:>4}{r.prefill_s:>11.3f}{r.kv_transfer_s:>14.4f}"
-            f"{r.ttft_s:>9.3f}{r.share_of_ttft:>8.1%}{r.kv_bytes / MiB:>9.1f}"
+            f"{r.ttft_s:>9.3f}{r.share_of_ttft:>8.2%}{r.kv_bytes / MiB:>9.1f}"
         )
     if ratio_rows:
         lines.append(f"{'a->b vs a->a':<16}{'kv exposed x':>14}{'TTFT x':>9}{'share +pts':>12}")
     for q in ratio_rows:
         kv = f"{q.kv_transfer:.2f}" if q.kv_transfer is not None else "-"
         lines.append(
-            f"{q.pair + ' vs ' + q.against:<16}{kv:>14}{q.ttft:>9.2f}{q.share_points:>+12.1f}"
+            f"{q.pair + ' vs ' + q.against:<16}{kv:>14}{q.ttft:>9.2f}{q.share_points:>+12.2f}"
         )
     lines.append("=" * 86)
     return "\n".join(lines)
