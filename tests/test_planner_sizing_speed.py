@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.planner.capacity_search import Bisection, capacity_of, speculative_capacity
-from pdserve.planner.probes import PARTS, Deployment, Probe, _capacity, _score
+from pdserve.planner.capacity_search import Bisection, capacity_of
+from pdserve.planner.probes import PARTS, Deployment, Probe, _capacity, _score, speculative_capacity
 from pdserve.planner.sizing import fewest_devices
 from tests.test_planner_sim import toy_profile
 from tests.test_planner_sizing import _runner

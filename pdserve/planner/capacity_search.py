@@ -2,7 +2,7 @@
 factor, then bisect. One search, two ways to run it:
 
 - ``capacity_of``: one probe at a time (inside a worker process: probes.py's ``_capacity``);
-- ``speculative_capacity``: on a ``ProbeRunner``, the probe the search needs next together with
+- ``speculative_capacity`` (probes.py, beside the ``ProbeRunner`` it drives): the probe the search needs next together with
   the ones each of its outcomes would ask for after it (breadth first, up to ``width`` at
   once), so idle processes run what the search will likely need. Its answer is
   ``capacity_of``'s: it walks the same states on the same probes' outcomes; the extra probes
@@ -63,23 +63,3 @@ def capacity_of(holds: Callable[[float], bool], start: float, steps: int, factor
     while not state.done:
         state = state.after(holds(state.rate))
     return state.lo
-
-
-def speculative_capacity(
-    runner, dep, part: str, start: float, steps: int, factor: float = 2.0, width: int = 0
-) -> float:
-    """``capacity_of`` on ``runner``'s processes (``width``: probes in flight, 0: one per
-    process), every probe cached there: a rate already simulated costs nothing."""
-    from pdserve.planner.probes import Probe
-
-    width = width or runner.workers
-    state = Bisection(start, steps, factor)
-    while True:
-        # Through what is known first: looking ahead of a known rate would start probes of
-        # the branch its outcome has already ruled out.
-        while not state.done and runner.known(Probe(dep, state.rate, part)):
-            state = state.after(runner.one(Probe(dep, state.rate, part)).holds)
-        if state.done:
-            return state.lo
-        runner.submit([Probe(dep, rate, part) for rate in state.ahead(width)])
-        state = state.after(runner.one(Probe(dep, state.rate, part)).holds)

@@ -127,8 +127,7 @@ def _kv_link(args, profile):
 def cmd_size(args, base, workload, rate, error) -> int:
     from dataclasses import replace
 
-    from pdserve.planner.capacity_search import speculative_capacity
-    from pdserve.planner.probes import Probe, ProbeRunner
+    from pdserve.planner.probes import Probe, ProbeRunner, speculative_capacity
     from pdserve.planner.sim import check_compatible
     from pdserve.planner.sizing import best_within, fewest_devices
     from pdserve.planner.sizing_report import figures, format_sizing, sizing_json

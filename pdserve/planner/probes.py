@@ -18,7 +18,7 @@ from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from pdserve.metrics import compute_result
-from pdserve.planner.capacity_search import capacity_of
+from pdserve.planner.capacity_search import Bisection, capacity_of
 from pdserve.planner.profile import Profile
 from pdserve.planner.sim import SimConfig, Split, simulate
 from pdserve.planner.slo import SloSpec
@@ -248,3 +248,21 @@ class ProbeRunner:
             return [call() for call in calls]
         with ThreadPoolExecutor(len(calls)) as threads:
             return list(threads.map(lambda call: call(), calls))
+
+
+def speculative_capacity(
+    runner, dep, part: str, start: float, steps: int, factor: float = 2.0, width: int = 0
+) -> float:
+    """``capacity_of`` on ``runner``'s processes (``width``: probes in flight, 0: one per
+    process), every probe cached there: a rate already simulated costs nothing."""
+    width = width or runner.workers
+    state = Bisection(start, steps, factor)
+    while True:
+        # Through what is known first: looking ahead of a known rate would start probes of
+        # the branch its outcome has already ruled out.
+        while not state.done and runner.known(Probe(dep, state.rate, part)):
+            state = state.after(runner.one(Probe(dep, state.rate, part)).holds)
+        if state.done:
+            return state.lo
+        runner.submit([Probe(dep, rate, part) for rate in state.ahead(width)])
+        state = state.after(runner.one(Probe(dep, state.rate, part)).holds)
