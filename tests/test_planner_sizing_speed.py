@@ -1,16 +1,62 @@
-"""The sizing search's speedups keep its answers: one simulation scored for every part, the
-capacity bisection run ahead on idle processes, and shapes sized side by side in threads all
-give what the one-probe-at-a-time path gives."""
+"""The sizing search's speedups keep its answers: the simulator's output is the one it gave
+before them, bit for bit; one simulation scored for every part, the capacity bisection run
+ahead on idle processes, and shapes sized side by side in threads all give what the
+one-probe-at-a-time path gives."""
 
 from __future__ import annotations
+
+import hashlib
 
 import pytest
 
 from pdserve.planner.capacity_search import Bisection, capacity_of
+from pdserve.planner.kv_link import KvLink
 from pdserve.planner.probes import PARTS, Deployment, Probe, _capacity, _score, speculative_capacity
+from pdserve.planner.profile import EngineSettings
+from pdserve.planner.sim import SimConfig, Split, simulate
 from pdserve.planner.sizing import fewest_devices
+from pdserve.planner.workload import synthetic
 from tests.test_planner_sim import toy_profile
 from tests.test_planner_sizing import _runner
+
+PINNED = [  # config, (lengths, requests, rate, seed) -> (digest, preemptions) as 74b2d51 gave
+    (
+        SimConfig(
+            Split(2, 1),
+            decode_num_blocks=150,
+            reserve_timeout_s=1e9,
+            kv_link=KvLink(1e9, 1e-4, "prefill_worker"),
+        ),
+        ("200-400/100-200", 80, 5.0, 2),
+        ("9589e170252edee4", 52),
+    ),
+    (
+        SimConfig(Split(0, 1), decode_num_blocks=150),
+        ("200-400/100-200", 60, 3.0, 3),
+        ("c37f47b562a7e0d6", 58),
+    ),
+    (
+        SimConfig(Split(1, 2), shared_prefix_tokens=40, cpu_cores=2, temperature=0.0),
+        ("100-300/20-60", 80, 4.0, 4),
+        ("bd34ed0791da87cb", 0),
+    ),
+]
+
+
+@pytest.mark.parametrize("cfg,workload,expected", PINNED, ids=["2P1D-link", "colo", "prefix"])
+def test_the_simulator_gives_what_it_gave_before_the_speedups(cfg, workload, expected):
+    """Every request's send, end and token times, bit for bit, as the simulator gave them
+    before #53's speedups (the scheduler's per-token work): preemption on a decode worker and
+    on a colocated one, a queued KV link, prefix caching on shared cores. A change to the
+    model (not its speed) updates these figures, saying why."""
+    spec, n, rate, seed = workload
+    prof = toy_profile(EngineSettings(num_blocks=2048, max_num_seqs=64))
+    run = simulate(prof, synthetic(spec, n, rate, seed=seed), cfg)
+    h = hashlib.sha256()
+    for r in run.records:
+        fields = (r.send_time, r.end_time, r.success, r.error, r.completion_tokens, r.token_times)
+        h.update(repr(fields).encode())
+    assert (h.hexdigest()[:16], run.preemptions) == expected
 
 
 def _reference_capacity(holds, start: float, steps: int, factor: float) -> float:
