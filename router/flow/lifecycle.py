@@ -312,6 +312,10 @@ class RequestFlow(Reservations):
         request.took_first_token(event.first_token)
         span = None if request.trace is None else request.trace.call_span(attempt, "prefill")
         attempt.transfer = asyncio.ensure_future(transfer_done(call, request, p, span))
+        # Its failure is read where the attempt waits on it; an attempt that ends first (its
+        # lease refused, its decode failed) leaves it unread: marked read here, not logged as
+        # "Task exception was never retrieved".
+        attempt.transfer.add_done_callback(_mark_read)
         return event.first_token
 
     async def _decode(self, request: FlowRequest, attempt: Attempt, forks=()):
@@ -340,3 +344,8 @@ class RequestFlow(Reservations):
         except grpc.aio.AioRpcError as e:
             raise_if_transfer_lost(attempt)  # a broken transfer explains a failed Decode
             raise ended_by(attempt.decode, e, on_lease=True) from e
+
+
+def _mark_read(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
