@@ -49,6 +49,7 @@ pdserve bench compare --url "$A" --name today --against "kv_aware=$B" --workload
   --cold-start 0 --no-progress --json "$OUT/compare_$WORKLOAD.json"
 A1=$(kv_bytes "$A")
 B1=$(kv_bytes "$B")
+SENT=$((N * $(tr ',' '\n' <<<"$RATES" | wc -l)))  # N requests at each rate
 echo "KV bytes shipped (warm-ups included): today $((A1 - A0)), kv_aware $((B1 - B0));" \
-  "per request: today $(((A1 - A0) / N)), kv_aware $(((B1 - B0) / N))"
+  "per request: today $(((A1 - A0) / SENT)), kv_aware $(((B1 - B0) / SENT))"
 echo "results: $OUT"
