@@ -69,7 +69,7 @@ KV_MISSING_BLOCK_WEIGHT = 4
 
 
 def _cached_blocks(w: WorkerHandle, hashes: Sequence[bytes]) -> int:
-    held = getattr(w, "kv", None)  # the planner's simulated workers keep no index
+    held = w.kv  # None for the planner's simulated workers: they keep no index
     return held.cached_blocks(hashes) if held is not None and hashes else 0
 
 
@@ -102,7 +102,7 @@ def kv_aware_decode(
 
     def cost(w: WorkerHandle) -> tuple[bool, int]:
         new = num_blocks - _cached_blocks(w, hashes)
-        room = w.free_blocks >= new and (not hasattr(w, "has_stream_room") or w.has_stream_room())
+        room = w.free_blocks >= new and w.has_stream_room()
         return (not room, KV_MISSING_BLOCK_WEIGHT * new + w.total_blocks - w.free_blocks)
 
     return sorted(workers, key=cost)

@@ -113,6 +113,14 @@ class SimWorker(StepHooks):
         self.served_requests = 0
         self.owner: dict[str, object] = {}  # request id -> the router's request
 
+    # What KV-aware routing reads of a worker (router/policies.py): a simulated worker keeps no
+    # KV index the router could read, and its scheduler queues past max_num_seqs where a real
+    # decode worker's stream budget would refuse, so it always has stream room.
+    kv = None
+
+    def has_stream_room(self) -> bool:
+        return True
+
     @property
     def free_blocks(self) -> int:
         return self.blocks.num_free
