@@ -1,9 +1,11 @@
 """Logit bias and vLLM's penalties (presence, frequency, repetition), applied on the batch.
 
 A request's logit bias becomes tensors the first time it is sampled (a whole row when it
-covers much of the vocabulary, else token ids and values); each step adds the batch's in one
-add and one scatter, so a vocabulary-sized bias costs a step one tensor op, not a Python loop
-over its entries.
+covers much of the vocabulary, else token ids and values); each step adds a whole row to its
+own row in place and scatters the batch's sparse ones in one op, so a vocabulary-sized bias
+costs a step one add over its own row, not a Python loop over its entries nor a copy of the
+batch. ``apply_`` works in place on the rows that ask for something (the engine's sampler owns
+its step's logits); ``apply`` leaves its input as it was.
 
 Each penalized request keeps two vocab-sized vectors here: a mask of its prompt tokens and the
 count of each output token. The counts grow by the tokens sampled since the last step, so a
@@ -68,14 +70,26 @@ class Penalties:
         self._histories.pop(request_id, None)
         self._biases.pop(request_id, None)
 
+    @staticmethod
+    def changes(req: Request) -> bool:
+        """Whether ``apply`` changes this request's row."""
+        return bool(req.sampling.logit_bias) or req.sampling.has_penalties
+
     def apply(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """``logits`` [B, vocab] with each row's bias and penalties applied (a new tensor when
         any applies; the input is returned untouched otherwise)."""
-        logits = self._apply_logit_bias(logits, requests)
+        if not any(self.changes(r) for r in requests):
+            return logits
+        return self.apply_(logits.clone(), requests)
+
+    @torch.inference_mode()  # the runner's logits are inference tensors: written in place here
+    def apply_(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """``apply`` in place: only the rows of requests that ask for a bias or penalties are
+        read and written, so the others cost nothing (no copy of the batch)."""
+        self._apply_logit_bias(logits, requests)
         rows = [i for i, r in enumerate(requests) if r.sampling.has_penalties]
         if not rows:
             return logits
-        logits = logits.clone()  # the caller's logits stay as the model made them
         reqs = [requests[i] for i in rows]
         vocab, device = logits.shape[-1], logits.device
         for req in reqs:
@@ -90,28 +104,26 @@ class Penalties:
         logits[idx] = penalize(logits[idx], reqs, counts, prompt_mask)
         return logits
 
-    def _apply_logit_bias(self, logits: torch.Tensor, requests: Sequence[Request]):
-        """Each biased row plus its request's cached ``_Bias``: the dense ones in one add, the
-        sparse ones in one scatter for the batch; per step, a Python loop over the biased
-        requests only, none over their entries."""
+    def _apply_logit_bias(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        """Each biased row plus its request's cached ``_Bias``, in place: a whole row by one
+        add on its own row (a view: no gather, no copy of other rows), the sparse ones in one
+        scatter for the batch; per step, a Python loop over the biased requests only, none
+        over their entries."""
         rows = [i for i, r in enumerate(requests) if r.sampling.logit_bias]
         if not rows:
-            return logits
+            return
         biases = [self._bias(requests[i], logits) for i in rows]
-        out = logits.clone()
-        device = logits.device
-        dense = [(i, b) for i, b in zip(rows, biases) if b.dense is not None]
-        if dense:
-            idx = torch.tensor([i for i, _ in dense], device=device)
-            out[idx] += torch.stack([b.dense for _, b in dense])
+        for i, b in zip(rows, biases):
+            if b.dense is not None:
+                logits[i].add_(b.dense)
         sparse = [(i, b) for i, b in zip(rows, biases) if b.dense is None]
         if sparse:
+            device = logits.device
             ids = torch.cat([b.ids for _, b in sparse])
             lengths = torch.tensor([len(b.ids) for _, b in sparse], device=device)
             row_ids = torch.tensor([i for i, _ in sparse], device=device)
             vals = torch.cat([b.vals for _, b in sparse])
-            out.index_put_((row_ids.repeat_interleave(lengths), ids), vals, accumulate=True)
-        return out
+            logits.index_put_((row_ids.repeat_interleave(lengths), ids), vals, accumulate=True)
 
     def _bias(self, req: Request, logits: torch.Tensor) -> _Bias:
         pairs = req.sampling.logit_bias

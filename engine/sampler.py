@@ -32,9 +32,22 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         """One token per row of ``logits`` [B, vocab] (fp32) for the matching request. Requests
-        that asked for logprobs get the sampled token's appended to ``output_logprobs``."""
-        logits = self.penalties.apply(logits, requests)
-        logits = self._apply_min_tokens(logits, requests)
+        that asked for logprobs get the sampled token's appended to ``output_logprobs``.
+        ``logits`` stay as given (a copy is processed when a row asks for a change)."""
+        if any(self._changes(r) for r in requests):
+            logits = logits.clone()
+        return self._sample_in_place(logits, requests)
+
+    def _changes(self, req: Request) -> bool:
+        """Whether sampling changes this request's row of the logits before drawing."""
+        return self.penalties.changes(req) or len(req.output_token_ids) < req.sampling.min_tokens
+
+    @torch.inference_mode()  # the runner's logits are inference tensors
+    def _sample_in_place(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+        """``sample``, processing the rows that ask for it (bias, penalties, min_tokens) in
+        place: a step pays for those rows only, never for a copy of the whole batch."""
+        self.penalties.apply_(logits, requests)
+        self._apply_min_tokens(logits, requests)
         out = self._draw(logits, requests)
         self._record_logprobs(logits, requests, out)
         self._sample_forks(logits, requests)
@@ -48,12 +61,19 @@ class Sampler:
         sampled alone; a row that raises alone gets None and its exception. Every row is
         independent (its own logits, seed and penalty state), so the rows that succeed get
         the tokens the batch would have given them. While nothing fails the cost is a count
-        per request (and a copy of the default generator's state when a row draws from it)."""
+        per request (and a copy of the default generator's state when a row draws from it).
+
+        ``logits`` are this step's own: the batched pass processes in place the rows that ask
+        for it, after keeping a copy of those rows only, which a failed pass puts back."""
         before = _BatchedPass.before(requests)
+        kept = [(i, logits[i].clone()) for i, r in enumerate(requests) if self._changes(r)]
         try:
-            return list(self.sample(logits, requests)), {}
+            return list(self._sample_in_place(logits, requests)), {}
         except Exception as e:  # noqa: BLE001 - isolated row by row below
             log.warning("sampling %d rows failed (%r); sampling each alone", len(requests), e)
+        with torch.inference_mode():
+            for i, row in kept:
+                logits[i].copy_(row)
         before.restore_generator()
         tokens: list[int | None] = []
         errors: dict[int, BaseException] = {}
@@ -137,18 +157,11 @@ class Sampler:
         return torch.Generator().manual_seed((req.sampling.seed ^ (t * _GOLDEN)) % 2**64)
 
     @staticmethod
-    def _apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        banned = [
-            (i, list(r.eos_token_ids) + list(r.sampling.stop_token_ids))
-            for i, r in enumerate(requests)
-            if len(r.output_token_ids) < r.sampling.min_tokens
-        ]
-        if not banned:
-            return logits
-        logits = logits.clone()
-        for i, ids in banned:
-            logits[i, ids] = float("-inf")
-        return logits
+    def _apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        """In place: a row still short of its ``min_tokens`` cannot end (EOS, stop ids)."""
+        for i, r in enumerate(requests):
+            if len(r.output_token_ids) < r.sampling.min_tokens:
+                logits[i, list(r.eos_token_ids) + list(r.sampling.stop_token_ids)] = float("-inf")
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

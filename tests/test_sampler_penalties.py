@@ -137,3 +137,22 @@ def test_sampler_records_the_sampled_tokens_logprob():
     assert (
         reqs[0].output_logprobs[0].top[0][0] == tokens[0] and reqs[1].output_logprobs[0].top == ()
     )
+
+
+def test_in_place_apply_changes_only_the_rows_that_ask_and_copies_nothing():
+    """The engine's pass (``apply_``) adds a vocabulary-sized bias to its own row in place: a
+    biased request costs a step its own row, not a copy of the batch."""
+    logits = torch.randn(3, VOCAB)
+    before = logits.clone()
+    dense = tuple((t, 1.5) for t in range(VOCAB))
+    reqs = [
+        Request("plain", [1], SamplingParams()),
+        Request("dense", [1], SamplingParams(logit_bias=dense)),
+        Request("sparse", [1], SamplingParams(logit_bias=((4, -2.0),))),
+    ]
+    assert Sampler().penalties.apply_(logits, reqs) is logits
+    assert torch.equal(logits[0], before[0])
+    assert torch.equal(logits[1], before[1] + 1.5)
+    want = before[2].clone()
+    want[4] -= 2.0
+    assert torch.equal(logits[2], want)

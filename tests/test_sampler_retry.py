@@ -24,6 +24,14 @@ SEEDED = {
         temperature=1.0, top_k=20, seed=11, presence_penalty=0.5, frequency_penalty=0.3
     ),
     "greedy-logprobs": SamplingParams(temperature=0.0, logprobs=3),
+    # A bias is added in place to the step's logits (engine/sampler.py): the failed pass's
+    # must be taken back, or the rows sampled alone have it twice (their logprobs show it).
+    "greedy-dense-bias": SamplingParams(
+        temperature=0.0, logprobs=2, logit_bias=tuple((t, t % 5 - 2.0) for t in range(VOCAB))
+    ),
+    "seeded-sparse-bias": SamplingParams(
+        temperature=0.8, seed=5, logprobs=1, logit_bias=((3, 2.0), (7, -1.0))
+    ),
 }
 UNSEEDED = {
     "unseeded": SamplingParams(temperature=1.0, logprobs=1),
