@@ -26,7 +26,7 @@ from grpc_plumbing.auth import OpenBindError, is_loopback
 from kv_transfer.errors import FrameError, ReceiverFault
 from kv_transfer.interfaces import Channel, Link, ReceiverServer
 from kv_transfer.lease import Lease
-from kv_transfer.nixl.commit import NO_DIGEST, cell_crcs, digest
+from kv_transfer.nixl.commit import NO_DIGEST, digest, final_positions, write_hashes
 from kv_transfer.nixl.control import ControlConnection, field
 from kv_transfer.torch_dist.acceptor import PairAcceptor
 from kv_transfer.torch_dist.handshake import pair_as_sender
@@ -107,7 +107,8 @@ def digest_check(rows, commit, early: dict | None = None) -> Callable[[Lease], s
     """The check of a commit's written bytes against its digest, for
     KVReceiver.commit_written (None where the cache is not on the host: ``rows`` None).
     ``rows``: per layer, the K and V caches as [blocks, bytes] arrays (commit.block_rows);
-    ``early``: {write index: (layer, positions, CRCs)} of writes hashed as they landed."""
+    ``early``: {write index: (layer, positions, (K hash, V hash))} of writes hashed as they
+    landed."""
     if rows is None:
         return None
     if commit.digest == NO_DIGEST:
@@ -115,20 +116,22 @@ def digest_check(rows, commit, early: dict | None = None) -> Callable[[Lease], s
     early = early or {}
 
     def check(lease) -> str | None:
-        # Writes in order, a later one's CRCs replacing an earlier one's for a cell it
-        # rewrote. A cell's CRC is from after its last write landed (hashed as that write
-        # landed, or now), and a sender writes a layer again only once its previous write of
-        # it completed: so it is the CRC of the cell's final bytes.
-        cells = {}
-        for index, (layer, positions) in enumerate(commit.writes):
+        # A write's hash covers its positions no later write of its layer rewrites. One hashed
+        # as it landed is reused when no later write rewrote any of its positions: nothing
+        # but that write put those bytes there, and a sender writes a layer again only once
+        # its previous write of it completed, so they are the final bytes. Any other write
+        # (rewritten in part, or not hashed as it landed) is hashed now.
+        hashes = []
+        finals = final_positions(commit.writes)
+        for index, ((layer, positions), final) in enumerate(zip(commit.writes, finals)):
             hashed = early.get(index)
-            if hashed is not None and hashed[:2] == (layer, tuple(positions)):
-                crcs = hashed[2]
-            else:  # not hashed as it landed: hash it now
-                blocks = [lease.block_ids[p] for p in positions]
-                crcs = cell_crcs(rows[layer][0], rows[layer][1], blocks)
-            cells.update({(layer, p): c for p, c in zip(positions, crcs)})
-        if digest(cells) != commit.digest:
+            whole = tuple(positions)
+            if hashed is not None and hashed[:2] == (layer, whole) and final == whole:
+                hashes.append(hashed[2])
+            else:
+                blocks = [lease.block_ids[p] for p in final]
+                hashes.append(write_hashes(rows[layer][0], rows[layer][1], blocks))
+        if digest(hashes) != commit.digest:
             return "KV in the leased blocks does not match the commit's digest"
         return None
 

@@ -137,15 +137,17 @@ def test_runs_consecutive_on_both_sides_go_as_one_write_each(rx, monkeypatch):
 
 def test_each_write_is_hashed_as_it_lands_not_again_at_the_commit(rx, monkeypatch):
     """The receiver hashes a layer's blocks on that WRITE's own notification; the commit's
-    check reuses those CRCs (one hash per write in all), and keeps none once committed."""
+    check reuses those hashes (one hash per write in all), and keeps none once committed."""
     import kv_transfer.nixl.server as nixl_server
+    from kv_transfer import one_sided
 
     r = rx()
     hashed = []
-    real = nixl_server.cell_crcs
+    real = nixl_server.write_hashes
+    monkeypatch.setattr(one_sided, "write_hashes", lambda *a: pytest.fail("hashed again"))
     monkeypatch.setattr(
         nixl_server,
-        "cell_crcs",
+        "write_hashes",
         lambda k, v, blocks: hashed.append(list(blocks)) or real(k, v, blocks),
     )
     lease, _ = r.transfer(r.sender(), "early", [1, 2, 3], [9, 4, 5])
@@ -153,6 +155,53 @@ def test_each_write_is_hashed_as_it_lands_not_again_at_the_commit(rx, monkeypatc
     r.assert_arrived([1, 2, 3], [9, 4, 5])
     assert hashed == [[9, 4, 5]] * LAYERS
     assert not r.server._early
+
+
+def test_a_writes_hash_is_of_its_bytes_in_position_order_wherever_they_lie():
+    """Each side streams its own stretches of blocks into a write's hash: the same cells in
+    the same order hash alike however they lie; another order, or one flipped bit, not."""
+    from kv_transfer.nixl.commit import block_rows, write_hashes
+
+    src, dst = _cache(zero=False)[0], _cache(zero=True)[0]
+    src_ids, dst_ids = [4, 5, 6, 0, 1, 9], [10, 2, 3, 4, 12, 13]  # other stretches
+    for s, d in zip(src, dst):
+        d[dst_ids] = s[src_ids]
+    src_rows = [block_rows(t) for t in src]
+    dst_rows = [block_rows(t) for t in dst]
+    assert write_hashes(*src_rows, src_ids) == write_hashes(*dst_rows, dst_ids)
+    swapped = [src_ids[1], src_ids[0], *src_ids[2:]]
+    assert write_hashes(*src_rows, swapped) != write_hashes(*dst_rows, dst_ids)
+    dst[1].view(-1).view(torch.int32)[dst[1][0].numel() * 13 + 5] ^= 1 << 7  # V, block 13
+    k_hash, v_hash = write_hashes(*dst_rows, dst_ids)
+    assert (k_hash, v_hash) != write_hashes(*src_rows, src_ids)
+    assert k_hash == write_hashes(*src_rows, src_ids)[0]
+
+
+def test_a_rewritten_cell_is_checked_for_its_last_bytes_only(rx):
+    """A chunk rewrites the previous chunk's partial last block: the digest covers what each
+    position holds at the end, so a stale first copy of it is no mismatch, and a damaged
+    rewrite is one."""
+    r = rx()
+    sender = r.sender()
+    for request_id, damaged in (("stale", False), ("damaged", True)):
+        lease = r.leases.open(request_id, [9, 3] if damaged else [4, 2])
+        stream = sender.open_stream(request_id, lease.lease_id)
+        channel, write = stream._channel, stream._channel.write_layer
+        # The rewrite's bytes as if a bit flipped on the way (what the faults transport does).
+        channel.write_layer = lambda *a, damage=False, w=write, bad=damaged: w(
+            *a, damage=bad and a[2] == [1]
+        )
+        for layer, (k, v) in enumerate(r.src):
+            stream.send_layer(layer, [5, 6], [0, 1], k, v)
+        for layer, (k, v) in enumerate(r.src):
+            stream.send_layer(layer, [8], [1], k, v)
+        if damaged:
+            with pytest.raises(TransferError, match="digest"):
+                stream.commit(timeout=20)
+        else:
+            stream.commit(timeout=20)
+        assert lease.is_committed != damaged
+    r.assert_still_serving()
 
 
 def test_a_write_into_the_leases_cached_blocks_is_refused(rx):

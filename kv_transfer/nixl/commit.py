@@ -11,11 +11,16 @@ After its last WRITE completed, the sender notifies the receiver's agent with
 ``writes`` names, per WRITE, the layer and the lease positions it filled (runs of
 positions); the receiver checks them against the lease and its cache (a layer past the model,
 a position past the lease: refused) and records them as the frames it would have received.
-``digest`` is the CRC-32C over the per-cell CRC-32Cs (K then V of each (layer, position), in
-ascending order) of the bytes the sender wrote; the receiver computes the same over its
-leased blocks before it commits, so KV that did not land where the lease says (lost, damaged,
-written elsewhere) fails the commit. -1: no digest (caches in GPU memory, where hashing on the
-host would cost a copy); a receiver with a host cache requires one.
+``digest`` covers the bytes the sender wrote, as they must end up in the lease's blocks: per
+WRITE, the XXH3-64 of its K cells' bytes concatenated in the WRITE's position order, and the
+same of its V cells, over the positions no later WRITE of the same layer rewrites (a chunk's
+partial last block is written again by the next chunk); the digest is the XXH3-64 of those
+(K, V) pairs in WRITE order. The hash is of the bytes, not of where they lie: each side
+streams its own contiguous stretches of blocks into it (the sender's and the receiver's
+differ), one call per stretch, instead of one call per 12 KiB cell. The receiver computes the
+same over its leased blocks before it commits, so KV that did not land where the lease says
+(lost, damaged, written elsewhere) fails the commit. -1: no digest (caches in GPU memory,
+where hashing on the host would cost a copy); a receiver with a host cache requires one.
 
 A flipped bit anywhere fails A's or B's CRC; B's lease must be A's.
 
@@ -33,9 +38,9 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
-import crc32c
 import numpy as np
 import torch
+import xxhash
 
 from kv_transfer.errors import FrameError
 from kv_transfer.frame import FrameHeader, decode_frame, seal_header, unpack_sealed
@@ -50,7 +55,7 @@ class NixlCommit:
     header: FrameHeader  # the commit frame's header (kind "commit", num_frames: writes)
     writes: tuple[tuple[int, tuple[int, ...]], ...]  # (layer, lease positions) per WRITE
     nbytes: int
-    digest: int  # NO_DIGEST or the CRC-32C of the cells' CRCs
+    digest: int  # NO_DIGEST or the XXH3-64 of the WRITEs' hashes (module docstring)
 
 
 def runs(positions) -> list[list[int]]:
@@ -150,15 +155,75 @@ def block_rows(cache: torch.Tensor) -> np.ndarray:
     return cache.view(torch.uint8).reshape(cache.shape[0], -1).numpy()
 
 
-def cell_crcs(k_rows: np.ndarray, v_rows: np.ndarray, block_ids) -> list[tuple[int, int]]:
-    """(CRC-32C of K, of V) of each block in ``block_ids``."""
-    return [(crc32c.crc32c(k_rows[b]), crc32c.crc32c(v_rows[b])) for b in block_ids]
+def block_runs(block_ids) -> list[tuple[int, int]]:
+    """(first block, count) of each stretch of consecutive ids in ``block_ids``, in order."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if ids.size == 0:
+        return []
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(ids) != 1) + 1])
+    counts = np.diff(np.append(starts, ids.size))
+    return list(zip(ids[starts].tolist(), counts.tolist()))
 
 
-def digest(cells: dict[tuple[int, int], tuple[int, int]]) -> int:
-    """The commit's digest of {(layer, position): (crc K, crc V)}, in ascending order."""
-    ordered = np.array([cells[key] for key in sorted(cells)], dtype="<u4")
-    return crc32c.crc32c(ordered.tobytes())
+def write_hashes(k_rows: np.ndarray, v_rows: np.ndarray, block_ids) -> tuple[int, int]:
+    """XXH3-64 of the K cells of ``block_ids`` concatenated in that order, and of the V
+    cells; ``k_rows`` / ``v_rows``: [blocks, bytes] (block_rows). Each stretch of
+    consecutive blocks goes in as one buffer (XXH3 streams: the result depends on the bytes
+    and their order only). XXH3 releases the GIL and runs at ~2x CRC-32C's speed here."""
+    k, v = xxhash.xxh3_64(), xxhash.xxh3_64()
+    for start, count in block_runs(block_ids):
+        k.update(k_rows[start : start + count])
+        v.update(v_rows[start : start + count])
+    return k.intdigest(), v.intdigest()
+
+
+def final_positions(writes) -> list[tuple[int, ...]]:
+    """Per WRITE (layer, positions), in order: its positions that no later WRITE of the same
+    layer rewrites (their bytes are the ones the lease keeps)."""
+    later: dict[int, set[int]] = {}  # layer -> positions written after the one looked at
+    out = []
+    for layer, positions in reversed(writes):
+        seen = later.setdefault(int(layer), set())
+        out.append(tuple(p for p in positions if p not in seen))
+        seen.update(positions)
+    return out[::-1]
+
+
+def digest(hashes) -> int:
+    """The commit's digest of each WRITE's (K hash, V hash) over its final positions, in WRITE
+    order."""
+    return xxhash.xxh3_64_intdigest(np.array(list(hashes), dtype="<u8").reshape(-1, 2).tobytes())
+
+
+class SentHashes:
+    """A one-sided sender's side of the digest: each write hashed from its source blocks as it
+    is sent, the commit's digest at the end."""
+
+    def __init__(self):
+        # per write: layer, lease positions, source blocks, the source caches' rows, its
+        # (K, V) hashes, and 1 where the faults transport had it damaged (0 otherwise)
+        self._records: list[tuple[int, list[int], list[int], tuple, tuple[int, int], int]] = []
+
+    def add(self, layer: int, src, dst, k_cache, v_cache, damage: bool = False) -> None:
+        rows = (block_rows(k_cache), block_rows(v_cache))
+        k_hash, v_hash = write_hashes(*rows, src)
+        flip = int(damage)  # as if a bit of its bytes flipped on the way
+        self._records.append((layer, list(dst), list(src), rows, (k_hash ^ flip, v_hash), flip))
+
+    def digest(self) -> int:
+        """A write that a later one of its layer rewrote in part (a chunk's partial last
+        block) is hashed again over the positions it keeps, from its source blocks (which do
+        not change once sent)."""
+        hashes = []
+        finals = final_positions([(r[0], r[1]) for r in self._records])
+        for (_, dst, src, rows, hashed, flip), final in zip(self._records, finals):
+            if len(final) == len(dst):
+                hashes.append(hashed)
+                continue
+            source = dict(zip(dst, src))
+            k_hash, v_hash = write_hashes(*rows, [source[p] for p in final])
+            hashes.append((k_hash ^ flip, v_hash))
+        return digest(hashes)
 
 
 def notification_key(message: bytes) -> int:

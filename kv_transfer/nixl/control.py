@@ -37,6 +37,8 @@ class ControlConnection:
 
     def __init__(self, sock: socket.socket, key: bytes, side: int):
         self.sock, self._key = sock, key
+        # Request and answer, each one write: nothing gains from Nagle's wait for an ACK.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._mine, self._theirs = SIDES[side], SIDES[1 - side]
         self._sent = self._received = 0
 

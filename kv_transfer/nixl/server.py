@@ -25,10 +25,10 @@ from kv_transfer.nixl.agent import NixlAgent, mem_type
 from kv_transfer.nixl.commit import (
     WRITTEN,
     block_rows,
-    cell_crcs,
     decode_notification,
     decode_written,
     notification_key,
+    write_hashes,
 )
 from kv_transfer.nixl.control import PROTOCOL, ControlConnection, field
 from kv_transfer.one_sided import (
@@ -115,9 +115,9 @@ class NixlReceiverServer(ControlServer):
         self._drain_lock = threading.Lock()
         self.notifications_ignored = 0
         # Leases whose addresses control connections hold; the last writer's settle drops
-        # the CRCs hashed for the lease.
+        # the hashes taken for the lease.
         self._handed = HandedLeases(receiver, lambda lease_id: self._early.pop(lease_id, None))
-        # lease id -> {write index: (layer, positions, their CRCs)}, hashed as each landed
+        # lease id -> {write index: (layer, positions, (K hash, V hash))}, hashed as each landed
         self._early: dict[str, dict[int, tuple]] = {}
         self._busy_until = 0.0
         self.death: str | None = None
@@ -285,14 +285,14 @@ class NixlReceiverServer(ControlServer):
             if lease is None or not all(lease.first_block <= p < n for p in w.positions):
                 return
             blocks = [lease.block_ids[p] for p in w.positions]
-            crcs = cell_crcs(*self._rows[w.layer], blocks)
-            self._early.setdefault(w.lease_id, {})[w.index] = (w.layer, w.positions, crcs)
+            hashes = write_hashes(*self._rows[w.layer], blocks)
+            self._early.setdefault(w.lease_id, {})[w.index] = (w.layer, w.positions, hashes)
 
     def _settle(self, lease_id: str, handed: dict | None = None) -> None:
         self._handed.settle(lease_id, handed)
 
     def _verifier(self, commit):
         """The check of the written bytes against the commit's digest (host caches), with
-        the CRCs hashed as each WRITE landed."""
+        the hashes taken as each WRITE landed."""
         early = self._early.pop(commit.header.lease_id, {}) if self._rows is not None else {}
         return digest_check(self._rows, commit, early)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import select
+import sys
 import threading
 import time
 
@@ -26,9 +27,7 @@ from kv_transfer.interfaces import Channel, Link, ReceiverServer
 from kv_transfer.nixl.agent import NixlAgent, mem_type
 from kv_transfer.nixl.commit import (
     NO_DIGEST,
-    block_rows,
-    cell_crcs,
-    digest,
+    SentHashes,
     encode_notification,
     encode_written,
     notification_key,
@@ -40,7 +39,9 @@ from kv_transfer.one_sided import ControlLink
 log = logging.getLogger("pdserve.kv")
 
 DEADLINE_MARGIN_S = 1.0  # no write posted this close to the lease's deadline
-_POLL_S = (0.00005, 0.002)  # a WRITE's completion is polled with a backoff between these
+# A WRITE's completion is polled with a backoff between these: the last layer's completion is
+# on the commit's path, and a coarser step (2 ms) left it waiting ~1 ms on average.
+_POLL_S = (0.00002, 0.0005)
 
 _agent: NixlAgent | None = None
 _remotes: dict[str, int] = {}  # remote agent name -> links using its loaded metadata
@@ -84,8 +85,8 @@ class NixlChannel(Channel):
         self._k = self._v = None  # [layers, lease blocks] addresses of the lease's blocks
         self._deadline = 0.0
         self._pending: dict[int, object] = {}  # layer -> its WRITE in flight
-        self._cells: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, pos) -> CRCs
         self._writes: list[tuple[int, list[int]]] = []
+        self._hashes = SentHashes()  # each write hashed from its source (host caches)
         self._bytes = 0
         self._host = True  # the sender's cache is in host memory (digest affordable)
         self._errors: list[str] | None = None
@@ -126,6 +127,7 @@ class NixlChannel(Channel):
             )
         if time.monotonic() > self._deadline:
             raise TimeoutError(f"lease {self.lease_id} is at its deadline: not writing into it")
+        self._reap()
         self._finish(layer)  # a block written twice (a chunk's partial last block): in order
         local_kind, local_dev = mem_type(k_cache)
         offsets = np.array(src, dtype=np.uint64) * np.uint64(block_bytes)
@@ -143,14 +145,18 @@ class NixlChannel(Channel):
         # The commit rewrites the first block written (one block, whatever its run's length).
         self._last = tuple(_descs(d[:1, 0], block_bytes, d[0, 2]) for d in descs[:2]) + descs[2:]
         self._host = self._host and local_kind == "DRAM"
-        if self._host:
-            crcs = cell_crcs(block_rows(k_cache), block_rows(v_cache), src)
-            if damage:  # as if a bit of the first block flipped on the way
-                crcs[0] = (crcs[0][0] ^ 1, crcs[0][1])
-            self._cells.update({(layer, p): c for p, c in zip(dst, crcs)})
+        if self._host:  # hashed while nothing else runs here: the WRITE was posted first
+            self._hashes.add(layer, src, dst, k_cache, v_cache, damage)
         self._writes.append((layer, list(dst)))
         self._bytes += 2 * len(src) * block_bytes
         return 2 * len(src) * block_bytes
+
+    def _reap(self) -> None:
+        """Release the WRITEs in flight that are done, without waiting: the commit then waits
+        for the last few only (one poll of each, not a sleep per layer)."""
+        for layer, handle in list(self._pending.items()):
+            if self._link.agent.state(handle) != "PROC":
+                self._finish(layer)
 
     def _finish(self, layer: int) -> None:
         """Wait for ``layer``'s WRITE in flight, if any, and release it."""
@@ -165,12 +171,20 @@ class NixlChannel(Channel):
         with self._lock:
             for layer in list(self._pending):
                 self._finish(layer)
-            dig = digest(self._cells) if self._host else NO_DIGEST
+            dig = self._hashes.digest() if self._host else NO_DIGEST
             message = encode_notification(header, self.lease_id, self._writes, self._bytes, dig)
-            self._send_notification(message)
+            handle = self._send_notification(message)
             self._settled = True  # the receiver settles the lease on the notification
             ack = {"op": "ack", "notification": notification_key(message), "lease": self.lease_id}
-            reply = self._link.request(ack, progress=True)  # the notification must go out
+            # Asked at once: the receiver waits for the notification, and progressing this
+            # agent meanwhile moves it out (no round of polling its WRITE first).
+            self._link.moving = handle
+            try:
+                reply = self._link.request(ack, progress=True)
+            finally:
+                self._link.moving = None
+                if handle is not None:
+                    self._release(handle)
         errors = reply.get("errors")
         if not isinstance(errors, list) or not all(isinstance(e, str) for e in errors):
             raise ConnectionError("nixl receiver answered the commit with no verdict")
@@ -180,13 +194,25 @@ class NixlChannel(Channel):
         """The commit rides on a WRITE of the last block written (the same bytes into the same
         block again): NIXL delivers a transfer's notification once its data is in place, and
         polling the transfer moves both along (a bare notification may wait in the agent's
-        queue until something progresses it). A stream that wrote nothing sends it bare."""
+        queue until something progresses it). A stream that wrote nothing sends it bare.
+        Returns the WRITE's handle (None: bare), to be released once the verdict came."""
         link = self._link
         if self._last is None:
             link.agent.notify(link.peer, message)
-            return
+            return None
         local, remote, kinds = self._last
-        link.wait_done(link.agent.write(local, remote, kinds, link.peer, message))
+        return link.agent.write(local, remote, kinds, link.peer, message)
+
+    def _release(self, handle) -> None:
+        """Wait for the commit's WRITE and release it; when the commit failed already, a
+        failure of its WRITE adds nothing (logged)."""
+        if sys.exc_info()[1] is None:
+            self._link.wait_done(handle)
+            return
+        try:
+            self._link.wait_done(handle)
+        except Exception as e:  # noqa: BLE001
+            log.info("nixl commit WRITE of a failed commit: %s: %s", type(e).__name__, e)
 
     def wait_ack(self, timeout: float) -> list[str]:
         return list(self._errors or [])  # push_commit waited for the verdict
@@ -247,6 +273,7 @@ class NixlLink(ControlLink):
         """Load the receiver's agent metadata (the receiver proved the token already)."""
         self.layout = field(hello, "layout", dict)
         self.agent = _sender_agent()
+        self.moving = None  # the commit's WRITE while its verdict is asked for
         self._conn.send({"agent": self.agent.name})
         name, metadata = field(hello, "agent", str), field(hello, "metadata", bytes)
         self.peer = _load_remote(self.agent, name, metadata)
@@ -282,12 +309,18 @@ class NixlLink(ControlLink):
 
     def _while_waiting(self) -> None:
         """Drive this process's agent: a notification sent just before goes out only as the
-        agent progresses."""
+        agent progresses, and one riding on a WRITE (``moving``) only as that WRITE is
+        polled (NIXL sends it once it sees the WRITE's data done)."""
         deadline, pause = time.monotonic() + self._timeout_s, _POLL_S[0]
         while not select.select([self._conn.sock], [], [], pause)[0]:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"nixl receiver did not answer within {self._timeout_s:g} s")
-            self.agent.progress()
+            state = self.agent.state(self.moving) if self.moving is not None else "DONE"
+            if state == "ERR":  # its answer would be left unread: the link is done
+                self.broken = True
+                raise ReceiverFault("nixl WRITE failed: the receiver's agent is gone or broken")
+            if state == "DONE":
+                self.agent.progress()
             pause = min(2 * pause, _POLL_S[1])
 
     def _new_channel(self, request_id: str, lease_id: str) -> Channel:

@@ -23,7 +23,7 @@ import torch
 
 from engine.shared_kv_cache import map_shared
 from kv_transfer.interfaces import Channel, Link, ReceiverServer
-from kv_transfer.nixl.commit import block_rows, cell_crcs, digest, encode_notification
+from kv_transfer.nixl.commit import SentHashes, encode_notification
 from kv_transfer.nixl.control import field
 from kv_transfer.one_sided import ControlLink
 from kv_transfer.shm.server import PROTOCOL, ShmReceiverServer
@@ -53,7 +53,7 @@ class ShmChannel(Channel):
         self._blocks: list[int] | None = None  # the lease's block ids in the receiver's cache
         self._first = 0
         self._deadline = 0.0
-        self._cells: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, pos) -> CRCs
+        self._hashes = SentHashes()  # each write hashed from its source
         self._writes: list[tuple[int, list[int]]] = []
         self._bytes = 0
         self._errors: list[str] | None = None
@@ -98,10 +98,7 @@ class ShmChannel(Channel):
         for s, d, count in _runs(src, [self._blocks[p] for p in dst]):
             k_dst[d : d + count].copy_(k_cache[s : s + count])
             v_dst[d : d + count].copy_(v_cache[s : s + count])
-        crcs = cell_crcs(block_rows(k_cache), block_rows(v_cache), src)
-        if damage and crcs:  # as if a bit of the first block flipped on the way
-            crcs[0] = (crcs[0][0] ^ 1, crcs[0][1])
-        self._cells.update({(layer, p): c for p, c in zip(dst, crcs)})
+        self._hashes.add(layer, src, dst, k_cache, v_cache, damage)
         self._writes.append((layer, dst))
         self._bytes += 2 * len(dst) * block_bytes
         return 2 * len(dst) * block_bytes
@@ -112,7 +109,7 @@ class ShmChannel(Channel):
     def push_commit(self, header, payload) -> None:
         with self._lock:
             message = encode_notification(
-                header, self.lease_id, self._writes, self._bytes, digest(self._cells)
+                header, self.lease_id, self._writes, self._bytes, self._hashes.digest()
             )
             self._settled = True  # the receiver settles the lease on the commit
             reply = self._link.request(

@@ -30,6 +30,11 @@ class KVShape:
     # The sender's blocks: "shuffled" (a fragmented cache: no two neighbours in order) or
     # "in-order" (as a fresh prefill's from a free list, so runs can go as one write).
     src_blocks: str = "shuffled"
+    # Blocks per layer in each side's cache: a worker's default cache holds many prompts, and
+    # the prompt's blocks are its first ones (in the source, shuffled or in order). A cache
+    # only the prompt's size (768 KiB a layer here) is smaller than any worker's and, under
+    # 2 MiB, the one cache torch does not back with huge pages (engine/hugepages.py).
+    cache_blocks: int = CacheConfig.num_blocks
 
     def source_ids(self) -> list[int]:
         """The sender's block of each lease position (random order when shuffled)."""
@@ -59,14 +64,22 @@ class KVShape:
         return 2 * self.num_layers * self.num_blocks * per_block
 
     def make_cache(self, zero: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, K and V of ``max(cache_blocks, num_blocks)`` blocks; the first
+        ``num_blocks`` random unless ``zero``."""
+        blocks = max(self.cache_blocks, self.num_blocks)
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.row_width)
 
         def new():
+            cache = torch.zeros((blocks, *shape[1:]), dtype=self.dtype)
             if zero:
-                return torch.zeros(shape, dtype=self.dtype)
+                return cache
             if self.kv_dtype != "fp32":  # any bytes: the transports do not interpret them
-                return torch.randint(0, 256, shape, dtype=torch.uint8).view(self.dtype)
-            return torch.randn(shape)
+                cache[: self.num_blocks] = torch.randint(0, 256, shape, dtype=torch.uint8).view(
+                    self.dtype
+                )
+            else:
+                cache[: self.num_blocks] = torch.randn(shape)
+            return cache
 
         return [(new(), new()) for _ in range(self.num_layers)]
 
@@ -104,8 +117,9 @@ def _blocks_equal(src, dst, src_ids) -> bool:
     def raw(t: torch.Tensor) -> torch.Tensor:
         return t.view(torch.uint8) if t.element_size() == 1 else t
 
+    n = len(src_ids)  # the lease's blocks are the destination cache's first
     return all(
-        torch.equal(raw(kd), raw(ks[src_ids])) and torch.equal(raw(vd), raw(vs[src_ids]))
+        torch.equal(raw(kd[:n]), raw(ks[src_ids])) and torch.equal(raw(vd[:n]), raw(vs[src_ids]))
         for (ks, vs), (kd, vd) in zip(src, dst)
     )
 
