@@ -60,9 +60,10 @@ def add_tokenize_routes(api: APIRouter, router: Router, parse, bad_request, offl
 
     @api.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
     async def tokenize_route(request: Request) -> Response:
-        req = parse(TokenizeRequest, await request.body())
+        raw = await request.body()
+        req = parse(TokenizeRequest, raw)
         try:
-            body = await offload.run(answer, req)
+            body = await offload.run(answer, req, text_len=len(raw))
         except InvalidRequestError as e:
             raise bad_request(e) from None
         return Response(body, media_type="application/json")
