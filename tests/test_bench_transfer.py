@@ -37,8 +37,9 @@ def test_kv_shape_counts_bytes_of_every_layer():
     int8 = KVShape(kv_dtype="int8")
     assert int8.bytes_per_push == 1024 * 12_240
     (k, v), *_ = int8.make_cache()
-    assert k.dtype == v.dtype == torch.int8 and k.shape == (1024, 16, 3, 68)  # a worker's
-    assert k[:64].any() and not k[64:].any()  # the prompt's blocks come first
+    assert k.dtype == v.dtype == torch.int8 and k.shape == (64, 16, 3, 68)
+    (k, v), *_ = KVShape(kv_dtype="int8", cache_blocks=1024).make_cache()  # a worker's cache
+    assert k.shape == (1024, 16, 3, 68) and k[:64].any() and not k[64:].any()  # prompt first
 
 
 def test_loopback_moves_every_byte():

@@ -30,11 +30,12 @@ class KVShape:
     # The sender's blocks: "shuffled" (a fragmented cache: no two neighbours in order) or
     # "in-order" (as a fresh prefill's from a free list, so runs can go as one write).
     src_blocks: str = "shuffled"
-    # Blocks per layer in each side's cache: a worker's default cache holds many prompts, and
-    # the prompt's blocks are its first ones (in the source, shuffled or in order). A cache
-    # only the prompt's size (768 KiB a layer here) is smaller than any worker's and, under
-    # 2 MiB, the one cache torch does not back with huge pages (engine/hugepages.py).
-    cache_blocks: int = CacheConfig.num_blocks
+    # Blocks per layer in each side's cache, the prompt's first (in the source, shuffled or in
+    # order); 0 or fewer than the prompt's: the prompt's only. bench transfer gives a worker's
+    # default (CacheConfig.num_blocks): a cache only the prompt's size (768 KiB a layer for
+    # the embedded model) is smaller than any worker's and, under 2 MiB, one torch does not
+    # back with huge pages (engine/hugepages.py), which one-sided WRITEs copy 1.7x slower into.
+    cache_blocks: int = 0
 
     def source_ids(self) -> list[int]:
         """The sender's block of each lease position (random order when shuffled)."""

@@ -271,6 +271,12 @@ def add_parser(sub) -> None:
         help="the sender's blocks per lease position: shuffled (fragmented, no run merges) "
         "or in-order (a fresh prefill's; nixl writes each run of blocks as one)",
     )
+    p.add_argument(
+        "--cache-blocks",
+        type=int,
+        default=CacheConfig.num_blocks,
+        help="blocks a layer in each side's cache (a worker's default), the prompt's first",
+    )
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=cmd_transfer)
 
@@ -295,7 +301,7 @@ def cmd_transfer(args) -> int:
     kv_dtypes = _kv_dtypes(args.kv_dtypes)
     shape = KVShape(
         args.layers, args.block_size, args.kv_heads, args.head_dim, args.tokens,
-        src_blocks=args.src_blocks,
+        src_blocks=args.src_blocks, cache_blocks=args.cache_blocks,
     )  # fmt: skip
     report = run_transfer_bench(
         shape,
