@@ -8,7 +8,8 @@ What a sweep shows from outside: each request's TTFT, TPOT and lengths, at each 
   written on the planner's grid, an offset of ``o`` tokens costing the attention of ``n (n +
   2 o)`` as the fit's quadratic term says.
 - Decode: the TPOT over the batch, and over the context: per run, the batch decoding at once
-  is Little's law's ``rate x mean decode time`` and the context the mean prompt plus half
+  is Little's law's ``served rate x mean decode time`` (completed / duration: past the knee
+  the offered rate overstates it) and the context the mean prompt plus half
   the output; TPOT = ``a + b batch + c batch x context`` fitted (non-negative) over the runs.
 The server is one colocated engine: plan it colocated. Its limits (``max_num_seqs``, KV
 blocks) are the operator's to give; the record says the profile was imported, from what.
@@ -66,16 +67,26 @@ def fit_prefill(runs: list[dict]) -> np.ndarray:
     return _fit_nonnegative(np.stack([np.ones_like(n), n, n * n], 1), np.asarray(ys))
 
 
+def served_rate(run: dict) -> float:
+    """Requests completed per second of the run (Little's law's arrival rate in a steady
+    state); the offered rate where the run does not say. Past the server's knee the offered
+    rate overstates what it served, and with it the batch it ran."""
+    completed, duration = run.get("completed"), run.get("duration")
+    if completed and duration:
+        return float(completed) / float(duration)
+    return float(run.get("rate") or run.get("request_rate") or 0.0)
+
+
 def fit_decode(runs: list[dict], prefill: np.ndarray) -> np.ndarray:
     """``(a, b, c)``: a decode step ~ a + b batch + c batch x context, one point per run. In
-    one colocated engine the prompts take their share of the time (``rho`` = rate x mean
-    prefill time, from the prefill fit), so a step is TPOT x (1 - rho); a run whose prompts
-    take over 80% of the time is past its knee and left out."""
+    one colocated engine the prompts take their share of the time (``rho`` = the served rate x
+    mean prefill time, from the prefill fit), so a step is TPOT x (1 - rho); a run whose
+    prompts take over 80% of the time is past its knee and left out."""
     rows, ys = [], []
     pa, pb, pc = prefill
     for r in runs:
         tpots = np.asarray(r.get("tpots") or [], float)
-        rate = float(r.get("rate") or r.get("request_rate") or 0.0)
+        rate = served_rate(r)
         if not len(tpots) or rate <= 0:
             continue
         lens = np.asarray(r["input_lens"], float)
