@@ -18,7 +18,7 @@ from router.core import Router
 from router.drain import Draining
 from router.flow.types import EngineFailure, Overloaded, WorkerFailure
 from router.health import GENERATION_SERVICE, HEALTH_SERVICE, RouterHealth
-from router.offload import Offload, text_len
+from router.offload import Offload
 from router.tokenize import detokenize, tokenize
 
 log = logging.getLogger("pdserve.router")
@@ -47,9 +47,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if request.model and request.model != self.router.cfg.model_name:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served")
         try:
-            ids = await self.offload.run(
-                self._prompt_ids, request, text_len=len(request.prompt) + _chat_len(request)
-            )
+            ids = await self.offload.run(self._prompt_ids, request)
             # A caller's traceparent (gRPC metadata), read only while tracing is on.
             carrier = context.invocation_metadata() if self.router.tracing is not None else None
             inp = self.router.prepare(ids, request.sampling, request.request_id, carrier)
@@ -123,7 +121,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 messages if chat else None,
                 request.add_special_tokens if request.HasField("add_special_tokens") else None,
                 not request.HasField("add_generation_prompt") or request.add_generation_prompt,
-                text_len=len(request.prompt) + _chat_len(request),
             )
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -169,8 +166,3 @@ async def start_grpc_server(
     await health.start()
     server.pdserve_health = health  # stopped with the server (RouterServers.stop)
     return server, f"{host}:{bound}"
-
-
-def _chat_len(request) -> int:
-    """The characters of a request's chat messages (the offload pool's pick)."""
-    return text_len({"content": m.content} for m in request.chat.messages)

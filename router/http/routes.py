@@ -38,7 +38,7 @@ from router.http.prompt_batch import merge_prompts
 from router.http.pump import Pump
 from router.http.tokenize_routes import add_tokenize_routes
 from router.limits import check_batch_limits
-from router.offload import Offload, text_len
+from router.offload import Offload
 
 log = logging.getLogger("pdserve.router")
 
@@ -138,8 +138,7 @@ class OpenAIHandlers:
         try:
             prompts = req.prompt_inputs()
             ids = await self.offload.run(
-                lambda: [tok.encode(p) if isinstance(p, str) else p for p in prompts],
-                text_len=sum(len(p) for p in prompts if isinstance(p, str)),
+                lambda: [tok.encode(p) if isinstance(p, str) else p for p in prompts]
             )
         except InvalidRequestError as e:
             raise _bad_request(e) from None
@@ -157,9 +156,7 @@ class OpenAIHandlers:
         req = self._parse(ChatCompletionRequest, raw)
         messages = [m.as_template_input() for m in req.messages]
         try:
-            ids = await self.offload.run(
-                self.router.tokenizer.encode_chat, messages, text_len=text_len(messages)
-            )
+            ids = await self.offload.run(self.router.tokenizer.encode_chat, messages)
         except InvalidRequestError as e:
             raise _bad_request(e) from None
         except Exception as e:  # noqa: BLE001 - a template's raise_exception on these messages

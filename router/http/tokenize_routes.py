@@ -60,10 +60,9 @@ def add_tokenize_routes(api: APIRouter, router: Router, parse, bad_request, offl
 
     @api.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
     async def tokenize_route(request: Request) -> Response:
-        raw = await request.body()
-        req = parse(TokenizeRequest, raw)
+        req = parse(TokenizeRequest, await request.body())
         try:
-            body = await offload.run(answer, req, text_len=len(raw))
+            body = await offload.run(answer, req)
         except InvalidRequestError as e:
             raise bad_request(e) from None
         return Response(body, media_type="application/json")
