@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -13,9 +14,9 @@ import numpy as np
 import pytest
 
 from pdserve.bench import main as bench_main
-from pdserve.metrics import SLO, RequestRecord, compute_result, format_result
 from pdserve.bench.loadgen.serve import apply_sse_line, poisson_schedule
 from pdserve.bench.loadgen.sweep import SweepPoint, goodput_of
+from pdserve.metrics import SLO, RequestRecord, compute_result, format_result
 
 CHUNKS = 4  # tokens the fake server streams per request (fewer if max_tokens is smaller)
 
@@ -224,7 +225,11 @@ def test_bench_serve_end_to_end_writes_json_and_plot(fake_server, tmp_path):
     assert len({r["prompt"] for r in probes}) == 11  # no shared prefix cache between them
     assert len({len(r["prompt"]) for r in probes}) == 1  # the same size
     cold = res["cold_start"]
-    assert len(cold["next_ttfts_s"]) == 10 and cold["ratio"] < 1.5  # the fake is never cold
+    # What the record says of the probe's timings, not how fast they were (a timing here
+    # follows the machine's load: a fake's first TTFT of 13 ms read 1.58x its median once).
+    assert len(cold["next_ttfts_s"]) == 10 and cold["first_ttft_s"] > 0
+    assert cold["median_next_ttft_s"] == statistics.median(cold["next_ttfts_s"])
+    assert cold["ratio"] == pytest.approx(cold["first_ttft_s"] / cold["median_next_ttft_s"])
     assert len(seen) == 2 + 10  # two warm-up requests first
     timed = seen[2:]
     assert all(r["path"] == "/v1/chat/completions" and r["stream"] for r in timed)
