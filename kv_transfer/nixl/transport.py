@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import select
-import sys
 import threading
 import time
 
@@ -181,10 +180,12 @@ class NixlChannel(Channel):
             self._link.moving = handle
             try:
                 reply = self._link.request(ack, progress=True)
+            except BaseException:
+                self._release(handle, commit_failed=True)
+                raise
             finally:
                 self._link.moving = None
-                if handle is not None:
-                    self._release(handle)
+            self._release(handle)
         errors = reply.get("errors")
         if not isinstance(errors, list) or not all(isinstance(e, str) for e in errors):
             raise ConnectionError("nixl receiver answered the commit with no verdict")
@@ -203,10 +204,12 @@ class NixlChannel(Channel):
         local, remote, kinds = self._last
         return link.agent.write(local, remote, kinds, link.peer, message)
 
-    def _release(self, handle) -> None:
-        """Wait for the commit's WRITE and release it; when the commit failed already, a
-        failure of its WRITE adds nothing (logged)."""
-        if sys.exc_info()[1] is None:
+    def _release(self, handle, commit_failed: bool = False) -> None:
+        """Wait for the commit's WRITE (None: it went bare) and release it; when the commit
+        failed already, a failure of its WRITE adds nothing (logged)."""
+        if handle is None:
+            return
+        if not commit_failed:
             self._link.wait_done(handle)
             return
         try:
