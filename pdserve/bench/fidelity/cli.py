@@ -20,7 +20,18 @@ def add_parser(sub) -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scale", type=float, default=1.0, help="x the requests per run")
-    ap.add_argument("--part", choices=("fidelity", "recommend", "all"), default="all")
+    ap.add_argument(
+        "--part",
+        choices=("fidelity", "recommend", "all", "capacity"),
+        default="all",
+        help="capacity (not in all): each --shapes' 90%%-attainment capacity, measured by "
+        "--sweeps rate sweeps, beside the planner's",
+    )
+    ap.add_argument("--shapes", nargs="+", default=["1P1D", "1P2D", "colo2"])
+    ap.add_argument("--sweeps", type=int, default=3, help="--part capacity: sweeps per shape")
+    ap.add_argument("--workload", default="mixed", help="--part capacity's workload")
+    ap.add_argument("--slo-ttft", type=float, default=5.0, help="--part capacity (s)")
+    ap.add_argument("--slo-tpot", type=float, default=0.1, help="--part capacity (s)")
     ap.add_argument("--max-workers", type=int, default=2, help="part 2's pool size")
     ap.add_argument("--cpu-cores", type=int, default=os.cpu_count(), help="cores the workers share")
     ap.add_argument("--resimulate", default=None, help="a stored fidelity JSON to re-score")

@@ -70,8 +70,10 @@ def run_real(split: Split, workload: str, rate: float, n: int, slo: SLO, seed: i
         os.environ.pop(STEP_TRACE_ENV, None)
 
 
-def _run_real(split: Split, workload: str, rate: float, n: int, slo: SLO, seed: int):
-    spec = ClusterSpec(
+def real_cluster_spec(split: Split) -> ClusterSpec:
+    """The real cluster a run of ``split`` serves on: the embedded model, one torch thread per
+    worker, each worker its own process."""
+    return ClusterSpec(
         num_prefill=split.num_prefill,
         num_decode=split.num_decode,
         threads_per_worker=1,
@@ -82,29 +84,37 @@ def _run_real(split: Split, workload: str, rate: float, n: int, slo: SLO, seed: 
         prefill_policy=SimConfig.prefill_policy,
         decode_policy=SimConfig.decode_policy,
     )
-    with LocalCluster(spec) as cluster:
-        cfg = ServeConfig(
-            url=f"http://{cluster.http_address}",
-            workload=workload,
-            num_requests=n,
-            rate=rate,
-            seed=seed,
-            slo=slo,
-            warmup=2,
-            ignore_eos=True,
-            progress=False,
-        )
-        return asyncio.run(run_benchmark(cfg))
+
+
+def serve_on(cluster: LocalCluster, workload: str, rate: float, n: int, slo: SLO, seed: int):
+    """``n`` requests of ``workload`` at ``rate`` (Poisson, ``ignore_eos``) on a running cluster."""
+    cfg = ServeConfig(
+        url=f"http://{cluster.http_address}",
+        workload=workload,
+        num_requests=n,
+        rate=rate,
+        seed=seed,
+        slo=slo,
+        warmup=2,
+        ignore_eos=True,
+        progress=False,
+    )
+    return asyncio.run(run_benchmark(cfg))
+
+
+def _run_real(split: Split, workload: str, rate: float, n: int, slo: SLO, seed: int):
+    with LocalCluster(real_cluster_spec(split)) as cluster:
+        return serve_on(cluster, workload, rate, n, slo, seed)
 
 
 def sim_config(split: Split, workload: str, cores: int) -> SimConfig:
     return SimConfig(split, cpu_cores=cores, shared_prefix_tokens=shared_prefix(workload))
 
 
-def sim_capacity(profile, split: Split, workload: str, slo: SLO, cores: int) -> float:
+def sim_capacity(profile, split: Split, workload: str, slo: SLO, cores: int, seed=0) -> float:
     from pdserve.planner.search import Evaluator, synthetic_workload
 
-    wl = synthetic_workload(workload, 0, duration_s=200, min_requests=60, max_requests=600)
+    wl = synthetic_workload(workload, seed, duration_s=200, min_requests=60, max_requests=600)
     return Evaluator(profile, wl, slo, sim_config(split, workload, cores)).capacity(split, 0.5)
 
 
@@ -275,6 +285,14 @@ def live_report(args, profile) -> int:
             report["mape_as_profiled"] = mape_of(rows, "sim_as_profiled")
             label = "MAPE on the profile as measured"
             print(format_mape(report["mape_as_profiled"], label), flush=True)
+    if args.part == "capacity":
+        from pdserve.bench.fidelity.capacity import capacity_report, format_capacity
+
+        slo = SLO(args.slo_ttft, args.slo_tpot)
+        report["capacity"] = capacity_report(
+            profile, args.shapes, args.workload, slo, args.sweeps, args.cpu_cores
+        )
+        print(format_capacity(report["capacity"]), flush=True)
     if args.part in ("recommend", "all"):
         report["recommendation"] = recommendation(
             profile, args.seed, args.max_workers, args.scale, args.cpu_cores, args.workloads

@@ -1,0 +1,167 @@
+"""``pdserve bench fidelity --part capacity``: each shape's 90%-attainment capacity, measured by
+rate sweeps of real clusters on this machine, beside the planner's for the same shape.
+
+For each sweep (seed 1, 2, ...) and each shape (in an order rotated per sweep, so that the
+machine's drift falls on every shape alike), one real cluster (live.real_cluster_spec) serves
+the workload at Poisson rates stepped up or down from a start until 90% attainment is bracketed,
+then once between; the sweep's capacity is the rate where
+the attainment's line between the bracketing rates crosses 90%. The planner's capacity is the
+simulator's (live.sim_capacity) on the profile as stored, for simulation seeds 0, 1, 2: its
+seed-0 figure is what ``pdserve plan`` prints. The check (issue 53): the planner's capacity
+within 10% of each shape's measured median, or within the measured spread where that is wider,
+and the shapes ranked alike.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+from pdserve.metrics import SLO
+from pdserve.planner.sim import Split
+
+TARGET = 0.9  # attainment at capacity
+START = 0.8  # x the planner's capacity: a shape's first sweep starts there (later ones at the
+# median of its sweeps so far)
+STEP_UP, STEP_DOWN, MAX_STEPS = 1.2, 0.8, 5  # until 90% is bracketed
+RUN_S = 45.0  # each rate's requests span about this long
+MIN_REQUESTS = 40
+TOLERANCE = 0.10
+
+
+def interpolated_capacity(points: list[tuple[float, float]], target: float = TARGET):
+    """The rate where attainment crosses ``target``, on the line between the last rate that
+    held and the first (ascending) that did not; None where no rate or every rate held.
+    ``points``: (rate, attainment) pairs, any order."""
+    points = sorted(points)
+    for i, (rate, att) in enumerate(points):
+        if att >= target:
+            continue
+        if i == 0:
+            return None
+        r0, a0 = points[i - 1]
+        return r0 + (a0 - target) / (a0 - att) * (rate - r0)
+    return None
+
+
+def bracketed(points: list[tuple[float, float]], target: float = TARGET) -> bool:
+    """A rate held and a higher one did not."""
+    points = sorted(points)
+    return any(a >= target for _, a in points) and interpolated_capacity(points, target) is not None
+
+
+def verdict(predicted: float, measured: list[float]) -> dict:
+    """How the planner's capacity stands against a shape's measured sweeps."""
+    median = statistics.median(measured)
+    spread = (max(measured) - min(measured)) / median
+    error = predicted / median - 1
+    return {
+        "predicted": predicted,
+        "measured": measured,
+        "median": median,
+        "spread": spread,
+        "error": error,
+        "within": abs(error) <= max(TOLERANCE, spread),
+    }
+
+
+def ranking(capacities: dict[str, float]) -> list[str]:
+    return sorted(capacities, key=capacities.get, reverse=True)
+
+
+def sweep_shape(cluster, split: Split, workload: str, slo: SLO, seed: int, start: float):
+    """One sweep on a running cluster: from ``start``, up by STEP_UP while 90% holds or down by
+    STEP_DOWN until it does, then once between the bracketing rates. Its (rate, attainment,
+    summary) rows, ascending rates."""
+    from pdserve.bench.fidelity.fidelity_replay import summary
+    from pdserve.bench.fidelity.live import serve_on
+
+    rows: list[dict] = []
+
+    def run(rate: float) -> None:
+        rate = round(rate, 3)
+        n = max(MIN_REQUESTS, round(rate * RUN_S))
+        began = time.time()
+        res = summary(serve_on(cluster, workload, rate, n, slo, seed))
+        rows.append({"rate": rate, "requests": n, **res, "wall_s": time.time() - began})
+        rows[-1]["load_average"] = os.getloadavg()[0]
+        print(
+            f"  {split.label} seed {seed} @ {rate:g} req/s: attainment {res['attainment']:.1%} "
+            f"({n} requests, p90 TTFT {res['p90_ttft_ms']:.0f} ms, p50 TPOT "
+            f"{res['p50_tpot_ms']:.0f} ms, load {rows[-1]['load_average']:.1f})",
+            flush=True,
+        )
+
+    def points() -> list[tuple[float, float]]:
+        return [(r["rate"], r["attainment"]) for r in rows]
+
+    run(start)
+    for _ in range(MAX_STEPS):
+        if bracketed(points()):
+            break
+        held = [r for r, a in points() if a >= TARGET]
+        run(max(held) * STEP_UP if held else min(r for r, _ in points()) * STEP_DOWN)
+    if bracketed(points()):  # once more between the rates that bracket 90%
+        ordered = sorted(points())
+        i = next(i for i, (_, a) in enumerate(ordered) if a < TARGET)
+        run((ordered[i - 1][0] + ordered[i][0]) / 2)
+    return sorted(rows, key=lambda r: r["rate"])
+
+
+def capacity_report(profile, shapes, workload: str, slo: SLO, sweeps: int, cores: int) -> dict:
+    """Every shape's sweeps and the planner's capacities; the verdicts and the two rankings."""
+    from pdserve.bench.fidelity.live import real_cluster_spec, sim_capacity
+    from pdserve.cluster.local import LocalCluster
+
+    splits = [Split.parse(s) for s in shapes]
+    planned = {
+        s.label: [sim_capacity(profile, s, workload, slo, cores, seed=k) for k in range(3)]
+        for s in splits
+    }
+    print(f"planner capacity (simulation seeds 0, 1, 2): {planned}", flush=True)
+    sweeps_of: dict[str, list] = {s.label: [] for s in splits}
+    for k in range(sweeps):
+        seed = k + 1
+        for split in splits[k % len(splits) :] + splits[: k % len(splits)]:
+            with LocalCluster(real_cluster_spec(split)) as cluster:
+                done = [r["capacity"] for r in sweeps_of[split.label] if r["capacity"]]
+                start = statistics.median(done) if done else START * planned[split.label][0]
+                rows = sweep_shape(cluster, split, workload, slo, seed, start)
+            cap = interpolated_capacity([(r["rate"], r["attainment"]) for r in rows])
+            print(f"{split.label} seed {seed}: measured capacity {cap}", flush=True)
+            sweeps_of[split.label].append({"seed": seed, "capacity": cap, "rates": rows})
+    verdicts = {}
+    for label, runs in sweeps_of.items():
+        caps = [r["capacity"] for r in runs if r["capacity"] is not None]
+        if caps:
+            verdicts[label] = verdict(planned[label][0], caps)
+    measured_rank = ranking({k: v["median"] for k, v in verdicts.items()})
+    planned_rank = ranking({k: v["predicted"] for k, v in verdicts.items()})
+    return {
+        "workload": workload,
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        "planned": planned,
+        "sweeps": sweeps_of,
+        "verdicts": verdicts,
+        "measured_ranking": measured_rank,
+        "planned_ranking": planned_rank,
+        "ranking_matches": measured_rank == planned_rank,
+    }
+
+
+def format_capacity(report: dict) -> str:
+    lines = []
+    for label, v in report["verdicts"].items():
+        sweeps = ", ".join(f"{c:.3g}" for c in v["measured"])
+        lines.append(
+            f"{label}: planned {v['predicted']:.3g} req/s, measured median {v['median']:.3g} "
+            f"(sweeps {sweeps}; spread {v['spread']:.0%}): {v['error']:+.1%}, "
+            f"{'within' if v['within'] else 'outside'} max(10%, spread)"
+        )
+    match = "match" if report["ranking_matches"] else "differ"
+    lines.append(
+        f"ranking: measured {' > '.join(report['measured_ranking'])}, planned "
+        f"{' > '.join(report['planned_ranking'])}: {match}"
+    )
+    return "\n".join(lines)
