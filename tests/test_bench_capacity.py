@@ -52,3 +52,17 @@ def test_a_sweep_steps_until_it_brackets_the_knee_then_refines_between(monkeypat
     assert cap == pytest.approx(1.1, rel=0.01)  # the fake's line is straight: exact
     assert len(rows) <= 2 + capacity.MAX_STEPS
     assert min(r["requests"] for r in rows) >= capacity.MIN_REQUESTS
+
+
+def test_a_stored_run_is_scored_shape_by_shape_and_ranked_against_the_plan():
+    sweeps = {
+        "1P1D": [{"capacity": c} for c in (1.0, 0.9, 1.1)],
+        "colo2": [{"capacity": c} for c in (0.8, 0.7, None)],  # a sweep that never bracketed
+    }
+    report = capacity.scored({"sweeps": sweeps}, {"1P1D": [0.95, 2.0, 2.0], "colo2": [0.9, 0, 0]})
+    assert report["verdicts"]["1P1D"]["median"] == 1.0
+    assert report["verdicts"]["1P1D"]["within"]  # seed 0's plan: -5%
+    assert report["verdicts"]["colo2"]["measured"] == [0.8, 0.7]
+    assert not report["verdicts"]["colo2"]["within"]  # +20%, spread 13%
+    assert report["measured_ranking"] == ["1P1D", "colo2"] == report["planned_ranking"]
+    assert report["ranking_matches"]

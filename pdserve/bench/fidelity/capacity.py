@@ -4,12 +4,13 @@ rate sweeps of real clusters on this machine, beside the planner's for the same 
 For each sweep (seed 1, 2, ...) and each shape (in an order rotated per sweep, so that the
 machine's drift falls on every shape alike), one real cluster (live.real_cluster_spec) serves
 the workload at Poisson rates stepped up or down from a start until 90% attainment is bracketed,
-then once between; the sweep's capacity is the rate where
-the attainment's line between the bracketing rates crosses 90%. The planner's capacity is the
-simulator's (live.sim_capacity) on the profile as stored, for simulation seeds 0, 1, 2: its
-seed-0 figure is what ``pdserve plan`` prints. The check (issue 53): the planner's capacity
+then once between; the sweep's capacity is the rate where the attainment's line between the
+bracketing rates crosses 90%. The planner's capacity is the
+one ``pdserve plan`` finds on the profile as stored (planner_capacities), for simulation seeds
+0, 1, 2: its seed-0 figure is what ``plan`` prints. The check (issue 53): the planner's capacity
 within 10% of each shape's measured median, or within the measured spread where that is wider,
-and the shapes ranked alike.
+and the shapes ranked alike. ``--resimulate RUN.json`` scores a stored run's sweeps against
+another profile, with no cluster.
 """
 
 from __future__ import annotations
@@ -109,16 +110,32 @@ def sweep_shape(cluster, split: Split, workload: str, slo: SLO, seed: int, start
     return sorted(rows, key=lambda r: r["rate"])
 
 
+def planner_capacities(profile, labels, workload: str, slo: SLO, cores: int) -> dict:
+    """Each shape's capacity as ``pdserve plan`` finds it (its default probes: 300 simulated
+    seconds, at least 200 requests), for simulation seeds 0, 1, 2: seed 0 is what ``plan``
+    prints. Simulated as the real runs serve (live.sim_config: their routing, their cores,
+    their shared chat preamble)."""
+    from pdserve.bench.fidelity.live import sim_config
+    from pdserve.planner.search import Evaluator, synthetic_workload
+
+    out = {}
+    for label in labels:
+        split = Split.parse(label)
+        cfg = sim_config(split, workload, cores)
+        out[label] = [
+            Evaluator(profile, synthetic_workload(workload, k), slo, cfg).capacity(split, 0.5)
+            for k in range(3)
+        ]
+    return out
+
+
 def capacity_report(profile, shapes, workload: str, slo: SLO, sweeps: int, cores: int) -> dict:
     """Every shape's sweeps and the planner's capacities; the verdicts and the two rankings."""
-    from pdserve.bench.fidelity.live import real_cluster_spec, sim_capacity
+    from pdserve.bench.fidelity.live import real_cluster_spec
     from pdserve.cluster.local import LocalCluster
 
     splits = [Split.parse(s) for s in shapes]
-    planned = {
-        s.label: [sim_capacity(profile, s, workload, slo, cores, seed=k) for k in range(3)]
-        for s in splits
-    }
+    planned = planner_capacities(profile, shapes, workload, slo, cores)
     print(f"planner capacity (simulation seeds 0, 1, 2): {planned}", flush=True)
     sweeps_of: dict[str, list] = {s.label: [] for s in splits}
     for k in range(sweeps):
@@ -131,23 +148,36 @@ def capacity_report(profile, shapes, workload: str, slo: SLO, sweeps: int, cores
             cap = interpolated_capacity([(r["rate"], r["attainment"]) for r in rows])
             print(f"{split.label} seed {seed}: measured capacity {cap}", flush=True)
             sweeps_of[split.label].append({"seed": seed, "capacity": cap, "rates": rows})
+    report = {"workload": workload, "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}}
+    return scored({**report, "sweeps": sweeps_of}, planned)
+
+
+def scored(report: dict, planned: dict) -> dict:
+    """``report``'s measured sweeps against ``planned`` (label: capacities, seed 0 first): the
+    verdicts and the two rankings."""
     verdicts = {}
-    for label, runs in sweeps_of.items():
+    for label, runs in report["sweeps"].items():
         caps = [r["capacity"] for r in runs if r["capacity"] is not None]
         if caps:
             verdicts[label] = verdict(planned[label][0], caps)
     measured_rank = ranking({k: v["median"] for k, v in verdicts.items()})
     planned_rank = ranking({k: v["predicted"] for k, v in verdicts.items()})
     return {
-        "workload": workload,
-        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        **report,
         "planned": planned,
-        "sweeps": sweeps_of,
         "verdicts": verdicts,
         "measured_ranking": measured_rank,
         "planned_ranking": planned_rank,
         "ranking_matches": measured_rank == planned_rank,
     }
+
+
+def rescore_capacity(stored: dict, profile, cores: int) -> dict:
+    """A stored ``--part capacity`` run's sweeps against another profile's plan (no cluster)."""
+    report = stored["capacity"]
+    slo = SLO(report["slo"]["ttft_s"], report["slo"]["tpot_s"])
+    planned = planner_capacities(profile, list(report["sweeps"]), report["workload"], slo, cores)
+    return scored(report, planned)
 
 
 def format_capacity(report: dict) -> str:

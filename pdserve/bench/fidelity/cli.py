@@ -105,6 +105,8 @@ def main(args, error) -> int:
     from pdserve.planner.profile import load_profile
 
     profile = load_profile(args.profile)
+    if args.resimulate and args.part == "capacity":
+        return stored.rescore_capacity_run(args, profile)
     try:
         if args.resimulate:
             return stored.rescore(args, profile, SLOS, embedded_tokenizer())

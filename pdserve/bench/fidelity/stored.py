@@ -45,6 +45,21 @@ def rescore(args, profile, slos: dict, tokenizer) -> int:
     return 0
 
 
+def rescore_capacity_run(args, profile) -> int:
+    """A stored ``--part capacity`` run's measured sweeps against ``profile``'s plan."""
+    from pdserve.bench.fidelity.capacity import format_capacity, rescore_capacity
+
+    stored = json.loads(Path(args.resimulate).read_text())
+    if "capacity" not in stored:
+        raise SystemExit(f"{args.resimulate}: not a --part capacity run")
+    report = rescore_capacity(stored, profile, args.cpu_cores)
+    print(format_capacity(report), flush=True)
+    if args.json:
+        out = {**stored, "capacity": report, "profile": args.profile}
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
 def record_validation(path: str, profile, report: dict) -> None:
     """The profile with the MAPE a re-scoring measured as its ``meta.validation``: the error
     `pdserve plan` prints beside each figure (keys as the plan's: p50_ttft, ..., goodput)."""
