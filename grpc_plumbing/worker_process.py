@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -122,6 +124,22 @@ def _busy(st: dict) -> bool:
     return any(st.get(k, 0) for k in keys)
 
 
+# Set by a parent that holds this process's stdin open for as long as it lives (LocalCluster):
+# the worker stops, draining as on SIGTERM, once it reads EOF there, so a parent killed with
+# SIGKILL (or any exit that skips its cleanup) leaves no orphaned worker holding a port.
+STOP_WITH_PARENT_ENV = "PDSERVE_STOP_WITH_PARENT"
+
+
+def _stop_at_stdin_eof(done: threading.Event) -> None:
+    # The raw descriptor, not sys.stdin: a daemon thread blocked inside a buffered reader's
+    # lock aborts the interpreter's shutdown ("could not acquire lock ... at shutdown").
+    fd = sys.stdin.fileno()
+    while os.read(fd, 4096):  # the parent writes nothing: this returns b"" at EOF
+        pass
+    log.warning("the parent process is gone (stdin closed): stopping")
+    done.set()
+
+
 def serve_until_signalled(
     start: Callable[[], RunningWorker], drain_grace_s: float = DEFAULT_DRAIN_GRACE_S
 ) -> None:
@@ -133,6 +151,8 @@ def serve_until_signalled(
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
+    if os.environ.get(STOP_WITH_PARENT_ENV) == "1":
+        threading.Thread(target=_stop_at_stdin_eof, args=(done,), daemon=True).start()
     while not done.wait(1.0):  # bounded: the signal handlers run between waits
         pass
     running.drain(drain_grace_s)

@@ -22,7 +22,7 @@ from typing_extensions import Self
 
 from engine.model_files import resolve_model_dir
 from grpc_plumbing.auth import TOKEN_ENV
-from grpc_plumbing.worker_process import RunningWorker
+from grpc_plumbing.worker_process import STOP_WITH_PARENT_ENV, RunningWorker
 from kv_transfer.transports import TRANSPORTS, WORKER_TRANSPORTS
 from pdserve.cluster.workers import build_worker, worker_args
 from pdserve.config import ClusterConfig, ConfigError, validate_config, with_cluster_token
@@ -268,13 +268,17 @@ class LocalCluster:
         # installed with --target, say).
         path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTHONPATH": path, **self.spec.extra_env}
+        env[STOP_WITH_PARENT_ENV] = "1"
         if self.spec.cluster_token:
             env[TOKEN_ENV] = self.spec.cluster_token
         started = []
         for role, index in self._members():
             cmd = [sys.executable, "-m", f"{role}_worker"]
             cmd += worker_args(role, self._worker_settings(role, index))
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True)
+            # stdin stays open while this process lives: a worker stops at its EOF.
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
+            )
             self._procs.append(proc)
             started.append((proc, self._addresses(role)))
         for proc, addresses in started:
