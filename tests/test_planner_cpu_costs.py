@@ -10,7 +10,7 @@ import pytest
 from engine.request import Request, SamplingParams
 from engine.scheduler import ScheduledSequence
 from pdserve.planner.cpu_share import CpuShare
-from pdserve.planner.profile import Profile, load_profile
+from pdserve.planner.profile import EngineSettings, Profile, load_profile
 from pdserve.planner.sim import SimConfig, Split, simulate
 from pdserve.planner.sim_workers import Clock
 from pdserve.planner.workload import TraceRequest
@@ -379,3 +379,43 @@ def test_a_failed_request_leaves_the_later_requests_at_their_own_send_offsets():
     # One TPOT per completed request, None for the one-token answer, lined up with the lengths.
     assert rows["tpot_s"] == pytest.approx([0.9, None, 0.9])
     assert rows["sent_index"] == [0, 2, 3]
+
+
+def test_the_live_prefill_worker_runs_the_threads_of_the_profile_it_is_compared_with(
+    monkeypatch,
+):
+    """The live pair's prefill worker and the bare engine both run the profile's threads, not
+    this process's count: measured with every core against a one-thread table, the live worker
+    read 0.73x the bare engine's time, and the plan's prefill ran a third too fast."""
+    import torch
+
+    import engine.llm_engine
+    from pdserve.bench.fidelity import measure_live
+    from pdserve.bench.fidelity.cpu_costs import live_prefill_slowdown
+    from pdserve.planner import measure
+
+    asked = []
+
+    def live(cfg, threads, **_):
+        asked.append(threads)
+        return {64: 0.2}
+
+    class Timer:
+        def __init__(self, engine, grid):
+            pass
+
+        def prefill(self, n, offset):
+            return 0.1
+
+    monkeypatch.setattr(measure_live, "live_prefill_seconds", live)
+    monkeypatch.setattr(engine.llm_engine, "build_engine", lambda settings: None)
+    monkeypatch.setattr(measure, "WorkerTimer", Timer)
+    profile = toy_profile(EngineSettings(threads=1))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        slowdown, pairs = live_prefill_slowdown(None, profile)
+    finally:
+        torch.set_num_threads(before)
+    assert asked == [1]
+    assert slowdown == pytest.approx(2.0) and pairs == {64: {"live_s": 0.2, "bare_s": 0.1}}

@@ -38,7 +38,10 @@ def live_prefill_slowdown(cfg, profile) -> tuple[float, dict]:
     from pdserve.bench.fidelity.measure_live import live_prefill_seconds
     from pdserve.planner.measure import QUICK, WorkerTimer
 
-    live = live_prefill_seconds(cfg, torch.get_num_threads())
+    # The live worker runs the profile's threads, as the bare engine below does: this process's
+    # own count (every core, until an engine here sets it) made the live worker faster than
+    # the table it is compared with (0.73x on 2 cores, one thread profiled).
+    live = live_prefill_seconds(cfg, profile.engine.threads or torch.get_num_threads())
     engine = build_engine(dataclasses.replace(profile.engine, num_blocks=64))
     timer = WorkerTimer(engine, dataclasses.replace(QUICK, reps=3))  # the full grid's repeats
     pairs = {n: {"live_s": s, "bare_s": timer.prefill(n, 0)} for n, s in live.items()}
