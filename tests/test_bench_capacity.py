@@ -66,3 +66,48 @@ def test_a_stored_run_is_scored_shape_by_shape_and_ranked_against_the_plan():
     assert not report["verdicts"]["colo2"]["within"]  # +20%, spread 13%
     assert report["measured_ranking"] == ["1P1D", "colo2"] == report["planned_ranking"]
     assert report["ranking_matches"]
+
+
+def test_the_cli_runs_the_capacity_part_and_rescores_its_json(monkeypatch, tmp_path, capsys):
+    """``--part capacity`` writes its sweeps and verdicts; ``--resimulate`` of that file scores
+    them against a profile's plan (here both stand in: no cluster, no simulation)."""
+    import argparse
+    import json
+
+    from pdserve.bench.fidelity import cli
+
+    sweeps = {"1P1D": [{"seed": 1, "capacity": 1.0, "rates": []}]}
+
+    def fake_report(profile, shapes, workload, slo, sweeps_n, cores):
+        assert (shapes, workload, slo, sweeps_n) == (["1P1D"], "chat", SLO(2.0, 0.15), 1)
+        return capacity.scored(
+            {"workload": workload, "slo": slo.__dict__, "sweeps": sweeps}, {"1P1D": [1.05]}
+        )
+
+    monkeypatch.setattr(capacity, "capacity_report", fake_report)
+    monkeypatch.setattr(capacity, "planner_capacities", lambda *a: {"1P1D": [2.0]})
+    ap = argparse.ArgumentParser()
+    cli.add_parser(ap.add_subparsers())
+    out = tmp_path / "cap.json"
+    profile = "docs/results/planner/profile_cpu_smollm2.json"
+    common = ["fidelity", "--profile", profile, "--part", "capacity", "--shapes", "1P1D"]
+    args = ap.parse_args(
+        common
+        + [
+            "--workload",
+            "chat",
+            "--slo-ttft",
+            "2",
+            "--slo-tpot",
+            "0.15",
+            "--sweeps",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
+    assert args.func(args) == 0
+    assert json.loads(out.read_text())["capacity"]["verdicts"]["1P1D"]["within"]  # +5%
+    args = ap.parse_args(common + ["--resimulate", str(out)])
+    assert args.func(args) == 0
+    assert "1P1D: planned 2 req/s, measured median 1 " in capsys.readouterr().out  # +100%

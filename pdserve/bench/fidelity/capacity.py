@@ -15,9 +15,11 @@ another profile, with no cluster.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 from pdserve.metrics import SLO
 from pdserve.planner.sim import Split
@@ -195,3 +197,22 @@ def format_capacity(report: dict) -> str:
         f"{' > '.join(report['planned_ranking'])}: {match}"
     )
     return "\n".join(lines)
+
+
+def capacity_main(args, profile) -> int:
+    """``--part capacity`` on real clusters: the report printed and written to ``--json``."""
+    slo = SLO(args.slo_ttft, args.slo_tpot)
+    report = {
+        "profile": args.profile,
+        "cpu_cores": args.cpu_cores,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "load_average_at_start": os.getloadavg(),
+        "capacity": capacity_report(
+            profile, args.shapes, args.workload, slo, args.sweeps, args.cpu_cores
+        ),
+    }
+    print(format_capacity(report["capacity"]), flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 0

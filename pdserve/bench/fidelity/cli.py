@@ -116,6 +116,10 @@ def main(args, error) -> int:
         error(f"--leave-one-out / --calibrate-from: {e}")
     from pdserve.bench.fidelity import live
 
+    if args.part == "capacity":
+        from pdserve.bench.fidelity.capacity import capacity_main
+
+        return capacity_main(args, profile)
     if args.calibrated_out:
         return live.calibrate(args, profile)
     return live.live_report(args, profile)

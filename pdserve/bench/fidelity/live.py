@@ -285,14 +285,6 @@ def live_report(args, profile) -> int:
             report["mape_as_profiled"] = mape_of(rows, "sim_as_profiled")
             label = "MAPE on the profile as measured"
             print(format_mape(report["mape_as_profiled"], label), flush=True)
-    if args.part == "capacity":
-        from pdserve.bench.fidelity.capacity import capacity_report, format_capacity
-
-        slo = SLO(args.slo_ttft, args.slo_tpot)
-        report["capacity"] = capacity_report(
-            profile, args.shapes, args.workload, slo, args.sweeps, args.cpu_cores
-        )
-        print(format_capacity(report["capacity"]), flush=True)
     if args.part in ("recommend", "all"):
         report["recommendation"] = recommendation(
             profile, args.seed, args.max_workers, args.scale, args.cpu_cores, args.workloads
