@@ -41,11 +41,12 @@ class LengthDist:
 
 
 # Token lengths. chat / longdoc / mixed are the shapes of pdserve.bench.loadgen.workloads on SmolLM2's
-# tokenizer (chat template included); longprompt and longoutput are the two extremes.
+# tokenizer (chat template included; tests/test_planner_workload_shapes.py checks them): a
+# document of 700-1,000 words is 841-1,180 tokens; longprompt and longoutput are the extremes.
 NAMED: dict[str, list[tuple[float, LengthDist]]] = {
-    "chat": [(1.0, LengthDist((40, 60), (64, 200)))],
-    "longdoc": [(1.0, LengthDist((950, 1350), (32, 64)))],
-    "mixed": [(0.8, LengthDist((40, 60), (64, 200))), (0.2, LengthDist((950, 1350), (32, 64)))],
+    "chat": [(1.0, LengthDist((49, 57), (64, 200)))],
+    "longdoc": [(1.0, LengthDist((840, 1180), (32, 64)))],
+    "mixed": [(0.8, LengthDist((49, 57), (64, 200))), (0.2, LengthDist((840, 1180), (32, 64)))],
     "longprompt": [(1.0, LengthDist((1200, 1800), (8, 24)))],
     "longoutput": [(1.0, LengthDist((16, 64), (200, 400)))],
 }
