@@ -9,6 +9,7 @@ import pytest
 from pdserve.bench.fidelity import capacity, live
 from pdserve.metrics import SLO
 from pdserve.planner.sim import Split
+from tests.test_planner_sim import toy_profile
 
 
 def test_capacity_is_where_the_line_between_the_bracketing_rates_crosses_90_percent():
@@ -89,7 +90,8 @@ def test_the_cli_runs_the_capacity_part_and_rescores_its_json(monkeypatch, tmp_p
     ap = argparse.ArgumentParser()
     cli.add_parser(ap.add_subparsers())
     out = tmp_path / "cap.json"
-    profile = "docs/results/planner/profile_cpu_smollm2.json"
+    profile = str(tmp_path / "profile.json")
+    toy_profile().save(profile)  # loaded, then stood in for by planner_capacities above
     common = ["fidelity", "--profile", profile, "--part", "capacity", "--shapes", "1P1D"]
     args = ap.parse_args(
         common
