@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kv_transfer.sender import TransferError
-from tests.nixl_receiver import BLOCKS, LAYERS, kv_cache, receivers
+from tests.one_sided_receiver import BLOCKS, LAYERS, kv_cache, receivers
 from tests.transport_params import requires_transport
 
 pytestmark = requires_transport("nixl")
@@ -19,7 +19,7 @@ pytestmark = requires_transport("nixl")
 
 @pytest.fixture
 def rx():
-    yield from receivers()
+    yield from receivers("nixl")
 
 
 def test_blocks_land_in_the_lease_and_chunks_rewrite_a_partial_block(rx):

@@ -13,7 +13,13 @@ from kv_transfer.frame import encode_commit_frame
 from kv_transfer.sender import TransferError
 from kv_transfer.torch_dist.handshake import HandshakeError
 from kv_transfer.transport_faults import FaultPolicy
-from tests.nixl_receiver import BLOCKS, LAYERS, Receiver, receivers
+from tests.one_sided_receiver import (
+    BLOCKS,
+    LAYERS,
+    receivers,
+    refuses_a_write_into_the_leases_cached_blocks,
+    refuses_an_incomplete_commit,
+)
 from tests.transport_params import requires_transport
 
 pytestmark = requires_transport("nixl")
@@ -21,30 +27,15 @@ pytestmark = requires_transport("nixl")
 
 @pytest.fixture
 def rx():
-    yield from receivers()
+    yield from receivers("nixl")
 
 
 def test_a_write_into_the_leases_cached_blocks_is_refused(rx):
-    """The lease's leading blocks came from the prefix cache (shared): never written."""
-    r = rx()
-    lease = r.leases.open("cached", [3, 4, 5], first_block=1)
-    stream = r.sender().open_stream("cached", lease.lease_id)
-    stream.send_layer(0, [1, 2], [0, 1], *r.src[0])
-    with pytest.raises(TransferError, match="outside lease"):
-        stream.commit(timeout=20)
-    assert all(not k.any() and not v.any() for k, v in r.dst)
-    r.assert_still_serving()
+    refuses_a_write_into_the_leases_cached_blocks(rx())
 
 
 def test_an_incomplete_commit_is_refused(rx):
-    r = rx()
-    lease = r.leases.open("req", [1, 2])
-    stream = r.sender().open_stream("req", lease.lease_id)
-    stream.send_layer(0, [3, 4], [0, 1], *r.src[0])  # one layer of three
-    with pytest.raises(TransferError, match="incomplete commit"):
-        stream.commit(timeout=20)
-    assert not lease.is_committed
-    r.assert_still_serving()
+    refuses_an_incomplete_commit(rx())
 
 
 def test_a_flipped_header_bit_is_refused(rx):
@@ -55,10 +46,7 @@ def test_a_flipped_header_bit_is_refused(rx):
         r.transfer(r.sender(), "req", [1, 2], [5, 6])
     assert r.receiver.frames_rejected == 1 and r.receiver.frames_accepted == 0
     assert not any(lease.is_committed for lease in r.leases._leases.values())
-    clean = Receiver.__new__(Receiver)  # the same receiver, reached without the faults
-    clean.__dict__.update(r.__dict__)
-    clean.server = r.server._inner
-    clean.assert_still_serving()
+    r.assert_still_serving()  # the same receiver, reached without the faults
 
 
 def test_bytes_damaged_on_the_way_fail_the_digest(rx):

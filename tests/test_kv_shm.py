@@ -19,75 +19,20 @@ from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import TransferError, make_sender, start_receiver_server
 from kv_transfer.torch_dist.handshake import HandshakeError
 from kv_transfer.transport_faults import FaultPolicy
-
-LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 3, 16, 4, 2, 8
-TOKEN = "shm-test-token"
-
-
-def _cache(zero: bool):
-    new = torch.zeros if zero else torch.randn
-    shape = (BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
-    return [(new(shape), new(shape)) for _ in range(LAYERS)]
-
-
-class Receiver:
-    """A decode side's cache, leases and shm server (with the cluster token)."""
-
-    def __init__(self, **opts):
-        self.transport = "faults" if "inner" in opts else "shm"  # faults wraps shm
-        self.src, self.dst = _cache(zero=False), _cache(zero=True)
-        self.leases = LeaseTable(default_ttl_s=30.0, num_layers=LAYERS)
-        self.receiver = KVReceiver(self.dst, self.leases, pending_lease_wait_s=0.2)
-        self.server = start_receiver_server(
-            self.transport, self.receiver, "127.0.0.1", 0, token=TOKEN, **opts
-        )
-        self.shm = getattr(self.server, "_inner", self.server)
-        self.senders = []
-
-    def sender(self, token: str | None = TOKEN):
-        self.senders.append(make_sender(self.transport, self.server.endpoint, token=token))
-        return self.senders[-1]
-
-    def transfer(self, sender, request_id, src_ids, dst_ids, ttl_s=None, before_commit=None):
-        lease = self.leases.open(request_id, dst_ids, ttl_s=ttl_s)
-        stream = sender.open_stream(request_id, lease.lease_id)
-        for layer, (k, v) in enumerate(self.src):
-            stream.send_layer(layer, src_ids, range(len(src_ids)), k, v)
-        if before_commit is not None:
-            before_commit(stream)
-        return lease, stream.commit(timeout=20)
-
-    def assert_arrived(self, src_ids, dst_ids) -> None:
-        for (k_src, v_src), (k_dst, v_dst) in zip(self.src, self.dst, strict=True):
-            assert torch.equal(k_dst[dst_ids], k_src[src_ids])
-            assert torch.equal(v_dst[dst_ids], v_src[src_ids])
-
-    def assert_still_serving(self) -> None:
-        """A clean sender's transfer lands exactly and commits."""
-        clean = make_sender("shm", self.shm.endpoint, token=TOKEN)
-        self.senders.append(clean)
-        lease, stats = self.transfer(clean, f"clean-{time.monotonic_ns()}", [2, 7], [11, 4])
-        assert lease.is_committed and stats.frames == LAYERS
-        self.assert_arrived([2, 7], [11, 4])
-        self.leases.close(lease.lease_id)
-
-    def close(self) -> None:
-        for s in self.senders:
-            s.close()
-        self.server.stop()
+from tests.one_sided_receiver import (
+    BLOCKS,
+    LAYERS,
+    TOKEN,
+    kv_cache,
+    receivers,
+    refuses_a_write_into_the_leases_cached_blocks,
+    refuses_an_incomplete_commit,
+)
 
 
 @pytest.fixture
 def rx():
-    opened = []
-
-    def open_one(**opts) -> Receiver:
-        opened.append(Receiver(**opts))
-        return opened[-1]
-
-    yield open_one
-    for r in opened:
-        r.close()
+    yield from receivers("shm")
 
 
 def _until(predicate, timeout: float = 5.0) -> None:
@@ -125,26 +70,11 @@ def test_runs_of_blocks_land_exactly(rx):
 
 
 def test_a_write_into_the_leases_cached_blocks_is_refused(rx):
-    """The lease's leading blocks came from the prefix cache (shared): never written."""
-    r = rx()
-    lease = r.leases.open("cached", [3, 4, 5], first_block=1)
-    stream = r.sender().open_stream("cached", lease.lease_id)
-    stream.send_layer(0, [1, 2], [0, 1], *r.src[0])
-    with pytest.raises(TransferError, match="outside lease"):
-        stream.commit(timeout=20)
-    assert all(not k.any() and not v.any() for k, v in r.dst)
-    r.assert_still_serving()
+    refuses_a_write_into_the_leases_cached_blocks(rx())
 
 
 def test_an_incomplete_commit_is_refused(rx):
-    r = rx()
-    lease = r.leases.open("req", [1, 2])
-    stream = r.sender().open_stream("req", lease.lease_id)
-    stream.send_layer(0, [3, 4], [0, 1], *r.src[0])  # one layer of three
-    with pytest.raises(TransferError, match="incomplete commit"):
-        stream.commit(timeout=20)
-    assert not lease.is_committed
-    r.assert_still_serving()
+    refuses_an_incomplete_commit(rx())
 
 
 def test_a_write_outside_the_lease_is_refused(rx):
@@ -251,7 +181,7 @@ def test_no_serving_off_loopback_without_the_token(tmp_path):
     leases = LeaseTable(default_ttl_s=30.0, num_layers=LAYERS)
     with pytest.raises(OpenBindError, match="without a cluster token"):
         start_receiver_server(
-            "shm", KVReceiver(_cache(True), leases), "0.0.0.0", 0, shm_dir=str(tmp_path)
+            "shm", KVReceiver(kv_cache(True), leases), "0.0.0.0", 0, shm_dir=str(tmp_path)
         )
     assert not os.listdir(tmp_path)  # refused before any file was made
 

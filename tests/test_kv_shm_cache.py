@@ -11,18 +11,18 @@ import stat
 import pytest
 import torch
 
+from engine.shared_kv_cache import sweep_stale
 from kv_transfer.lease import LeaseTable
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import make_sender, start_receiver_server
-from engine.shared_kv_cache import sweep_stale
-from tests.test_kv_shm import LAYERS, TOKEN, _cache
+from tests.one_sided_receiver import LAYERS, TOKEN, kv_cache
 
 
 def test_the_cache_moves_into_a_private_file_that_is_gone_after_stop():
     """The receiver's cache tensors (the same objects, their contents kept) live in one file
     of the shared-memory directory, readable and writable by this user only."""
     leases = LeaseTable(default_ttl_s=30.0, num_layers=LAYERS)
-    caches = _cache(zero=False)
+    caches = kv_cache(zero=False)
     before = [(k.clone(), v.clone()) for k, v in caches]
     tensors = [t for pair in caches for t in pair]
     server = start_receiver_server("shm", KVReceiver(caches, leases), "127.0.0.1", 0)
@@ -54,7 +54,7 @@ def test_a_killed_workers_file_is_swept_by_the_next(tmp_path):
 
     leases = LeaseTable(default_ttl_s=30.0, num_layers=LAYERS)
     live = start_receiver_server(
-        "shm", KVReceiver(_cache(True), leases), "127.0.0.1", 0, shm_dir=str(tmp_path)
+        "shm", KVReceiver(kv_cache(True), leases), "127.0.0.1", 0, shm_dir=str(tmp_path)
     )
     # A worker in another process that was killed: its file, its lock gone with it.
     killed = tmp_path / "pdserve-kv-1-0123456789abcdef"
@@ -81,7 +81,12 @@ def test_a_sender_on_another_node_is_told_why(tmp_path):
     saying that shm needs both workers on one node."""
     leases = LeaseTable(default_ttl_s=30.0, num_layers=LAYERS)
     server = start_receiver_server(
-        "shm", KVReceiver(_cache(True), leases), "127.0.0.1", 0, token=TOKEN, shm_dir=str(tmp_path)
+        "shm",
+        KVReceiver(kv_cache(True), leases),
+        "127.0.0.1",
+        0,
+        token=TOKEN,
+        shm_dir=str(tmp_path),
     )
     try:
         assert os.listdir(tmp_path) == [os.path.basename(server.cache.path)]
@@ -104,7 +109,7 @@ def test_a_cache_that_does_not_fit_fails_at_start_not_with_sigbus(monkeypatch, t
 
     monkeypatch.setattr(shm_cache.os, "posix_fallocate", full)
     leases = LeaseTable(default_ttl_s=30.0, num_layers=LAYERS)
-    receiver = KVReceiver(_cache(True), leases)
+    receiver = KVReceiver(kv_cache(True), leases)
     with pytest.raises(OSError, match=r"needs 24,576 bytes in .*No space left.*shm-size"):
         start_receiver_server("shm", receiver, "127.0.0.1", 0, shm_dir=str(tmp_path))
     assert not os.listdir(tmp_path)
