@@ -19,6 +19,8 @@ def test_capacity_is_where_the_line_between_the_bracketing_rates_crosses_90_perc
     assert capacity.interpolated_capacity([(1.0, 0.5), (2.0, 0.2)]) is None  # never held
     # Noise above the first failure does not move it: the first rate that fails decides.
     assert capacity.interpolated_capacity([(1.0, 1.0), (2.0, 0.8), (3.0, 0.95)]) == 1.5
+    # A noisy miss below the lowest rate that held does not count either.
+    assert capacity.interpolated_capacity([(0.5, 0.85), (1.0, 1.0), (2.0, 0.8)]) == 1.5
     assert capacity.bracketed([(1.0, 0.9), (2.0, 0.1)])
     assert not capacity.bracketed([(1.0, 0.8), (2.0, 0.1)])
 

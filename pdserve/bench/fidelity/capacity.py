@@ -35,23 +35,24 @@ TOLERANCE = 0.10
 
 def interpolated_capacity(points: list[tuple[float, float]], target: float = TARGET):
     """The rate where attainment crosses ``target``, on the line between the last rate that
-    held and the first (ascending) that did not; None where no rate or every rate held.
-    ``points``: (rate, attainment) pairs, any order."""
+    held and the first (ascending) that did not, above the lowest rate that held (a noisy miss
+    below it does not count); None where no rate or every rate held. ``points``: (rate,
+    attainment) pairs, any order."""
     points = sorted(points)
-    for i, (rate, att) in enumerate(points):
-        if att >= target:
-            continue
-        if i == 0:
-            return None
-        r0, a0 = points[i - 1]
-        return r0 + (a0 - target) / (a0 - att) * (rate - r0)
+    first_held = next((i for i, (_, a) in enumerate(points) if a >= target), None)
+    if first_held is None:
+        return None
+    for i in range(first_held + 1, len(points)):
+        rate, att = points[i]
+        if att < target:
+            r0, a0 = points[i - 1]
+            return r0 + (a0 - target) / (a0 - att) * (rate - r0)
     return None
 
 
 def bracketed(points: list[tuple[float, float]], target: float = TARGET) -> bool:
     """A rate held and a higher one did not."""
-    points = sorted(points)
-    return any(a >= target for _, a in points) and interpolated_capacity(points, target) is not None
+    return interpolated_capacity(points, target) is not None
 
 
 def verdict(predicted: float, measured: list[float]) -> dict:
@@ -107,7 +108,8 @@ def sweep_shape(cluster, split: Split, workload: str, slo: SLO, seed: int, start
         run(max(held) * STEP_UP if held else min(r for r, _ in points()) * STEP_DOWN)
     if bracketed(points()):  # once more between the rates that bracket 90%
         ordered = sorted(points())
-        i = next(i for i, (_, a) in enumerate(ordered) if a < TARGET)
+        first_held = next(i for i, (_, a) in enumerate(ordered) if a >= TARGET)
+        i = next(i for i in range(first_held + 1, len(ordered)) if ordered[i][1] < TARGET)
         run((ordered[i - 1][0] + ordered[i][0]) / 2)
     return sorted(rows, key=lambda r: r["rate"])
 
