@@ -7,6 +7,7 @@ the file's identity, so the second load reads plain safetensors in seconds.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -65,8 +66,14 @@ def convert_gguf(
         config = _write_weights(gguf_path, tmp, progress)
         _write_tokenizer(gguf_path, tmp, config)
         os.replace(tmp, out)
-    except FileExistsError:  # another process finished first
+    except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        # Another process converting the same file renamed its folder in first (a cluster's
+        # workers load the model at once on a fresh machine): a directory renamed onto a
+        # non-empty one fails with ENOTEMPTY (or EEXIST); theirs is complete, use it.
+        finished = (out / "model.safetensors").is_file()
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not finished:
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
