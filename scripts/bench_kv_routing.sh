@@ -36,7 +36,7 @@ url() { # NAME: the URL its cluster prints once ready
   echo "cluster $1 never became ready: $OUT/$1.err" >&2
   exit 1
 }
-kv_bytes() { curl -s "$1/metrics" | awk '/^pdserve:kv_transfer_bytes_total/{s+=$2} END{printf "%d\n", s}'; }
+kv_bytes() { curl -s "$1/metrics" | awk '/^pdserve:kv_transfer_bytes_total/{s+=$2} END{printf "%.0f\n", s}'; }
 
 start today --prefill-policy least_queued --decode-policy most_free_blocks
 start kv_aware --prefill-policy kv_aware --decode-policy kv_aware
