@@ -123,18 +123,31 @@ class BenchResult:
     # each completed request's place in send order: the per-request lists above line up with it
     # (ttfts, e2els and the lengths one for one), so a failed request shifts nothing after it
     sent_indices: list[int] = field(default_factory=list)
+    # each completed request's kind (chat, longdoc, turn1, turn2, ...: the workload's), so a
+    # percentile can be taken per kind (``ttft_by_kind``)
+    kinds: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     meta: dict = field(default_factory=dict)  # url, model, workload, rate, seed, nonce, ...
 
     def to_dict(self) -> dict:
         """Flat, with vLLM's names: ``mean_ttft_ms``, ``median_ttft_ms``, ``p99_ttft_ms``..."""
         out = asdict(self)
+        out["ttft_by_kind_ms"] = {k: asdict(v) for k, v in self.ttft_by_kind().items()}
         for metric in ("ttft", "tpot", "itl", "e2el"):
             stats = out.pop(f"{metric}_ms")
             for stat, value in stats.items():
                 out[f"{stat}_{metric}_ms"] = value
         meta = out.pop("meta")
         return {**meta, **out}
+
+    def ttft_by_kind(self) -> dict[str, LatencyStats]:
+        """TTFT stats of each kind of request, in the order kinds first appear (a p90 over a
+        mix sits on its slowest kind's share: a multiturn run's openings, a mixed run's
+        documents)."""
+        by_kind: dict[str, list[float]] = {}
+        for kind, ttft in zip(self.kinds, self.ttfts):
+            by_kind.setdefault(kind, []).append(ttft)
+        return {kind: LatencyStats.of(ttfts) for kind, ttfts in by_kind.items()}
 
 
 def compute_result(
@@ -175,6 +188,7 @@ def compute_result(
         input_lens=[r.prompt_tokens for r in done],
         output_lens=[r.output_tokens for r in done],
         sent_indices=sent_indices,
+        kinds=[r.kind for r in done],
         errors=[r.error for r in records if not r.success],
         meta=dict(meta or {}),
     )
@@ -213,5 +227,12 @@ def format_result(res: BenchResult, title: str = "Serving Benchmark Result") -> 
             lines.append(
                 f"{label + ' ' + metric.upper() + ' (ms):':<42}{getattr(stats, stat):>18.2f}"
             )
+    by_kind = res.ttft_by_kind()
+    if len(by_kind) > 1:
+        lines.append(f"{'TTFT by kind of request':-^60}")
+        lines.append(f"{'kind (requests)':<24}{'median (ms)':>18}{'p90 (ms)':>18}")
+        counts = {k: res.kinds.count(k) for k in by_kind}
+        for kind, stats in by_kind.items():
+            lines.append(f"{f'{kind} ({counts[kind]})':<24}{stats.median:>18.2f}{stats.p90:>18.2f}")
     lines.append("=" * 60)
     return "\n".join(lines)

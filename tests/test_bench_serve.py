@@ -428,3 +428,22 @@ def test_multiturn_sends_each_turn_with_the_whole_history_and_the_servers_answer
             # The fake streams "w0 w1 ..." up to its chunk count: the answers are its own.
             assert all(a == "".join(f"w{i} " for i in range(CHUNKS)) for a in answers)
             assert messages[: 2 * n - 1] == turns[n - 1][: 2 * n - 1] if n else True
+
+
+def test_ttft_by_kind_lines_up_with_the_completed_requests():
+    """A failed request shifts no kind: each completed request's TTFT is counted under its
+    own kind, and the report prints the kinds' medians and p90s."""
+    kinds = ["turn1", "turn2", "turn2", "turn1", "turn2"]
+    records = [record(t, [0.01], usage=2) for t in (1.0, 0.1, 0.2, 2.0, 0.3)]
+    for r, kind in zip(records, kinds):
+        r.kind = kind
+    records.insert(1, RequestRecord(send_time=0.0, end_time=0.1, error="HTTP 500", kind="turn1"))
+    res = compute_result(records, duration=1.0)
+    by_kind = res.ttft_by_kind()
+    assert list(by_kind) == ["turn1", "turn2"]
+    assert by_kind["turn1"].median == pytest.approx(1500.0)
+    assert by_kind["turn2"].median == pytest.approx(200.0)
+    assert by_kind["turn2"].p90 == pytest.approx(np.percentile([100.0, 200.0, 300.0], 90))
+    assert res.to_dict()["ttft_by_kind_ms"]["turn1"]["median"] == pytest.approx(1500.0)
+    report = format_result(res)
+    assert "turn1 (2)" in report and "turn2 (3)" in report and "1500.00" in report
