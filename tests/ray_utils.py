@@ -6,7 +6,6 @@ import asyncio
 import threading
 import time
 
-import ray
 import torch
 from typing_extensions import Self
 
@@ -14,7 +13,7 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from pdserve.client import AsyncClient, Completion
-from pdserve.cluster.ray_controller import NAMESPACE
+from pdserve.cluster.ray_launcher import start_local_ray
 from pdserve.config import ClusterConfig, validate_config
 
 NEW_TOKENS = 8
@@ -23,13 +22,7 @@ NEW_TOKENS = 8
 def init_local_ray() -> str:
     """Ray on this machine for one test module (4 logical CPUs, no dashboard, a small object
     store); returns the GCS address. The caller shuts it down."""
-    ctx = ray.init(
-        num_cpus=4,
-        namespace=NAMESPACE,
-        include_dashboard=False,
-        object_store_memory=100 * 2**20,
-        log_to_driver=False,
-    )
+    ctx = start_local_ray(num_cpus=4, object_store_memory=100 * 2**20, log_to_driver=False)
     return ctx.address_info["gcs_address"]
 
 

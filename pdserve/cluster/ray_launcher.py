@@ -6,6 +6,7 @@ progress bar, start the controller, show workers loading, and stop everything ag
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -22,6 +23,7 @@ from pdserve.cluster.ray_controller import CONTROLLER_NAME, NAMESPACE, Controlle
 from pdserve.config import ClusterConfig
 
 LOCAL_OBJECT_STORE_BYTES = 128 * 2**20  # control calls only: KV never goes through it
+log = logging.getLogger("pdserve.ray")
 
 
 class ClusterError(PdserveError):
@@ -41,14 +43,28 @@ def connect(
         except ConnectionError as e:
             raise ClusterError(f"cannot reach a Ray cluster at {address!r}: {e}") from None
         return False
-    ray.init(
-        namespace=NAMESPACE,
+    start_local_ray(
         num_cpus=_local_cpus(cfg),
-        include_dashboard=False,
         object_store_memory=LOCAL_OBJECT_STORE_BYTES,
         log_to_driver=log_to_driver,
     )
     return True
+
+
+def start_local_ray(**init_args):
+    """``ray.init`` of a new local instance (no dashboard, pdserve's namespace), tried a
+    second time if its raylet did not register within Ray's fixed 30 s: a cold first start on
+    a busy small machine (a fresh venv's imports from disk beside other load) can take longer,
+    and the second start finds the files cached. Returns ray.init's context."""
+    args = {"namespace": NAMESPACE, "include_dashboard": False, **init_args}
+    try:
+        return ray.init(**args)
+    except Exception as e:  # Ray raises a bare Exception for this one
+        if "timed out during startup" not in str(e):
+            raise
+        log.warning("Ray's node did not start within its 30 s; starting it once more")
+        ray.shutdown()
+    return ray.init(**args)
 
 
 def _local_cpus(cfg: ClusterConfig | None) -> int:
