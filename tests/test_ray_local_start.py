@@ -3,6 +3,10 @@ cold first start on a busy 2-core machine) is started once more; anything else i
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+
 import pytest
 
 from pdserve.cluster import ray_launcher
@@ -47,3 +51,28 @@ def test_a_second_timeout_and_other_errors_are_raised(monkeypatch):
     with pytest.raises(ValueError, match="bad num_cpus"):
         ray_launcher.start_local_ray()
     assert len(other.inits) == 1 and other.shutdowns == 0
+
+
+def test_the_timed_out_nodes_processes_are_stopped_before_the_second_start(monkeypatch):
+    """What the failed start left running (its GCS, raylet and reaper: children of this
+    process that no Ray node owns) is killed; children that were there before are not."""
+    older = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    left_behind = []
+
+    class LeavesAProcess(FakeRay):
+        def init(self, **args):
+            if not self.inits:
+                left_behind.append(
+                    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+                )
+            return super().init(**args)
+
+    fake = LeavesAProcess([Exception(TIMED_OUT)])
+    monkeypatch.setattr(ray_launcher, "ray", fake)
+    try:
+        assert ray_launcher.start_local_ray() == "context"
+        assert left_behind[0].wait(timeout=10) == -signal.SIGKILL
+        assert older.poll() is None
+    finally:
+        older.kill()
+        older.wait()

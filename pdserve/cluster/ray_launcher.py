@@ -57,14 +57,39 @@ def start_local_ray(**init_args):
     a busy small machine (a fresh venv's imports from disk beside other load) can take longer,
     and the second start finds the files cached. Returns ray.init's context."""
     args = {"namespace": NAMESPACE, "include_dashboard": False, **init_args}
+    before = _children()
     try:
         return ray.init(**args)
     except Exception as e:  # Ray raises a bare Exception for this one
         if "timed out during startup" not in str(e):
             raise
         log.warning("Ray's node did not start within its 30 s; starting it once more")
+        # The failed node's processes (GCS, raylet, reaper) are this process's children and
+        # nothing owns them now (ray.shutdown knows no node): stop them, or they run until exit.
+        for pid in _children() - before:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         ray.shutdown()
     return ray.init(**args)
+
+
+def _children() -> set[int]:
+    """The pids of this process's children, from /proc (each thread's children: Linux
+    with CONFIG_PROC_CHILDREN, as every major distribution builds it; empty elsewhere)."""
+    found: set[int] = set()
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                found.update(int(pid) for pid in f.read().split())
+        except OSError:
+            continue  # the thread ended meanwhile
+    return found
 
 
 def _local_cpus(cfg: ClusterConfig | None) -> int:
