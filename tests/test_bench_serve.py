@@ -375,6 +375,23 @@ def test_bench_compare_interleaves_servers_rate_by_rate(fake_server, tmp_path, c
     assert len(set(prompts)) == len(prompts)
     text = capsys.readouterr().out
     assert "goodput a: 50 req/s" in text and "goodput c: 50 req/s" in text
+    assert "p90 TTFT by kind" not in text  # chat alone: one kind
+
+
+def test_bench_compare_prints_each_kinds_p90_ttft(fake_server, tmp_path, capsys):
+    url, _ = fake_server
+    out = tmp_path / "compare.json"
+    args = ["compare", "--url", url, "--name", "a", "--against", f"b={url}"]
+    args += ["--workload", "mixed", "--num-requests", "8", "--seed", "1", "--rates", "50"]
+    args += ["--slo-ttft", "5", "--warmup", "0", "--no-progress", "--cold-start", "0"]
+    assert bench_main([*args, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    table = text[text.index("p90 TTFT by kind") :].splitlines()
+    assert "chat" in table[0] and "longdoc" in table[0]
+    run = json.loads(out.read_text())["b"]["runs"][0]
+    chat_p90 = run["ttft_by_kind_ms"]["chat"]["p90"]
+    assert [line.split()[:2] for line in table[1:3]] == [["a", "50"], ["b", "50"]]
+    assert f"{chat_p90:.0f}" in table[2].split()[2:]
 
 
 def test_compare_rotates_the_order_and_checks_its_arguments():

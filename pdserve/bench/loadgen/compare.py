@@ -86,9 +86,32 @@ def format_compare(sweeps: list[SystemSweep]) -> str:
                 f"{point.p90_ttft_ms:>8.0f}ms {point.p90_tpot_ms:>8.1f}ms "
                 f"{run['p99_itl_ms']:>7.0f}ms {point.failed:>7}"
             )
+    lines += _p90_ttft_by_kind(sweeps, width)
     for sweep in sweeps:
         lines.append(f"goodput {sweep.system.name}: {sweep.goodput:g} req/s")
     return "\n".join(lines)
+
+
+def _p90_ttft_by_kind(sweeps: list[SystemSweep], width: int) -> list[str]:
+    """Each run's p90 TTFT per kind of request, where a workload has several kinds (a p90
+    over the mix sits on its slowest kind: multiturn's openings, mixed's documents)."""
+    kinds = list(
+        dict.fromkeys(k for s in sweeps for r in s.runs for k in r.get("ttft_by_kind_ms", {}))
+    )
+    if len(kinds) < 2:
+        return []
+    lines = [
+        f"p90 TTFT by kind (ms): {'system':<{width}} {'rate':>6} "
+        + " ".join(f"{k:>8}" for k in kinds)
+    ]
+    for sweep in sweeps:
+        for point, run in zip(sweep.points, sweep.runs, strict=True):
+            by_kind = run.get("ttft_by_kind_ms", {})
+            cells = [f"{by_kind[k]['p90']:>8.0f}" if k in by_kind else f"{'-':>8}" for k in kinds]
+            lines.append(
+                f"{'':23}{sweep.system.name:<{width}} {point.rate:>6.3g} " + " ".join(cells)
+            )
+    return lines
 
 
 def add_parser(sub) -> None:
