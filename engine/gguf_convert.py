@@ -8,11 +8,13 @@ the file's identity, so the second load reads plain safetensors in seconds.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +62,41 @@ def convert_gguf(
     if (out / "model.safetensors").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    with _converting(out):  # one process converts; the others wait, then read its folder
+        if (out / "model.safetensors").is_file():
+            return out
+        return _convert_into(gguf_path, out, progress)
+
+
+# How long a process waits for another that converts the same file, before converting too
+# (the rename below settles which folder stays): a holder that dies releases its lock at once.
+CONVERT_WAIT_S = 3600.0
+
+
+class _converting:
+    """An advisory lock per cache folder (``<folder>.lock``, flock: released by the kernel when
+    its holder exits, however it exits), held while converting."""
+
+    def __init__(self, out: Path):
+        self._path = out.parent / (out.name + ".lock")
+
+    def __enter__(self):
+        self._file = open(self._path, "a+b")  # closed (and unlocked) in __exit__
+        deadline = time.monotonic() + CONVERT_WAIT_S
+        while True:
+            try:
+                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return self  # convert beside it; the rename decides
+                time.sleep(0.2)
+
+    def __exit__(self, *exc):
+        self._file.close()  # releases the lock
+
+
+def _convert_into(gguf_path: Path, out: Path, progress: bool) -> Path:
     # Write into a temp folder and rename: a crash mid-way never leaves a half cache behind.
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
@@ -68,9 +105,9 @@ def convert_gguf(
         os.replace(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        # Another process converting the same file renamed its folder in first (a cluster's
-        # workers load the model at once on a fresh machine): a directory renamed onto a
-        # non-empty one fails with ENOTEMPTY (or EEXIST); theirs is complete, use it.
+        # Another process converting the same file renamed its folder in first (past the
+        # lock's wait, or on a file system where flock does not lock): a directory renamed
+        # onto a non-empty one fails with ENOTEMPTY (or EEXIST); theirs is complete, use it.
         finished = (out / "model.safetensors").is_file()
         if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not finished:
             raise

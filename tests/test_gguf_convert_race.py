@@ -1,8 +1,12 @@
-"""Two processes converting one GGUF file at once (a fresh machine's cluster workers all load
-the embedded model on start): the one that renames its folder in second uses the first's."""
+"""Several processes converting one GGUF file at once (a fresh machine's cluster workers all
+load the embedded model on start): one converts while the others wait for its folder; where
+two convert anyway (past the wait, or without flock), the one that renames second uses the
+first's folder."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -37,7 +41,7 @@ def test_a_conversion_that_lost_the_race_uses_the_winners_folder(tmp_path, monke
     _fake_conversion(monkeypatch, other_process_finishes)
     out = gguf_convert.convert_gguf(gguf, root, progress=False)
     assert (out / "model.safetensors").read_bytes() == b"theirs"
-    assert [p.name for p in root.iterdir()] == [out.name]  # its own temp folder is gone
+    assert _folders(root) == [out.name]  # its own temp folder is gone
 
 
 def test_a_half_written_folder_in_the_way_is_an_error(tmp_path, monkeypatch):
@@ -52,4 +56,38 @@ def test_a_half_written_folder_in_the_way_is_an_error(tmp_path, monkeypatch):
     _fake_conversion(monkeypatch, something_else_in_the_way)
     with pytest.raises(OSError):
         gguf_convert.convert_gguf(gguf, root, progress=False)
-    assert [p.name for p in root.iterdir()] == [gguf_convert.cache_dir_for(gguf, root).name]
+    assert _folders(root) == [gguf_convert.cache_dir_for(gguf, root).name]
+
+
+def _folders(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.is_dir())
+
+
+def test_concurrent_conversions_convert_once(tmp_path, monkeypatch):
+    """Three loaders at once: one converts, the other two wait and return its folder."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    root = tmp_path / "cache"
+    conversions = []
+
+    def write_weights(gguf_path, tmp: Path, progress):
+        conversions.append(tmp)
+        time.sleep(0.5)  # long enough that the others arrive meanwhile
+        (tmp / "model.safetensors").write_bytes(b"weights")
+        return {}
+
+    monkeypatch.setattr(gguf_convert, "_write_weights", write_weights)
+    monkeypatch.setattr(gguf_convert, "_write_tokenizer", lambda *args: None)
+    outs: list[Path] = []
+    loaders = [
+        threading.Thread(target=lambda: outs.append(gguf_convert.convert_gguf(gguf, root, False)))
+        for _ in range(3)
+    ]
+    for t in loaders:
+        t.start()
+    for t in loaders:
+        t.join(timeout=30)
+    assert len(conversions) == 1
+    assert len(outs) == 3 and len(set(outs)) == 1
+    assert (outs[0] / "model.safetensors").read_bytes() == b"weights"
+    assert _folders(root) == [outs[0].name]
