@@ -378,22 +378,6 @@ def test_bench_compare_interleaves_servers_rate_by_rate(fake_server, tmp_path, c
     assert "p90 TTFT by kind" not in text  # chat alone: one kind
 
 
-def test_bench_compare_prints_each_kinds_p90_ttft(fake_server, tmp_path, capsys):
-    url, _ = fake_server
-    out = tmp_path / "compare.json"
-    args = ["compare", "--url", url, "--name", "a", "--against", f"b={url}"]
-    args += ["--workload", "mixed", "--num-requests", "8", "--seed", "1", "--rates", "50"]
-    args += ["--slo-ttft", "5", "--warmup", "0", "--no-progress", "--cold-start", "0"]
-    assert bench_main([*args, "--json", str(out)]) == 0
-    text = capsys.readouterr().out
-    table = text[text.index("p90 TTFT by kind") :].splitlines()
-    assert "chat" in table[0] and "longdoc" in table[0]
-    run = json.loads(out.read_text())["b"]["runs"][0]
-    chat_p90 = run["ttft_by_kind_ms"]["chat"]["p90"]
-    assert [line.split()[:2] for line in table[1:3]] == [["a", "50"], ["b", "50"]]
-    assert f"{chat_p90:.0f}" in table[2].split()[2:]
-
-
 def test_compare_rotates_the_order_and_checks_its_arguments():
     from pdserve.bench.loadgen.compare import System, parse_system, run_order
     from pdserve.bench.loadgen.serve import BenchError
@@ -445,22 +429,3 @@ def test_multiturn_sends_each_turn_with_the_whole_history_and_the_servers_answer
             # The fake streams "w0 w1 ..." up to its chunk count: the answers are its own.
             assert all(a == "".join(f"w{i} " for i in range(CHUNKS)) for a in answers)
             assert messages[: 2 * n - 1] == turns[n - 1][: 2 * n - 1] if n else True
-
-
-def test_ttft_by_kind_lines_up_with_the_completed_requests():
-    """A failed request shifts no kind: each completed request's TTFT is counted under its
-    own kind, and the report prints the kinds' medians and p90s."""
-    kinds = ["turn1", "turn2", "turn2", "turn1", "turn2"]
-    records = [record(t, [0.01], usage=2) for t in (1.0, 0.1, 0.2, 2.0, 0.3)]
-    for r, kind in zip(records, kinds):
-        r.kind = kind
-    records.insert(1, RequestRecord(send_time=0.0, end_time=0.1, error="HTTP 500", kind="turn1"))
-    res = compute_result(records, duration=1.0)
-    by_kind = res.ttft_by_kind()
-    assert list(by_kind) == ["turn1", "turn2"]
-    assert by_kind["turn1"].median == pytest.approx(1500.0)
-    assert by_kind["turn2"].median == pytest.approx(200.0)
-    assert by_kind["turn2"].p90 == pytest.approx(np.percentile([100.0, 200.0, 300.0], 90))
-    assert res.to_dict()["ttft_by_kind_ms"]["turn1"]["median"] == pytest.approx(1500.0)
-    report = format_result(res)
-    assert "turn1 (2)" in report and "turn2 (3)" in report and "1500.00" in report
