@@ -29,31 +29,34 @@ def _fake_conversion(monkeypatch, before_rename):
     monkeypatch.setattr(gguf_convert, "_write_tokenizer", write_tokenizer)
 
 
-def test_a_conversion_that_lost_the_race_uses_the_winners_folder(tmp_path, monkeypatch):
+def _gguf_and_cache(tmp_path: Path) -> tuple[Path, Path]:
+    """A placeholder GGUF file (the fake conversion never reads it) and an empty cache root."""
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
-    root = tmp_path / "cache"
+    return gguf, tmp_path / "cache"
 
-    def other_process_finishes(out: Path):
+
+def _folder_in_the_way(name: str, content: bytes):
+    """What another process puts at the cache folder just before this one renames."""
+
+    def put(out: Path):
         out.mkdir()
-        (out / "model.safetensors").write_bytes(b"theirs")
+        (out / name).write_bytes(content)
 
-    _fake_conversion(monkeypatch, other_process_finishes)
+    return put
+
+
+def test_a_conversion_that_lost_the_race_uses_the_winners_folder(tmp_path, monkeypatch):
+    gguf, root = _gguf_and_cache(tmp_path)
+    _fake_conversion(monkeypatch, _folder_in_the_way("model.safetensors", b"theirs"))
     out = gguf_convert.convert_gguf(gguf, root, progress=False)
     assert (out / "model.safetensors").read_bytes() == b"theirs"
     assert _folders(root) == [out.name]  # its own temp folder is gone
 
 
 def test_a_half_written_folder_in_the_way_is_an_error(tmp_path, monkeypatch):
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"GGUF")
-    root = tmp_path / "cache"
-
-    def something_else_in_the_way(out: Path):
-        out.mkdir()
-        (out / "stray").write_bytes(b"")
-
-    _fake_conversion(monkeypatch, something_else_in_the_way)
+    gguf, root = _gguf_and_cache(tmp_path)
+    _fake_conversion(monkeypatch, _folder_in_the_way("stray", b""))
     with pytest.raises(OSError):
         gguf_convert.convert_gguf(gguf, root, progress=False)
     assert _folders(root) == [gguf_convert.cache_dir_for(gguf, root).name]
@@ -65,9 +68,7 @@ def _folders(root: Path) -> list[str]:
 
 def test_concurrent_conversions_convert_once(tmp_path, monkeypatch):
     """Three loaders at once: one converts, the other two wait and return its folder."""
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"GGUF")
-    root = tmp_path / "cache"
+    gguf, root = _gguf_and_cache(tmp_path)
     conversions = []
 
     def write_weights(gguf_path, tmp: Path, progress):
