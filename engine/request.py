@@ -50,6 +50,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
+    min_p: float = 0.0  # 0 = off; else tokens under min_p x the top token's probability are cut
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
@@ -78,6 +79,7 @@ class SamplingParams:
             ("temperature", 0.0 <= self.temperature <= 100.0, "in [0, 100]"),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an int >= 0 (0 = off)"),
             ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
             ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, ">= 0"),
             ("seed", self.seed is None or isinstance(self.seed, int), "an int"),
             ("n", isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"an int in [1, {MAX_N}]"),
@@ -234,6 +236,7 @@ def sampling_from_message(msg, default_max_tokens: int = 16) -> SamplingParams:
         temperature=msg.temperature,
         top_k=msg.top_k,
         top_p=msg.top_p or 1.0,
+        min_p=msg.min_p,
         seed=seed,
         stop_token_ids=tuple(msg.stop_token_ids),
         stop=tuple(msg.stop),

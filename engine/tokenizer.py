@@ -87,9 +87,10 @@ class Tokenizer:
             eos_token=self.eos_token,
         )
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # The template already writes any special tokens it wants.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
 
     def _token_id(self, token) -> int | None:
         if isinstance(token, dict):

@@ -21,17 +21,47 @@ INT32 = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0, le=UINT32)]
 StopString = Annotated[str, Field(min_length=1)]
 MAX_PROMPTS = 64  # prompts in one completions request
-# OpenAI parameters pdserve does not implement: accepted only at their neutral values, so a
-# user who asks for more gets a 400 instead of silence.
+# Parameters of OpenAI's API and vLLM's extensions that pdserve does not implement, each with
+# the values that ask for nothing (what it does anyway): any other value is a 400 naming the
+# parameter, never silence; a client that asks for JSON output, tools or guided decoding
+# must not get free text as if it had. Unknown names are ignored, as vLLM does.
 NEUTRAL_VALUES = {
-    "suffix": "",
-    "tools": [],
+    "suffix": ("",),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),  # with no tools, both mean plain text
+    "functions": ([],),  # OpenAI's older tools
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),  # json_object / json_schema: structured output
+    "guided_json": (),  # vLLM's guided decoding, every form
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),  # beam search's
+    "bad_words": ([],),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),  # the text never shows special tokens
+    "prompt_logprobs": (),  # completions: echo with logprobs gives them
+    "truncate_prompt_tokens": (),
+    "priority": (0,),  # no priority scheduling
 }
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's usage on every chunk: not implemented
+
+
+def _is_one_of(value, neutral: tuple) -> bool:
+    # type() too: True == 1 and 1 == 1.0 in Python, but "priority": true is no priority 0.
+    return any(type(value) is type(n) and value == n for n in neutral)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 class _GenerateRequest(BaseModel):
@@ -60,17 +90,37 @@ class _GenerateRequest(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # extension, as vLLM
     logit_bias: dict[str, float] | None = None
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # extension, as vLLM; 0 = off
     # See NEUTRAL_VALUES.
     suffix: Any = None
     tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    bad_words: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    priority: Any = None
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "is only allowed with stream=true")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise InvalidRequestError("stream_options.continuous_usage_stats", "is not supported")
         for name, neutral in NEUTRAL_VALUES.items():
             value = getattr(self, name)
-            if value is not None and value != neutral:
-                raise InvalidRequestError(name, f"is not supported (got {value!r})")
+            if value is not None and not _is_one_of(value, neutral):
+                raise InvalidRequestError(name, f"is not supported (got {_short(value)})")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -101,6 +151,7 @@ class _GenerateRequest(BaseModel):
             repetition_penalty=self.repetition_penalty or 0.0,
             logit_bias=self.token_logit_bias(),
             n=self.n,
+            min_p=self.min_p or 0.0,
         )
         if self.seed is not None:
             msg.seed = self.seed
@@ -179,14 +230,40 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": content or ""}
 
 
+# Chat's own extensions (vLLM's) that pdserve does not implement, as NEUTRAL_VALUES.
+CHAT_NEUTRAL_VALUES = {
+    "echo": (False,),
+    "continue_final_message": (False,),
+    "chat_template": (),  # the model's own template only
+    "chat_template_kwargs": ({},),
+    "documents": (),
+    "modalities": (["text"],),
+    "audio": (),
+}
+
+
 class ChatCompletionRequest(_GenerateRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32)  # the newer max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: false renders the messages without the assistant turn's opening.
+    add_generation_prompt: bool = True
+    # See CHAT_NEUTRAL_VALUES.
+    echo: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
+    modalities: Any = None
+    audio: Any = None
 
     def check_supported(self) -> None:
         super().check_supported()
+        for name, neutral in CHAT_NEUTRAL_VALUES.items():
+            value = getattr(self, name)
+            if value is not None and not _is_one_of(value, neutral):
+                raise InvalidRequestError(name, f"is not supported (got {_short(value)})")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs", "needs logprobs: true")
 

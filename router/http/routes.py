@@ -2,10 +2,11 @@
 same request path as gRPC (``Router.prepare`` then ``Router.generate``).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
-``"stream": true``), GET /v1/models, POST /tokenize and /detokenize (vLLM's), GET /health (503 until
-every pool has a ready worker), GET /metrics (Prometheus). Errors use OpenAI's shape ``{"error":
-{message, type, param, code}}``: 400 bad parameter (named in ``param``), 401 bad API key, 404
-unknown model or route, 429 overloaded, 500 an engine error of the request, 503 workers failed.
+``"stream": true``), GET /v1/models and /v1/models/{id}, POST /tokenize and /detokenize (vLLM's),
+GET /health (503 until every pool has a ready worker), GET /metrics (Prometheus). Errors use
+OpenAI's shape ``{"error": {message, type, param, code}}``: 400 bad parameter (named in
+``param``), 401 bad API key, 404 unknown model or route, 429 overloaded, 500 an engine error of
+the request, 503 workers failed.
 """
 
 from __future__ import annotations
@@ -156,7 +157,9 @@ class OpenAIHandlers:
         req = self._parse(ChatCompletionRequest, raw)
         messages = [m.as_template_input() for m in req.messages]
         try:
-            ids = await self.offload.run(self.router.tokenizer.encode_chat, messages)
+            ids = await self.offload.run(
+                self.router.tokenizer.encode_chat, messages, req.add_generation_prompt
+            )
         except InvalidRequestError as e:
             raise _bad_request(e) from None
         except Exception as e:  # noqa: BLE001 - a template's raise_exception on these messages
@@ -300,17 +303,25 @@ def build_app(router: Router, api_key: str | None = None) -> FastAPI:
             request, handlers.chat(await request.body(), request.headers)
         )
 
-    @v1.get("/models")
-    async def models() -> dict:
+    def model_card() -> dict:
         cfg = router.cfg
-        card = {
+        return {
             "id": cfg.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "pdserve",
             "max_model_len": cfg.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @v1.get("/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @v1.get("/models/{model:path}")  # OpenAI's retrieve: a served name may hold a '/'
+    async def model(model: str) -> dict:
+        if model != router.cfg.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+        return model_card()
 
     app.include_router(v1)
     tokens = APIRouter(dependencies=[Depends(require_key)])  # vLLM's paths: no /v1
