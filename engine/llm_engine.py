@@ -178,6 +178,7 @@ class LLMEngine(StepHooks):
         for stop in req.sampling.stop:
             idx = req.output_text.find(stop)
             if idx >= 0:
+                idx += len(stop) if req.sampling.include_stop_str_in_output else 0
                 cut = len(req.output_text) - idx
                 req.output_text = req.output_text[:idx]
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)

@@ -54,6 +54,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False  # the stop string that ends the text stays in it
     ignore_eos: bool = False
     min_tokens: int = 0
     # vLLM's semantics: presence/frequency over output tokens, repetition over prompt + output
@@ -240,6 +241,7 @@ def sampling_from_message(msg, default_max_tokens: int = 16) -> SamplingParams:
         seed=seed,
         stop_token_ids=tuple(msg.stop_token_ids),
         stop=tuple(msg.stop),
+        include_stop_str_in_output=msg.include_stop_str_in_output,
         ignore_eos=msg.ignore_eos,
         min_tokens=msg.min_tokens,
         presence_penalty=msg.presence_penalty,

@@ -293,7 +293,9 @@ class Router:
         the request's last has the usage (summed over sequences) and timings too."""
         timings = FlowTimings()
         start = time.monotonic()
-        texts = [_StopText(self.tokenizer, inp.params.stop) for _ in range(inp.params.n)]
+        params = inp.params
+        keep = params.include_stop_str_in_output
+        texts = [_StopText(self.tokenizer, params.stop, keep) for _ in range(params.n)]
         running = set(range(inp.params.n))
         n_out = 0
         request = FlowRequest(inp.request_id, inp.prompt_ids, inp.sampling, timings, trace=trace)
@@ -330,11 +332,14 @@ class Router:
 
 
 class _StopText:
-    """Detokenizes and applies stop strings, holding back text that may start a stop string."""
+    """Detokenizes and applies stop strings, holding back text that may start a stop string;
+    the text ends before the first stop string (``keep``: after it, vLLM's
+    ``include_stop_str_in_output``)."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]):
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...], keep: bool = False):
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = stops
+        self.keep = keep
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.sent = 0
 
@@ -352,8 +357,14 @@ class _StopText:
         return self._emit(text if final else text[: max(self.sent, len(text) - self.hold)]), None
 
     def _find_stop(self, start: int) -> int | None:
-        found = [i for stop in self.stops if (i := self.detok.text.find(stop, start)) >= 0]
-        return min(found, default=None)
+        """Where the text ends at the earliest stop string (None: none yet); of stops that
+        begin there, the first listed."""
+        found = [
+            (i, i + len(stop) if self.keep else i)
+            for stop in self.stops
+            if (i := self.detok.text.find(stop, start)) >= 0
+        ]
+        return min(found, key=lambda f: f[0])[1] if found else None
 
     def _emit(self, upto: str) -> str:
         delta = upto[self.sent :]

@@ -92,6 +92,11 @@ def test_stop_string_truncates_text_and_finishes(make_engine, chat_prompt_ids):
     )
     assert stopped.output_text == free.output_text.split("Paris")[0]
     assert stopped.status.finish_reason == "stop"
+    [kept] = engine.generate(
+        [chat_prompt_ids[0]],
+        SamplingParams(max_tokens=24, stop=("Paris",), include_stop_str_in_output=True),
+    )
+    assert kept.output_text == stopped.output_text + "Paris"
 
 
 def test_cli_generate_prints_a_completion(capsys):

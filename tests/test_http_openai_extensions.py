@@ -1,6 +1,6 @@
 """What a vLLM user sends beyond OpenAI's basics, through the official ``openai`` client and
-gRPC against a disaggregated cluster: ``min_p`` (served), ``add_generation_prompt`` (served),
-GET /v1/models/{id}; and every known parameter pdserve does not implement (JSON output, tools,
+gRPC against a disaggregated cluster: ``min_p``, ``include_stop_str_in_output`` and
+``add_generation_prompt`` (served), GET /v1/models/{id}; and every known parameter pdserve does not implement (JSON output, tools,
 guided decoding, beam search, ...) refused with a 400 naming it when it asks for anything, so
 that no client takes free text for what it asked. Fixtures ``openai_*``: tests/conftest.py."""
 
@@ -61,6 +61,28 @@ def test_min_p_out_of_range_or_not_a_number_is_a_400_naming_it(openai_cluster, b
     assert status == 400 and out["error"]["param"] == "min_p", out
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output_keeps_the_stop_string_that_ended_the_text(
+    openai_api, served_model, stream
+):
+    greedy = openai_api.completions.create(model=served_model, prompt="w5 w6", **GREEDY)
+    words = greedy.choices[0].text.split(" ")
+    stop = " " + words[3]  # a word the greedy text has, far enough in to leave text before it
+    before = greedy.choices[0].text.split(stop)[0]
+    for keep, want in ((False, before), (True, before + stop)):
+        out = openai_api.completions.create(
+            model=served_model,
+            prompt="w5 w6",
+            stop=[" nothing-like-it", stop],
+            stream=stream,
+            **{**GREEDY, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": keep}},
+        )
+        chunks = list(out) if stream else [out]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == want, (keep, text, want)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
 def test_add_generation_prompt_false_leaves_the_assistant_opening_out(openai_cluster):
     address = openai_cluster.http_address
     for add in (True, False):
@@ -107,7 +129,6 @@ ASKING = {
     "use_beam_search": True,
     "length_penalty": 0.5,
     "bad_words": ["w9"],
-    "include_stop_str_in_output": True,
     "skip_special_tokens": False,
     "prompt_logprobs": 1,
     "truncate_prompt_tokens": 4,
