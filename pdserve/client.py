@@ -24,9 +24,10 @@ chat template). Sampling keywords are the fields of ``SamplingParams`` in
 include_stop_str_in_output, stop_token_ids, ignore_eos, min_tokens, presence_penalty,
 frequency_penalty, repetition_penalty, logit_bias, logprobs, prompt_logprobs, n);
 ``include_timings=True`` puts the TTFT breakdown on the last chunk. With n > 1, chunks carry
-``index`` and ``Completion.sequences`` holds each sequence. The API key travels as metadata ``authorization: Bearer <key>``. Errors are ``grpc.RpcError``:
-INVALID_ARGUMENT (the message names the parameter), UNAUTHENTICATED, NOT_FOUND (model),
-RESOURCE_EXHAUSTED (overloaded: retry later), UNAVAILABLE (workers failed).
+``index`` and ``Completion.sequences`` holds each sequence. The API key travels as metadata
+``authorization: Bearer <key>``. Errors are ``grpc.RpcError``: INVALID_ARGUMENT (the message
+names the parameter), UNAUTHENTICATED, NOT_FOUND (model), RESOURCE_EXHAUSTED (overloaded: retry
+later), UNAVAILABLE (workers failed).
 """
 
 from __future__ import annotations
