@@ -1,8 +1,9 @@
 """What a vLLM user sends beyond OpenAI's basics, through the official ``openai`` client and
 gRPC against a disaggregated cluster: ``min_p``, ``include_stop_str_in_output`` and
-``add_generation_prompt`` (served), GET /v1/models/{id}; and every known parameter pdserve does not implement (JSON output, tools,
-guided decoding, beam search, ...) refused with a 400 naming it when it asks for anything, so
-that no client takes free text for what it asked. Fixtures ``openai_*``: tests/conftest.py."""
+``add_generation_prompt`` (served), GET /v1/models/{id}; and every known parameter pdserve
+does not implement (JSON output, tools, guided decoding, beam search, ...) refused with a 400
+naming it when it asks for anything, so that no client takes free text for what it asked.
+Fixtures ``openai_*``: tests/conftest.py."""
 
 from __future__ import annotations
 
