@@ -21,7 +21,9 @@ class StopStrings:
             return False
         detok = self._texts.get(req.request_id)
         if detok is None:  # first look: the tokens before the latest (a prefill's, a fork's)
-            detok = self._texts[req.request_id] = IncrementalDetokenizer(self.tokenizer)
+            skip = req.sampling.skip_special_tokens  # the text the router matches
+            detok = IncrementalDetokenizer(self.tokenizer, skip)
+            self._texts[req.request_id] = detok
             for token in req.output_token_ids[:-1]:
                 detok.push(token)
             start = 0

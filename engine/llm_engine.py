@@ -106,7 +106,8 @@ class LLMEngine(StepHooks):
         self.scheduler.add(req)
         self.requests[request_id] = req
         if self.tokenizer is not None:
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
+            skip = sampling.skip_special_tokens
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, skip)
         return request_id
 
     def abort(self, request_id: str) -> None:

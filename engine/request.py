@@ -55,6 +55,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False  # the stop string that ends the text stays in it
+    skip_special_tokens: bool = True  # the text leaves special tokens (EOS, chat markers) out
     ignore_eos: bool = False
     min_tokens: int = 0
     # vLLM's semantics: presence/frequency over output tokens, repetition over prompt + output
@@ -242,6 +243,9 @@ def sampling_from_message(msg, default_max_tokens: int = 16) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         stop=tuple(msg.stop),
         include_stop_str_in_output=msg.include_stop_str_in_output,
+        skip_special_tokens=(
+            msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
+        ),
         ignore_eos=msg.ignore_eos,
         min_tokens=msg.min_tokens,
         presence_penalty=msg.presence_penalty,

@@ -105,8 +105,9 @@ class IncrementalDetokenizer:
     ``ids[prefix:]`` minus that of ``ids[prefix:read]``, so a token costs O(1), not O(output).
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.text = ""
         self._prefix = 0  # start of the decode window
@@ -114,9 +115,9 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        decode = self.tokenizer.decode
-        seen = decode(self.ids[self._prefix : self._read])
-        window = decode(self.ids[self._prefix :])
+        skip = self.skip_special_tokens
+        seen = self.tokenizer.decode(self.ids[self._prefix : self._read], skip)
+        window = self.tokenizer.decode(self.ids[self._prefix :], skip)
         if window.endswith("\ufffd") or len(window) <= len(seen):
             return ""  # an incomplete character, or nothing visible yet
         delta = window[len(seen) :]

@@ -294,8 +294,7 @@ class Router:
         timings = FlowTimings()
         start = time.monotonic()
         params = inp.params
-        keep = params.include_stop_str_in_output
-        texts = [_StopText(self.tokenizer, params.stop, keep) for _ in range(params.n)]
+        texts = [_StopText(self.tokenizer, params) for _ in range(params.n)]
         running = set(range(inp.params.n))
         n_out = 0
         request = FlowRequest(inp.request_id, inp.prompt_ids, inp.sampling, timings, trace=trace)
@@ -333,13 +332,13 @@ class Router:
 
 class _StopText:
     """Detokenizes and applies stop strings, holding back text that may start a stop string;
-    the text ends before the first stop string (``keep``: after it, vLLM's
-    ``include_stop_str_in_output``)."""
+    the text ends before the first stop string (after it with ``include_stop_str_in_output``)
+    and shows special tokens only without ``skip_special_tokens`` (vLLM's both)."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...], keep: bool = False):
-        self.detok = IncrementalDetokenizer(tokenizer)
-        self.stops = stops
-        self.keep = keep
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams):
+        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        self.stops = stops = params.stop
+        self.keep = params.include_stop_str_in_output
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.sent = 0
 

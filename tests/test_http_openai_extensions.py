@@ -1,6 +1,6 @@
 """What a vLLM user sends beyond OpenAI's basics, through the official ``openai`` client and
-gRPC against a disaggregated cluster: ``min_p``, ``include_stop_str_in_output`` and
-``add_generation_prompt`` (served), GET /v1/models/{id}; and every known parameter pdserve
+gRPC against a disaggregated cluster: ``min_p``, ``include_stop_str_in_output``,
+``skip_special_tokens`` and ``add_generation_prompt`` (served), GET /v1/models/{id}; and every known parameter pdserve
 does not implement (JSON output, tools, guided decoding, beam search, ...) refused with a 400
 naming it when it asks for anything, so that no client takes free text for what it asked.
 Fixtures ``openai_*``: tests/conftest.py."""
@@ -11,6 +11,7 @@ import grpc
 import openai
 import pytest
 
+from engine.tokenizer import Tokenizer
 from pdserve.client import Client
 from router.http.openai_requests import CHAT_NEUTRAL_VALUES, NEUTRAL_VALUES
 from tests.http_utils import get, post
@@ -84,6 +85,30 @@ def test_include_stop_str_in_output_keeps_the_stop_string_that_ended_the_text(
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_skip_special_tokens_false_shows_them_in_the_text(
+    openai_api, served_model, openai_tiny, stream
+):
+    """A bias makes every token the tiny model's EOS (</s>, id 2; ``ignore_eos`` runs on):
+    the text is empty by default, and the tokenizer's text of them with skip_special_tokens
+    false."""
+    shown = Tokenizer(openai_tiny[0]).decode([2, 2, 2], skip_special_tokens=False)
+    assert shown.count("</s>") == 3
+    texts = {}
+    for skip in (True, False):
+        extra = {"ignore_eos": True, "skip_special_tokens": skip}
+        out = openai_api.completions.create(
+            model=served_model,
+            prompt="w5 w6",
+            logit_bias={"2": 100},
+            stream=stream,
+            **{**GREEDY, "max_tokens": 3, "extra_body": extra},
+        )
+        chunks = list(out) if stream else [out]
+        texts[skip] = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert texts == {True: "", False: shown}, texts
+
+
 def test_add_generation_prompt_false_leaves_the_assistant_opening_out(openai_cluster):
     address = openai_cluster.http_address
     for add in (True, False):
@@ -130,7 +155,6 @@ ASKING = {
     "use_beam_search": True,
     "length_penalty": 0.5,
     "bad_words": ["w9"],
-    "skip_special_tokens": False,
     "prompt_logprobs": 1,
     "truncate_prompt_tokens": 4,
     "priority": 1,

@@ -40,7 +40,6 @@ NEUTRAL_VALUES = {
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),  # beam search's
     "bad_words": ([],),
-    "skip_special_tokens": (True,),  # the text never shows special tokens
     "prompt_logprobs": (),  # completions: echo with logprobs gives them
     "truncate_prompt_tokens": (),
     "priority": (0,),  # no priority scheduling
@@ -84,6 +83,7 @@ class _GenerateRequest(BaseModel):
     min_tokens: int = Field(0, ge=0, le=UINT32)
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False  # the stop string that ends the text stays in it
+    skip_special_tokens: bool = True  # false: special tokens (EOS, chat markers) show in the text
     return_timings: bool = False  # attach the TTFT breakdown ("timings") to the response
     # Ranges are the engine's (SamplingParams); logit_bias keys are token ids as strings.
     presence_penalty: float | None = None
@@ -106,7 +106,6 @@ class _GenerateRequest(BaseModel):
     use_beam_search: Any = None
     length_penalty: Any = None
     bad_words: Any = None
-    skip_special_tokens: Any = None
     prompt_logprobs: Any = None
     truncate_prompt_tokens: Any = None
     priority: Any = None
@@ -143,6 +142,7 @@ class _GenerateRequest(BaseModel):
             top_k=max(0, self.top_k or 0),
             stop=stop,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
