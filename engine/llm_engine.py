@@ -13,6 +13,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.errors import EngineError, InvalidRequestError
+from engine.guided import GuidedDecoding
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus, SamplingParams, check_token_ids
@@ -54,17 +55,20 @@ class LLMEngine(StepHooks):
         self.runner = runner or ModelRunner(
             model, cache.num_blocks, cache.block_size, config.kv_dtype
         )
-        self.sampler = Sampler()
+        eos = set(config.model.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        guided = None
+        if tokenizer is not None:
+            guided = GuidedDecoding(tokenizer, config.model.vocab_size, self.eos_token_ids)
+        self.sampler = Sampler(guided)
         self.executor = ModelExecutor(self.runner, self.sampler)
         self.step_loop = StepLoop(self.scheduler, self.executor, self)
         self._step_outputs: list[RequestOutput] = []
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
-        eos = set(config.model.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.eos_token_ids = tuple(sorted(eos))
 
     @classmethod
     def from_model_path(

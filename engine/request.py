@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from engine.errors import InvalidRequestError
+from engine.guided import check_guide
 
 
 class RequestStatus(enum.Enum):
@@ -56,6 +57,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False  # the stop string that ends the text stays in it
     skip_special_tokens: bool = True  # the text leaves special tokens (EOS, chat markers) out
+    guide: tuple[str, str] | None = None  # structured output: (kind, spec), engine/guided.py
     ignore_eos: bool = False
     min_tokens: int = 0
     # vLLM's semantics: presence/frequency over output tokens, repetition over prompt + output
@@ -99,6 +101,8 @@ class SamplingParams:
         for name, ok, want in checks:
             if not ok:
                 raise InvalidRequestError(name, f"must be {want}, got {getattr(self, name)!r}")
+        if self.guide is not None:
+            check_guide(*self.guide)
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError("min_tokens", "must not exceed max_tokens")
 
@@ -246,6 +250,7 @@ def sampling_from_message(msg, default_max_tokens: int = 16) -> SamplingParams:
         skip_special_tokens=(
             msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
         ),
+        guide=(msg.guide.kind, msg.guide.spec) if msg.HasField("guide") else None,
         ignore_eos=msg.ignore_eos,
         min_tokens=msg.min_tokens,
         presence_penalty=msg.presence_penalty,

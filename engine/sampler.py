@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
+from engine.errors import InvalidRequestError
 from engine.penalties import Penalties
 from engine.request import Request, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.guided import GuidedDecoding
 
 log = logging.getLogger("pdserve.engine")
 
@@ -27,8 +32,9 @@ _GOLDEN = 0x9E3779B97F4A7C15  # spreads (seed, position) over the generator's se
 
 
 class Sampler:
-    def __init__(self) -> None:
+    def __init__(self, guided: GuidedDecoding | None = None) -> None:
         self.penalties = Penalties()
+        self.guided = guided  # structured output; None: a request that asks for it fails
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         """One token per row of ``logits`` [B, vocab] (fp32) for the matching request. Requests
@@ -40,7 +46,11 @@ class Sampler:
 
     def _changes(self, req: Request) -> bool:
         """Whether sampling changes this request's row of the logits before drawing."""
-        return self.penalties.changes(req) or len(req.output_token_ids) < req.sampling.min_tokens
+        return (
+            self.penalties.changes(req)
+            or len(req.output_token_ids) < req.sampling.min_tokens
+            or req.sampling.guide is not None
+        )
 
     @torch.inference_mode()  # the runner's logits are inference tensors
     def _sample_in_place(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
@@ -48,6 +58,7 @@ class Sampler:
         place: a step pays for those rows only, never for a copy of the whole batch."""
         self.penalties.apply_(logits, requests)
         self._apply_min_tokens(logits, requests)
+        self._apply_guides(logits, requests)
         out = self._draw(logits, requests)
         self._record_logprobs(logits, requests, out)
         self._sample_forks(logits, requests)
@@ -130,6 +141,16 @@ class Sampler:
 
     def release(self, request_id: str) -> None:
         self.penalties.release(request_id)
+        if self.guided is not None:
+            self.guided.release(request_id)
+
+    def _apply_guides(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        """In place: a structured-output row keeps only what its grammar allows next."""
+        if not any(r.sampling.guide is not None for r in requests):
+            return
+        if self.guided is None:
+            raise InvalidRequestError("guide", "this model has no tokenizer to guide with")
+        self.guided.mask_(logits, requests)
 
     @staticmethod
     def _record_logprobs(logits, requests: Sequence[Request], tokens: list[int]) -> None:

@@ -54,6 +54,11 @@ class Tokenizer:
         # a long text tokenized in a thread leaves the router's event loop free meanwhile.
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` itself (structured output builds its vocabulary)."""
+        return self._tok
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -1,7 +1,7 @@
 """What a vLLM user sends beyond OpenAI's basics, through the official ``openai`` client and
 gRPC against a disaggregated cluster: ``min_p``, ``include_stop_str_in_output``,
 ``skip_special_tokens`` and ``add_generation_prompt`` (served), GET /v1/models/{id}; and every known parameter pdserve
-does not implement (JSON output, tools, guided decoding, beam search, ...) refused with a 400
+does not implement (tools, beam search, chat templates of the request's own, ...) refused with a 400
 naming it when it asks for anything, so that no client takes free text for what it asked.
 Fixtures ``openai_*``: tests/conftest.py."""
 
@@ -146,12 +146,6 @@ ASKING = {
     "tool_choice": "required",
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": {"name": "f"},
-    "response_format": {"type": "json_object"},
-    "guided_json": {"type": "object"},
-    "guided_regex": "[0-9]+",
-    "guided_choice": ["yes", "no"],
-    "guided_grammar": "root ::= 'a'",
-    "structured_outputs": {"json": {"type": "object"}},
     "use_beam_search": True,
     "length_penalty": 0.5,
     "bad_words": ["w9"],

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.errors import InvalidRequestError
 from engine.request import MAX_LOGPROBS, MAX_N
 from protos import pdserve_pb2 as pb
+from router.http.guides import request_guide
 
 UINT32 = 2**32 - 1
 INT32 = 2**31 - 1
@@ -31,12 +32,6 @@ NEUTRAL_VALUES = {
     "tool_choice": ("none", "auto"),  # with no tools, both mean plain text
     "functions": ([],),  # OpenAI's older tools
     "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),  # json_object / json_schema: structured output
-    "guided_json": (),  # vLLM's guided decoding, every form
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "structured_outputs": (),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),  # beam search's
     "bad_words": ([],),
@@ -91,18 +86,19 @@ class _GenerateRequest(BaseModel):
     repetition_penalty: float | None = None  # extension, as vLLM
     logit_bias: dict[str, float] | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # extension, as vLLM; 0 = off
-    # See NEUTRAL_VALUES.
-    suffix: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
+    # Structured output (router/http/guides.py): one of them, any JSON shape, checked there.
     response_format: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    # See NEUTRAL_VALUES.
+    suffix: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     bad_words: Any = None
@@ -155,6 +151,9 @@ class _GenerateRequest(BaseModel):
         )
         if self.seed is not None:
             msg.seed = self.seed
+        guide = request_guide(self)
+        if guide is not None:
+            msg.guide.kind, msg.guide.spec = guide
         logprobs, prompt_logprobs = self.logprob_counts()
         if logprobs is not None:
             msg.logprobs = logprobs
