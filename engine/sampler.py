@@ -1,5 +1,6 @@
-"""Batched sampling: logit bias, penalties, min_tokens, greedy, temperature, top-k, top-p,
-per-request seeds, and the logprobs of what was sampled.
+"""Batched sampling: logit bias, penalties, min_tokens, structured output (engine/guided.py),
+greedy, temperature, min-p, top-k, top-p, per-request seeds, and the logprobs of what was
+sampled.
 
 Random draws use the exponential-race trick (argmax of p / Exp(1) is a sample from p), so
 each row can draw from its own seeded generator while the filtering stays batched.
