@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdserve.engine")
 
+# Compiled grammars kept per process (xgrammar's cache, least recently used out): bounded, as
+# every new schema a client sends is one more entry.
+GUIDE_CACHE_BYTES = 64 << 20
 # kind -> what its spec is: json (a JSON schema, as text), json_object (any JSON object; spec
 # empty), regex, choice (a JSON list of strings), grammar (EBNF, GBNF as llama.cpp's).
 GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -68,7 +71,9 @@ class GuideCompiler:
         self.info = xgr.TokenizerInfo.from_huggingface(
             hf, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
         )
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        self._compiler = xgr.GrammarCompiler(
+            self.info, max_threads=1, cache_limit_bytes=GUIDE_CACHE_BYTES
+        )
         self._lock = threading.Lock()  # one compile at a time (RPC threads, the engine's)
 
     def compile(self, kind: str, spec: str):
