@@ -10,9 +10,11 @@ replayed there; a fork of n > 1, a stream migrated to another worker and a sampl
 again after a failure all rebuild the same state from the same tokens, and nothing about the
 grammar crosses the wire but the request's spec.
 
-Specs are compiled once per worker (xgrammar's compiler caches by spec). The router compiles
-each new spec too, so a malformed schema, regex or grammar is a 400 naming the parameter,
-never a failure inside a step.
+Specs are compiled once per worker (xgrammar's compiler caches by spec), first as a worker
+admits the request (``check``), so a malformed schema, regex or grammar, or one no token of
+the vocabulary can begin, is refused then: gRPC INVALID_ARGUMENT naming the parameter, which
+the router passes on as the request's own (a 400), never a failure inside a step. The router
+itself loads no xgrammar (it imports torch) and checks only a spec's shape.
 """
 
 from __future__ import annotations
@@ -181,6 +183,11 @@ class GuidedDecoding:
 
     def release(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+
+    def check(self, kind: str, spec: str) -> None:
+        """``GuideCompiler.check_startable`` on this engine's vocabulary (compiles are cached:
+        the step that masks with it does not compile again)."""
+        self._compiled().check_startable(kind, spec)
 
     def _compiled(self) -> GuideCompiler:
         if self._compiler is None:

@@ -145,6 +145,13 @@ class Sampler:
         if self.guided is not None:
             self.guided.release(request_id)
 
+    def check_guide(self, kind: str, spec: str) -> None:
+        """A structured-output spec compiles and some token can begin it: else
+        InvalidRequestError naming it (a worker's admission: before the request runs)."""
+        if self.guided is None:
+            raise InvalidRequestError("guide", "this model has no tokenizer to guide with")
+        self.guided.check(kind, spec)
+
     def _apply_guides(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
         """In place: a structured-output row keeps only what its grammar allows next."""
         if not any(r.sampling.guide is not None for r in requests):

@@ -87,6 +87,8 @@ class EngineWorker(StepHooks):
         checked against the vocabulary here, at admission, so a bad one is refused alone
         instead of failing the batch it would join."""
         check_token_ids(self.engine.config.model.vocab_size, prompt, sampling, outputs)
+        if sampling.guide is not None:  # compiles, and can begin: refused here, not in a step
+            self.engine.sampler.check_guide(*sampling.guide)
         return Request(
             request_id,
             list(prompt),

@@ -8,14 +8,12 @@ import collections
 import itertools
 import logging
 import sys
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
-from engine.guided import GuideCompiler
 from engine.request import SamplingParams, check_token_ids, sampling_from_message
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from grpc_plumbing.tracing import start_tracing
@@ -64,8 +62,6 @@ class Router:
     def __init__(self, cfg: RouterSettings, prefill: list[str], decode: list[str]):
         self.cfg = cfg
         self.tokenizer = Tokenizer(cfg.model_dir)
-        self._guides: GuideCompiler | None = None  # structured output specs, built when asked
-        self._guides_lock = threading.Lock()
         breaker = BreakerSettings(max_ejection_percent=cfg.max_ejection_percent)
         self.prefill = WorkerPool("prefill", cfg.cluster_token, cfg.cluster_tls, breaker)
         self.decode = WorkerPool("decode", cfg.cluster_token, cfg.cluster_tls, breaker)
@@ -176,18 +172,6 @@ class Router:
         return prefill_ok and bool(self.decode.routable()) and not self.drain.draining
 
     # ---- input -------------------------------------------------------------------------
-    def check_guide(self, sampling: pb.SamplingParams) -> None:
-        """A structured-output spec compiles, or InvalidRequestError naming it: a 400 here,
-        not a failure inside a worker's step. A compile takes milliseconds (a large schema
-        more): call it off the event loop. Compiled specs are cached."""
-        if not sampling.HasField("guide"):
-            return
-        with self._guides_lock:
-            if self._guides is None:
-                tok = self.tokenizer  # stop ids do not change whether a spec compiles
-                self._guides = GuideCompiler(tok, tok.vocab_size, [tok.eos_token_id or 0])
-        self._guides.check_startable(sampling.guide.kind, sampling.guide.spec)
-
     def prepare(
         self,
         prompt_ids: list[int],

@@ -48,8 +48,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served")
         try:
             ids = await self.offload.run(self._prompt_ids, request)
-            if request.sampling.HasField("guide"):  # compiled off the loop; no hop without
-                await self.offload.run(self.router.check_guide, request.sampling)
             # A caller's traceparent (gRPC metadata), read only while tracing is on.
             carrier = context.invocation_metadata() if self.router.tracing is not None else None
             inp = self.router.prepare(ids, request.sampling, request.request_id, carrier)

@@ -4,7 +4,8 @@ worker's sampler (the decode worker after the prefill worker's first token) goes
 same tokens; a token that breaks a grammar fails its request alone. Through a disaggregated
 cluster of the embedded model (slow): JSON schema, JSON object, regex and choice outputs that
 parse and match, token-exact against the single-process engine, streamed with n > 1, over
-HTTP (the openai client) and gRPC; a spec that does not compile is a 400 naming it."""
+HTTP (the openai client) and gRPC; a spec that does not compile is refused as the workers
+admit the request (the router loads no xgrammar: it imports torch), a 400 naming it."""
 
 from __future__ import annotations
 

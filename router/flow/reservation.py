@@ -19,7 +19,7 @@ from protos import pdserve_pb2 as pb
 from router.flow import kv_route
 from router.flow.attempt import Attempt
 from router.flow.request import FlowRequest
-from router.flow.types import Overloaded, lease_destination
+from router.flow.types import Overloaded, lease_destination, refused_request
 
 RESERVE_CALL_TIMEOUT_S = 5.0  # one Reserve call; the reservation as a whole has its own limit
 
@@ -95,7 +95,7 @@ class Reservations:
                     lease = await w.stub.Reserve(req, timeout=RESERVE_CALL_TIMEOUT_S)
                 except grpc.aio.AioRpcError as e:
                     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                        raise
+                        raise refused_request(e) from e
                     continue
                 self._hold_lease(attempt, w, lease)
                 if request.trace is not None:

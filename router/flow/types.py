@@ -5,10 +5,12 @@ sampling messages."""
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 
 import grpc
 
+from engine.errors import InvalidRequestError
 from engine.request import fork_seed
 from grpc_plumbing.faults import FAULT_KEY, RECEIVER_FAULT
 from protos import pdserve_pb2 as pb
@@ -128,7 +130,19 @@ def ended_by(worker, error: grpc.aio.AioRpcError, on_lease: bool = False) -> Att
         return AttemptEnded(AttemptOutcome.LEASE_REFUSED, worker, error)  # reserve again (429)
     if code in LOST_CODES:
         return AttemptEnded(AttemptOutcome.WORKER_LOST, worker, error)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:  # the worker refused what the request asks
+        raise refused_request(error) from error
     raise error
+
+
+def refused_request(error: grpc.aio.AioRpcError) -> InvalidRequestError:
+    """A worker's INVALID_ARGUMENT (details "param: reason", as InvalidRequestError writes
+    them) as the request's own error: a 400 naming the parameter, not a worker failure."""
+    details = error.details() or "invalid request"
+    param, sep, reason = details.partition(": ")
+    if not (sep and re.fullmatch(r"[A-Za-z_][\w.]*", param)):
+        param, reason = "request", details
+    return InvalidRequestError(param, reason)
 
 
 def lease_destination(lease: pb.ReserveResponse) -> pb.KvDestination:

@@ -176,8 +176,6 @@ class OpenAIHandlers:
             inputs = []
             for ids in prompts:
                 sampling = req.to_sampling(len(ids), cfg.max_model_len, cfg.default_max_tokens)
-                if not inputs and sampling.HasField("guide"):  # one spec for every prompt
-                    await self.offload.run(self.router.check_guide, sampling)
                 inputs.append(self.router.prepare(ids, sampling, trace_carrier=headers))
             max_tokens = [inp.params.max_tokens for inp in inputs]
             check_batch_limits(self.router.cfg.limits, req.n, max_tokens)  # n x prompts
