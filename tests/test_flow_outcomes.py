@@ -16,6 +16,7 @@ import grpc
 import msgpack
 import pytest
 
+from engine.errors import InvalidRequestError
 from kv_transfer.errors import FrameError
 from pdserve.client import AsyncClient
 from pdserve.cluster.local import ClusterSpec, LocalCluster
@@ -199,10 +200,19 @@ def test_attempt_outcome_of_a_worker_status():
     # once no worker takes it), never a 503.
     full = ended_by(w, rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "streams"), on_lease=True)
     assert full.outcome is AttemptOutcome.LEASE_REFUSED
-    # Without a lease NOT_FOUND is the request's own, as is a bad argument: raised as is.
-    for code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
-        with pytest.raises(grpc.aio.AioRpcError):
-            ended_by(w, rpc_error(code, "no"))
+    # Without a lease NOT_FOUND is the request's own: raised as is. So is a bad argument, as
+    # the request's InvalidRequestError (a 400 naming the parameter the worker named).
+    with pytest.raises(grpc.aio.AioRpcError):
+        ended_by(w, rpc_error(grpc.StatusCode.NOT_FOUND, "no"))
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    for details, param, reason in (
+        ("guided_regex: does not compile: x", "guided_regex", "does not compile: x"),
+        ("no such thing", "request", "no such thing"),
+        ("a b: c", "request", "a b: c"),
+    ):
+        with pytest.raises(InvalidRequestError) as err:
+            ended_by(w, rpc_error(invalid, details))
+        assert (err.value.param, err.value.reason) == (param, reason)
 
 
 def _reject_the_next_commit(cluster) -> threading.Event:
