@@ -23,7 +23,8 @@ chat template). Sampling keywords are the fields of ``SamplingParams`` in
 ``protos/pdserve.proto`` (max_tokens, temperature, top_p, top_k, min_p, seed, stop,
 include_stop_str_in_output, skip_special_tokens, stop_token_ids, ignore_eos, min_tokens,
 presence_penalty, frequency_penalty, repetition_penalty, logit_bias, logprobs, prompt_logprobs,
-n);
+n; ``guide={"kind": "json" | "json_object" | "regex" | "choice" | "grammar", "spec": ...}`` for
+structured output);
 ``include_timings=True`` puts the TTFT breakdown on the last chunk. With n > 1, chunks carry
 ``index`` and ``Completion.sequences`` holds each sequence. The API key travels as metadata
 ``authorization: Bearer <key>``. Errors are ``grpc.RpcError``: INVALID_ARGUMENT (the message
