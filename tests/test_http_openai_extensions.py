@@ -1,7 +1,7 @@
 """What a vLLM user sends beyond OpenAI's basics, through the official ``openai`` client and
 gRPC against a disaggregated cluster: ``min_p``, ``include_stop_str_in_output``,
 ``skip_special_tokens`` and ``add_generation_prompt`` (served), GET /v1/models/{id}; and every known parameter pdserve
-does not implement (tools, beam search, chat templates of the request's own, ...) refused with a 400
+does not implement (beam search, chat templates of the request's own, ...) refused with a 400
 naming it when it asks for anything, so that no client takes free text for what it asked.
 Fixtures ``openai_*``: tests/conftest.py."""
 
@@ -142,8 +142,6 @@ def test_a_model_id_with_a_slash_reaches_the_lookup(openai_cluster):
 # A value that asks for something, per parameter pdserve does not implement.
 ASKING = {
     "suffix": "tail",
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-    "tool_choice": "required",
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": {"name": "f"},
     "use_beam_search": True,

@@ -87,6 +87,38 @@ def test_a_malformed_or_second_guide_is_refused_by_name(fields, param):
     assert err.value.param == param
 
 
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+FORCED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _chat(**fields):
+    return SimpleNamespace(**{**vars(_request()), "tools": None, "tool_choice": None, **fields})
+
+
+def test_a_forced_tool_call_is_guided_by_its_parameters_and_other_choices_are_refused():
+    from router.http.guides import request_guide
+
+    assert request_guide(_chat(tools=TOOLS, tool_choice=FORCED)) == ("json", json.dumps(WEATHER))
+    assert request_guide(_chat(tools=TOOLS, tool_choice="none")) is None
+    assert request_guide(_chat(tool_choice="auto")) is None  # no tools: nothing asked
+    for choice in (None, "auto", "required", {"type": "function", "function": {"name": "x"}}):
+        with pytest.raises(InvalidRequestError) as err:
+            request_guide(_chat(tools=TOOLS, tool_choice=choice))
+        assert err.value.param == "tool_choice"
+    with pytest.raises(InvalidRequestError) as err:
+        request_guide(_chat(tools=[{"type": "retrieval"}], tool_choice=FORCED))
+    assert err.value.param == "tools"
+    with pytest.raises(InvalidRequestError) as err:  # a tool call and a response_format
+        request_guide(_chat(tools=TOOLS, tool_choice=FORCED, guided_regex="a"))
+    assert err.value.param == "guided_regex"
+
+
 def test_an_unknown_guide_kind_is_refused():
     with pytest.raises(InvalidRequestError, match="guide"):
         SamplingParams(guide=("yaml", ""))
@@ -275,3 +307,35 @@ def test_grpc_takes_the_guide_and_a_spec_that_does_not_compile_is_refused(cluste
         assert bad.value.body["param"] == param and "compile" in bad.value.body["message"]
     ok = api.completions.create(model="smollm2", prompt="Hi", max_tokens=3, temperature=0)
     assert ok.choices[0].text  # still serving
+
+
+@pytest.mark.slow
+@needs_embedded
+def test_a_forced_tool_call_answers_with_its_arguments_whole_and_streamed(api):
+    """As LangChain's ``with_structured_output`` asks: the call's arguments follow the
+    function's parameters; content is null; streamed, the pieces add up to the same."""
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = {"model": "smollm2", "messages": question, "tools": TOOLS, "tool_choice": FORCED}
+    kw["max_tokens"] = 40
+    whole = api.chat.completions.create(**kw, temperature=0)
+    message = whole.choices[0].message
+    assert message.content is None and whole.choices[0].finish_reason == "stop"
+    [call] = message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    pieces, names, ids = [], set(), set()
+    for chunk in api.chat.completions.create(**kw, temperature=0, stream=True):
+        for c in chunk.choices:
+            assert c.delta.content is None
+            for tc in c.delta.tool_calls or []:
+                assert tc.index == 0
+                if tc.function.name:
+                    names.add(tc.function.name)
+                if tc.id:
+                    ids.add(tc.id)
+                pieces.append(tc.function.arguments or "")
+    assert names == {"get_weather"} and len(ids) == 1
+    assert "".join(pieces) == call.function.arguments
+    with pytest.raises(openai.BadRequestError) as err:
+        api.chat.completions.create(**{**kw, "tool_choice": "auto"})
+    assert err.value.body["param"] == "tool_choice"

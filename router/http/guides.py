@@ -8,8 +8,14 @@ uses, as (kind, spec) for the wire's ``SamplingParams.guide`` (kinds: engine/gui
 - vLLM's newer ``structured_outputs``: ``{"json" | "regex" | "choice" | "grammar" |
   "json_object": ...}``.
 
-More than one is a 400 naming the second; a spec that does not compile is a 400 from the
-router's compile (``Router.check_guide``).
+And a chat's forced tool call: ``tools`` with ``tool_choice`` naming one function, whose
+``parameters`` schema guides the output (the arguments; the response carries them as a tool
+call, router/http/openai_responses.py). ``tool_choice`` "none" leaves tools out; "auto" and
+"required" need a model-specific tool-call parser, which pdserve does not have (vLLM refuses
+"auto" too unless started with one): a 400.
+
+More than one is a 400 naming the second; a spec that does not compile is refused by the
+workers as they admit the request (engine/guided.py), a 400 naming it.
 """
 
 from __future__ import annotations
@@ -21,9 +27,46 @@ from engine.errors import InvalidRequestError
 Guide = tuple[str, str]
 
 
+def forced_tool(req) -> dict | None:
+    """The function a chat request's ``tool_choice`` names (its ``tools`` entry's
+    ``function``), None when it asks for no tool call; InvalidRequestError for what is not
+    served."""
+    tools, choice = getattr(req, "tools", None), getattr(req, "tool_choice", None)
+    if not tools or choice == "none":
+        if isinstance(choice, dict):
+            raise InvalidRequestError("tool_choice", "names a function, but tools is empty")
+        return None
+    if not isinstance(tools, list) or not all(_is_function_tool(t) for t in tools):
+        raise InvalidRequestError("tools", "each must be {type: function, function: {name}}")
+    if choice in (None, "auto", "required"):
+        raise InvalidRequestError(
+            "tool_choice",
+            f"{choice or 'auto'!r} needs a tool-call parser, which this server does not have: "
+            "name the function ({type: function, function: {name}})",
+        )
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    functions = {t["function"]["name"]: t["function"] for t in tools}
+    if name not in functions:
+        raise InvalidRequestError("tool_choice", f"must name one of the tools, got {name!r}")
+    return functions[name]
+
+
+def _is_function_tool(tool) -> bool:
+    return (
+        isinstance(tool, dict)
+        and tool.get("type") == "function"
+        and isinstance(tool.get("function"), dict)
+        and isinstance(tool["function"].get("name"), str)
+    )
+
+
 def request_guide(req) -> Guide | None:
     """The guide ``req`` (a completions or chat request) asks for, or None."""
     found: list[tuple[str, Guide]] = []
+    tool = forced_tool(req)
+    if tool is not None:
+        params = tool.get("parameters") or {"type": "object"}
+        found.append(("tool_choice", _spec("tools", "json", params)))
     if req.response_format is not None:
         guide = _response_format(req.response_format)
         if guide is not None:

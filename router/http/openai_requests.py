@@ -28,8 +28,6 @@ MAX_PROMPTS = 64  # prompts in one completions request
 # must not get free text as if it had. Unknown names are ignored, as vLLM does.
 NEUTRAL_VALUES = {
     "suffix": ("",),
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),  # with no tools, both mean plain text
     "functions": ([],),  # OpenAI's older tools
     "function_call": ("none", "auto"),
     "use_beam_search": (False,),
@@ -95,8 +93,6 @@ class _GenerateRequest(BaseModel):
     structured_outputs: Any = None
     # See NEUTRAL_VALUES.
     suffix: Any = None
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     use_beam_search: Any = None
@@ -248,6 +244,9 @@ class ChatCompletionRequest(_GenerateRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: false renders the messages without the assistant turn's opening.
     add_generation_prompt: bool = True
+    # A forced call of one function (router/http/guides.py ``forced_tool``).
+    tools: Any = None
+    tool_choice: Any = None
     # See CHAT_NEUTRAL_VALUES.
     echo: Any = None
     continue_final_message: Any = None

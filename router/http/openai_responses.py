@@ -195,6 +195,39 @@ class ChatResponseShape(ResponseShape):
         return not c.started or super().wants_chunk(c, text, records)
 
 
+class ToolCallShape(ChatResponseShape):
+    """A chat answered with a forced call of one function (``tool_choice`` naming it): the
+    generated text, held to the function's parameters schema, is the call's ``arguments``;
+    ``content`` is null. Streamed: the first chunk opens the call (id, name), later ones add
+    to its arguments. ``finish_reason`` stays the request's (OpenAI answers a forced call with
+    "stop")."""
+
+    def __init__(self, model: str, function: str, with_logprobs: bool = False):
+        super().__init__(model, with_logprobs)
+        self.function = function
+        self.call_id = f"call_{uuid.uuid4().hex[:24]}"
+
+    def choice(self, c: Choice) -> dict:
+        body = super().choice(c)
+        call = {"id": self.call_id, "type": "function"}
+        call["function"] = {"name": self.function, "arguments": c.text}
+        body["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+        return body
+
+    def delta_choice(self, c: Choice, text: str, records: list[Record], offset: int) -> dict:
+        opening = not c.started
+        body = super().delta_choice(c, text, records, offset)
+        delta = {"role": "assistant"} if opening else {}
+        if opening:
+            call = {"index": 0, "id": self.call_id, "type": "function"}
+            call["function"] = {"name": self.function, "arguments": text}
+            delta["tool_calls"] = [call]
+        elif text:
+            delta["tool_calls"] = [{"index": 0, "function": {"arguments": text}}]
+        body["delta"] = delta
+        return body
+
+
 class ResponseBuilder:
     """Turns a request's deltas into choices: echo first, then text and logprob records, per
     choice index (sequence i of prompt k is choice k * n + i)."""

@@ -26,12 +26,14 @@ from engine.errors import InvalidRequestError
 from router.auth import bearer_ok
 from router.core import Router
 from router.flow.types import EngineFailure, Overloaded, WorkerFailure
+from router.http.guides import forced_tool
 from router.http.openai_requests import ChatCompletionRequest, CompletionRequest, openapi_body
 from router.http.openai_responses import (
     ChatResponseShape,
     ResponseBuilder,
     ResponseShape,
     TokenText,
+    ToolCallShape,
     timings_body,
     usage_body,
 )
@@ -164,7 +166,15 @@ class OpenAIHandlers:
             raise _bad_request(e) from None
         except Exception as e:  # noqa: BLE001 - a template's raise_exception on these messages
             raise ApiError(400, f"messages: the chat template failed: {e}", "messages") from None
-        shape = ChatResponseShape(self.router.cfg.model_name, with_logprobs=req.logprobs)
+        try:
+            tool = forced_tool(req)
+        except InvalidRequestError as e:
+            raise _bad_request(e) from None
+        model = self.router.cfg.model_name
+        if tool is not None:
+            shape = ToolCallShape(model, tool["name"], with_logprobs=req.logprobs)
+        else:
+            shape = ChatResponseShape(model, with_logprobs=req.logprobs)
         return await self._respond(req, [ids], shape, headers=headers)
 
     async def _respond(self, req, prompts, shape: ResponseShape, echoes=None, headers=None):
