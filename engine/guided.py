@@ -141,13 +141,9 @@ class GuidedDecoding:
         self._compiler: GuideCompiler | None = None  # built at the first guided request
         self._matchers: dict[str, _Matcher] = {}
 
-    @staticmethod
-    def wants(req: Request) -> bool:
-        return req.sampling.guide is not None
-
     def mask_(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
         """In place: each guided row keeps only the tokens its grammar allows next."""
-        rows = [i for i, r in enumerate(requests) if self.wants(r)]
+        rows = [i for i, r in enumerate(requests) if r.sampling.guide is not None]
         if not rows:
             return
         import torch

@@ -148,17 +148,17 @@ class Sampler:
     def check_guide(self, kind: str, spec: str) -> None:
         """A structured-output spec compiles and some token can begin it: else
         InvalidRequestError naming it (a worker's admission: before the request runs)."""
-        if self.guided is None:
-            raise InvalidRequestError("guide", "this model has no tokenizer to guide with")
-        self.guided.check(kind, spec)
+        self._guided().check(kind, spec)
 
     def _apply_guides(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
         """In place: a structured-output row keeps only what its grammar allows next."""
-        if not any(r.sampling.guide is not None for r in requests):
-            return
+        if any(r.sampling.guide is not None for r in requests):
+            self._guided().mask_(logits, requests)
+
+    def _guided(self) -> GuidedDecoding:
         if self.guided is None:
             raise InvalidRequestError("guide", "this model has no tokenizer to guide with")
-        self.guided.mask_(logits, requests)
+        return self.guided
 
     @staticmethod
     def _record_logprobs(logits, requests: Sequence[Request], tokens: list[int]) -> None:

@@ -25,24 +25,15 @@ def test_min_p_1_samples_the_greedy_text(openai_api, served_model):
     """At min_p 1 only the top token is left, so sampling at temperature 1 is greedy; a cut
     that did nothing would sample other tokens from a random model's flat distribution."""
     greedy = openai_api.completions.create(model=served_model, prompt="w5 w6", **GREEDY)
-    sampled = openai_api.completions.create(
-        model=served_model,
-        prompt="w5 w6",
-        max_tokens=NEW,
-        temperature=1.0,
-        n=3,
-        extra_body={"ignore_eos": True, "min_p": 1.0},
-    )
-    assert [c.text for c in sampled.choices] == [greedy.choices[0].text] * 3
-    loose = openai_api.completions.create(
-        model=served_model,
-        prompt="w5 w6",
-        max_tokens=NEW,
-        temperature=1.0,
-        n=3,
-        extra_body={"ignore_eos": True, "min_p": 0.0},
-    )
-    assert any(c.text != greedy.choices[0].text for c in loose.choices)
+
+    def sampled(min_p: float) -> list[str]:
+        extra = {"ignore_eos": True, "min_p": min_p}
+        kw = {"max_tokens": NEW, "temperature": 1.0, "n": 3, "extra_body": extra}
+        out = openai_api.completions.create(model=served_model, prompt="w5 w6", **kw)
+        return [c.text for c in out.choices]
+
+    assert sampled(1.0) == [greedy.choices[0].text] * 3
+    assert any(text != greedy.choices[0].text for text in sampled(0.0))
 
 
 def test_min_p_over_grpc_matches_http_and_is_range_checked(openai_cluster, openai_api):
