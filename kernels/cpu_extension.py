@@ -217,11 +217,15 @@ def _compile_flags(variant: Variant) -> tuple[list[str], list[str]]:
 
 def _build_key(variant: Variant) -> str:
     """What a build depends on: every file in csrc (headers too), the flags, and the Python,
-    torch and compiler it is built with and for. Equal keys, equal modules."""
+    torch and compiler it is built with and for, down to the folders torch puts in the compile
+    and link commands. Equal keys, equal modules and equal commands: two virtualenvs (a
+    developer's and CI's) once shared a folder, and each load after the other's recompiled
+    every object because ninja saw other include paths (2 minutes a variant on 2 cores)."""
     import hashlib
     import sysconfig
 
     import torch
+    from torch.utils import cpp_extension
 
     digest = hashlib.sha1()
     for path in sorted(p for p in _CSRC.iterdir() if p.is_file()):
@@ -232,6 +236,9 @@ def _build_key(variant: Variant) -> str:
         torch.__version__,
         torch.version.git_version,
         os.environ.get("CXX", ""),
+        *cpp_extension.include_paths(),
+        *cpp_extension.library_paths(),
+        sysconfig.get_paths()["include"],
     ]
     digest.update(repr((cflags, ldflags, toolchain)).encode())
     return digest.hexdigest()[:16]

@@ -77,3 +77,15 @@ def test_a_changed_header_or_flag_gets_a_folder_of_its_own(tmp_path, build_root,
     assert cpu_extension._build_directory(other_variant) not in (before, edited)
     monkeypatch.setenv("CXX", "clang++")
     assert cpu_extension._build_directory(VARIANT.name) != edited
+
+
+def test_another_virtualenv_gets_a_folder_of_its_own(tmp_path, build_root, monkeypatch):
+    """torch's include and library folders are in the compile and link commands: two
+    virtualenvs in one folder made ninja recompile every object at each switch between them."""
+    from torch.utils import cpp_extension as torch_ext
+
+    mine = cpu_extension._build_directory(VARIANT.name)
+    assert cpu_extension._build_directory(VARIANT.name) == mine  # the key is stable
+    other_torch = [str(tmp_path / "other-venv" / "torch" / "include")]
+    monkeypatch.setattr(torch_ext, "include_paths", lambda *a, **kw: other_torch)
+    assert cpu_extension._build_directory(VARIANT.name) != mine
