@@ -1,12 +1,12 @@
 """What one request is allowed to ask costs the others little: a vocabulary-sized logit_bias or
 20,000 stop token ids (the caps raised to allow them) beside 4 greedy streams leaves those
 streams' outputs exact and their time per output token bounded (asserted within 3x, which a
-per-entry cost breaks by far; the issue's 1.5x is printed: 1.05-1.53x on this 2-core VM, where
-the streams' TPOT alone moves 20% between rounds); a burst of 1 MiB /tokenize requests never
+per-entry cost breaks by far; the issue's 1.5x is printed, since the streams' TPOT alone moves
+20% between rounds on a 2-core VM); a burst of 1 MiB /tokenize requests never
 stalls a concurrent stream (tokenization runs off the router's event loop). The burst's p99
 inter-token gap against the stream alone is printed, not asserted: on 2 cores the burst's
-tokenizing competes with the workers for the CPU itself, and it read 1.57-2.41x (issue 46 asks
-for 2x; see docs/RELIABILITY.md)."""
+tokenizing competes with the workers for the CPU itself (issue 46 asks for 2x; the figures
+measured, quiet and loaded, are in docs/RELIABILITY.md)."""
 
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def test_a_heavy_request_leaves_4_greedy_streams_exact_and_their_tpot_bounded(cl
     print(f"{kind}: median TPOT {tpot * 1e3:.2f} ms beside it, {base_tpot * 1e3:.2f} ms alone")
     print(f"{kind}: TPOT beside it / alone {tpot / base_tpot:.2f}x (issue 46's target: 1.5x)")
     # Asserted: the cost per step is bounded, not per entry (a Python loop over a 32,000-entry
-    # bias made one step ~100 ms, 40x). The 1.5x target is printed: it read 1.05-1.53x here.
+    # bias made one step ~100 ms, 40x). The 1.5x target is printed (docs/RELIABILITY.md).
     assert tpot <= 3 * base_tpot, f"TPOT {tpot * 1e3:.1f} ms vs {base_tpot * 1e3:.1f} ms alone"
 
 
