@@ -76,7 +76,11 @@ class Tokenizer:
             return bytes(table[c] for c in piece)
         return self.decode([token_id], skip_special_tokens=False).encode()
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+    ) -> str:
+        """The template's text, as transformers renders it; ``tools`` (OpenAI's function
+        tools) for templates that show the model what it may call (others ignore them)."""
         if not self.chat_template:
             raise InvalidRequestError("messages", "this model has no chat template")
         if self._template is None:
@@ -88,13 +92,16 @@ class Tokenizer:
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
         )
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+    ) -> list[int]:
         # The template already writes any special tokens it wants.
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         return self.encode(text, add_special_tokens=False)
 
     def _token_id(self, token) -> int | None:

@@ -60,3 +60,32 @@ def test_token_bytes_hold_partial_characters(tmp_path):
     ids = tok.encode(text)
     assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
     assert any(tok.decode([i]).endswith("\ufffd") for i in ids)  # a split character
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}tools: {% for t in tools %}{{ t['function']['name'] }} {% endfor %}{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+)
+
+
+def test_a_template_renders_the_tools_as_transformers_does(tmp_path):
+    """A chat's tools reach templates that show the model what it may call, rendered as
+    transformers' apply_chat_template renders them (vLLM passes them the same way)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    write_word_tokenizer(tmp_path, 16)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOLS_TEMPLATE
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tools = [{"type": "function", "function": {"name": "w5", "parameters": {}}}]
+    messages = [{"role": "user", "content": "w6"}]
+    ours = Tokenizer(tmp_path)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path))
+    for given in (tools, None):
+        text = ours.apply_chat_template(messages, tools=given)
+        assert text == theirs.apply_chat_template(messages, tools=given, tokenize=False)
+    assert ours.apply_chat_template(messages, tools=tools).startswith("tools: w5 ")
+    want = ours.encode("tools: w5 user: w6", add_special_tokens=False)
+    assert ours.encode_chat(messages, tools=tools) == want

@@ -8,11 +8,12 @@ uses, as (kind, spec) for the wire's ``SamplingParams.guide`` (kinds: engine/gui
 - vLLM's newer ``structured_outputs``: ``{"json" | "regex" | "choice" | "grammar" |
   "json_object": ...}``.
 
-And a chat's forced tool call: ``tools`` with ``tool_choice`` naming one function, whose
-``parameters`` schema guides the output (the arguments; the response carries them as a tool
-call, router/http/openai_responses.py). ``tool_choice`` "none" leaves tools out; "auto" and
-"required" need a model-specific tool-call parser, which pdserve does not have (vLLM refuses
-"auto" too unless started with one): a 400.
+And a chat's tool calls (the response carries them as tool calls,
+router/http/openai_responses.py): ``tools`` with ``tool_choice`` naming one function, whose
+``parameters`` schema guides the output (the arguments); or ``tool_choice`` "required", which
+holds the output to a JSON array of one or more ``{"name", "parameters"}`` calls among the
+tools, as vLLM does. "none" leaves tools out; "auto" needs a model-specific tool-call parser,
+which pdserve does not have (vLLM refuses it too unless started with one): a 400.
 
 More than one is a 400 naming the second; a spec that does not compile is refused by the
 workers as they admit the request (engine/guided.py), a 400 naming it.
@@ -29,26 +30,67 @@ Guide = tuple[str, str]
 
 def forced_tool(req) -> dict | None:
     """The function a chat request's ``tool_choice`` names (its ``tools`` entry's
-    ``function``), None when it asks for no tool call; InvalidRequestError for what is not
-    served."""
-    tools, choice = getattr(req, "tools", None), getattr(req, "tool_choice", None)
-    if not tools or choice == "none":
-        if isinstance(choice, dict):
-            raise InvalidRequestError("tool_choice", "names a function, but tools is empty")
+    ``function``), None when it names none; InvalidRequestError for what is not served."""
+    tools, choice = _tools_and_choice(req)
+    if tools is None or choice == "required":
         return None
-    if not isinstance(tools, list) or not all(_is_function_tool(t) for t in tools):
-        raise InvalidRequestError("tools", "each must be {type: function, function: {name}}")
-    if choice in (None, "auto", "required"):
-        raise InvalidRequestError(
-            "tool_choice",
-            f"{choice or 'auto'!r} needs a tool-call parser, which this server does not have: "
-            "name the function ({type: function, function: {name}})",
-        )
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     functions = {t["function"]["name"]: t["function"] for t in tools}
     if name not in functions:
         raise InvalidRequestError("tool_choice", f"must name one of the tools, got {name!r}")
     return functions[name]
+
+
+def required_tools(req) -> list[dict] | None:
+    """The functions a chat request with ``tool_choice`` "required" may call (each ``tools``
+    entry's ``function``), None when it is not "required"."""
+    tools, choice = _tools_and_choice(req)
+    if tools is None or choice != "required":
+        return None
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise InvalidRequestError("tools", "function names must be unique")
+    return [t["function"] for t in tools]
+
+
+def _tools_and_choice(req) -> tuple[list | None, object]:
+    """The request's tools and tool_choice when it asks for a tool call, (None, None) when it
+    asks for none; InvalidRequestError for tools that are not functions and for "auto"."""
+    tools, choice = getattr(req, "tools", None), getattr(req, "tool_choice", None)
+    if not tools or choice == "none":
+        if isinstance(choice, dict) or choice == "required":
+            raise InvalidRequestError("tool_choice", "asks for a tool call, but tools is empty")
+        return None, None
+    if not isinstance(tools, list) or not all(_is_function_tool(t) for t in tools):
+        raise InvalidRequestError("tools", "each must be {type: function, function: {name}}")
+    if choice in (None, "auto"):
+        raise InvalidRequestError(
+            "tool_choice",
+            "'auto' needs a tool-call parser, which this server does not have: name the "
+            "function ({type: function, function: {name}}) or ask for 'required'",
+        )
+    return tools, choice
+
+
+def calls_schema(functions: list[dict]) -> dict:
+    """The JSON schema of a "required" answer: an array of one or more calls, each
+    ``{"name": <one function>, "parameters": <its parameters>}`` (vLLM's). Each parameters
+    schema's ``$defs`` move to the top, where its ``#/$defs/...`` references point."""
+    defs: dict = {}
+    calls = []
+    for function in functions:
+        params = function.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(params, dict) or not isinstance(params.get("$defs", {}), dict):
+            raise InvalidRequestError("tools", "a function's parameters must be a JSON schema")
+        params = dict(params)
+        for key, value in params.pop("$defs", {}).items():
+            if defs.setdefault(key, value) != value:
+                raise InvalidRequestError("tools", f"two different $defs named {key!r}")
+        name = {"type": "string", "enum": [function["name"]]}
+        properties = {"name": name, "parameters": params}
+        calls.append({"properties": properties, "required": ["name", "parameters"]})
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+    return {**schema, "$defs": defs} if defs else schema
 
 
 def _is_function_tool(tool) -> bool:
@@ -63,10 +105,12 @@ def _is_function_tool(tool) -> bool:
 def request_guide(req) -> Guide | None:
     """The guide ``req`` (a completions or chat request) asks for, or None."""
     found: list[tuple[str, Guide]] = []
-    tool = forced_tool(req)
+    tool, required = forced_tool(req), required_tools(req)
     if tool is not None:
         params = tool.get("parameters") or {"type": "object"}
         found.append(("tool_choice", _spec("tools", "json", params)))
+    elif required is not None:
+        found.append(("tool_choice", ("json", json.dumps(calls_schema(required)))))
     if req.response_format is not None:
         guide = _response_format(req.response_format)
         if guide is not None:

@@ -244,7 +244,7 @@ class ChatCompletionRequest(_GenerateRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: false renders the messages without the assistant turn's opening.
     add_generation_prompt: bool = True
-    # A forced call of one function (router/http/guides.py ``forced_tool``).
+    # Tool calls: one named function, or "required" (router/http/guides.py).
     tools: Any = None
     tool_choice: Any = None
     # See CHAT_NEUTRAL_VALUES.

@@ -9,6 +9,7 @@ Tokens are named by their own decoded text, as vLLM does.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -205,11 +206,14 @@ class ToolCallShape(ChatResponseShape):
     def __init__(self, model: str, function: str, with_logprobs: bool = False):
         super().__init__(model, with_logprobs)
         self.function = function
-        self.call_id = f"call_{uuid.uuid4().hex[:24]}"
+        self._call_ids: dict[int, str] = {}  # by choice: each of n choices is its own call
+
+    def call_id(self, c: Choice) -> str:
+        return self._call_ids.setdefault(c.index, _new_call_id())
 
     def choice(self, c: Choice) -> dict:
         body = super().choice(c)
-        call = {"id": self.call_id, "type": "function"}
+        call = {"id": self.call_id(c), "type": "function"}
         call["function"] = {"name": self.function, "arguments": c.text}
         body["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
         return body
@@ -219,13 +223,93 @@ class ToolCallShape(ChatResponseShape):
         body = super().delta_choice(c, text, records, offset)
         delta = {"role": "assistant"} if opening else {}
         if opening:
-            call = {"index": 0, "id": self.call_id, "type": "function"}
+            call = {"index": 0, "id": self.call_id(c), "type": "function"}
             call["function"] = {"name": self.function, "arguments": text}
             delta["tool_calls"] = [call]
         elif text:
             delta["tool_calls"] = [{"index": 0, "function": {"arguments": text}}]
         body["delta"] = delta
         return body
+
+
+class RequiredToolCallsShape(ChatResponseShape):
+    """A chat answered with one or more calls (``tool_choice`` "required"): the generated
+    text, held to a JSON array of ``{"name", "parameters"}`` (router/http/guides.py
+    ``calls_schema``), becomes the message's ``tool_calls``, each with its own id and
+    ``parameters`` as its ``arguments``; ``content`` is null and a finish that was "stop" is
+    "tool_calls", as vLLM answers. Streamed: each call goes out whole in the chunk where its
+    object closes."""
+
+    def __init__(self, model: str, with_logprobs: bool = False):
+        super().__init__(model, with_logprobs)
+        self._scans: dict[int, _CallScan] = {}  # by choice
+
+    def _scan(self, c: Choice) -> _CallScan:
+        scan = self._scans.setdefault(c.index, _CallScan())
+        scan.advance(c.text)
+        return scan
+
+    def choice(self, c: Choice) -> dict:
+        body = super().choice(c)
+        calls = self._scan(c).calls
+        body["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+        body["finish_reason"] = _calls_finish(c.finish_reason)
+        return body
+
+    def delta_choice(self, c: Choice, text: str, records: list[Record], offset: int) -> dict:
+        opening = not c.started
+        body = super().delta_choice(c, text, records, offset)
+        delta = {"role": "assistant"} if opening else {}
+        scan = self._scan(c)
+        new = scan.calls[scan.sent :]
+        scan.sent = len(scan.calls)
+        if new:
+            delta["tool_calls"] = [
+                {"index": scan.sent - len(new) + i, **call} for i, call in enumerate(new)
+            ]
+        body["delta"] = delta
+        body["finish_reason"] = _calls_finish(c.finish_reason)
+        return body
+
+    def wants_chunk(self, c: Choice, text: str, records: list) -> bool:
+        scan = self._scan(c)
+        return not c.started or bool(records or c.finish_reason) or scan.sent < len(scan.calls)
+
+
+def _new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _calls_finish(reason: str | None) -> str | None:
+    return "tool_calls" if reason == "stop" else reason
+
+
+class _CallScan:
+    """The calls of a "required" answer so far: each array element whose object has closed,
+    parsed once (the grammar makes the text a JSON array of calls as it grows)."""
+
+    _SKIP = " \t\r\n[,"
+
+    def __init__(self):
+        self.calls: list[dict] = []
+        self.sent = 0  # calls already streamed
+        self._pos = 0
+        self._decoder = json.JSONDecoder()
+
+    def advance(self, text: str) -> None:
+        while True:
+            start = self._pos
+            while start < len(text) and text[start] in self._SKIP:
+                start += 1
+            try:
+                obj, end = self._decoder.raw_decode(text, start)
+            except json.JSONDecodeError:  # not closed yet, or the array's end
+                return
+            self._pos = end
+            if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
+                return  # not a call (the grammar allows none): no more calls to read
+            function = {"name": obj["name"], "arguments": json.dumps(obj.get("parameters", {}))}
+            self.calls.append({"id": _new_call_id(), "type": "function", "function": function})
 
 
 class ResponseBuilder:

@@ -26,10 +26,11 @@ from engine.errors import InvalidRequestError
 from router.auth import bearer_ok
 from router.core import Router
 from router.flow.types import EngineFailure, Overloaded, WorkerFailure
-from router.http.guides import forced_tool
+from router.http.guides import forced_tool, required_tools
 from router.http.openai_requests import ChatCompletionRequest, CompletionRequest, openapi_body
 from router.http.openai_responses import (
     ChatResponseShape,
+    RequiredToolCallsShape,
     ResponseBuilder,
     ResponseShape,
     TokenText,
@@ -159,20 +160,24 @@ class OpenAIHandlers:
         req = self._parse(ChatCompletionRequest, raw)
         messages = [m.as_template_input() for m in req.messages]
         try:
+            tool, required = forced_tool(req), required_tools(req)
+        except InvalidRequestError as e:
+            raise _bad_request(e) from None
+        # The tools go to the template when the answer must call one (as vLLM renders them).
+        tools = req.tools if tool is not None or required is not None else None
+        try:
             ids = await self.offload.run(
-                self.router.tokenizer.encode_chat, messages, req.add_generation_prompt
+                self.router.tokenizer.encode_chat, messages, req.add_generation_prompt, tools
             )
         except InvalidRequestError as e:
             raise _bad_request(e) from None
         except Exception as e:  # noqa: BLE001 - a template's raise_exception on these messages
             raise ApiError(400, f"messages: the chat template failed: {e}", "messages") from None
-        try:
-            tool = forced_tool(req)
-        except InvalidRequestError as e:
-            raise _bad_request(e) from None
         model = self.router.cfg.model_name
         if tool is not None:
             shape = ToolCallShape(model, tool["name"], with_logprobs=req.logprobs)
+        elif required is not None:
+            shape = RequiredToolCallsShape(model, with_logprobs=req.logprobs)
         else:
             shape = ChatResponseShape(model, with_logprobs=req.logprobs)
         return await self._respond(req, [ids], shape, headers=headers)
