@@ -73,9 +73,11 @@ def test_http_with_the_key_serves_through_token_guarded_workers(cluster):
 
 
 def test_only_health_stays_open(cluster):
-    """/metrics lists worker addresses and /docs the whole API: with a key set, they need it."""
+    """/metrics lists worker addresses and /docs the whole API: with a key set, they need it.
+    The probes (/health, and /ping, vLLM's name for it) stay open."""
     assert get(cluster.http_address, "/health")[0] == 200
-    for path in ("/metrics", "/docs", "/openapi.json", "/redoc", "/no-such-route"):
+    assert get(cluster.http_address, "/ping")[0] == 200
+    for path in ("/metrics", "/docs", "/openapi.json", "/redoc", "/version", "/no-such-route"):
         assert get(cluster.http_address, path)[0] == 401, path
     assert post(cluster.http_address, "/tokenize", {"prompt": "w5"})[0] == 401
     good = {"Authorization": f"Bearer {KEY}"}

@@ -5,6 +5,7 @@ framing, the bad-input table (400 naming the parameter, then still serving), 404
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 
 import openai
@@ -281,10 +282,13 @@ def test_unknown_route_is_404_in_openai_shape(openai_cluster):
 
 def test_models_and_health(openai_api, openai_cluster, served_model):
     assert [m.id for m in openai_api.models.list()] == [served_model]
-    assert get(openai_cluster.http_address, "/health") == (
-        200,
-        {"status": "ok", "prefill_workers": 1, "decode_workers": 1},
-    )
+    healthy = (200, {"status": "ok", "prefill_workers": 1, "decode_workers": 1})
+    assert get(openai_cluster.http_address, "/health") == healthy
+    # vLLM's names: /ping (GET or POST) is the same probe, /version the server's version.
+    assert get(openai_cluster.http_address, "/ping") == healthy
+    assert post(openai_cluster.http_address, "/ping", {}) == healthy
+    status, body = get(openai_cluster.http_address, "/version")
+    assert status == 200 and body["version"] == importlib.metadata.version("pdserve")
 
 
 def _extra_router(openai_cluster, decode: list[str], **cfg):
@@ -317,6 +321,7 @@ def test_health_is_503_until_every_pool_has_a_ready_worker(openai_cluster):
     try:
         status, body = get(servers.http_address, "/health")
         assert status == 503 and body["decode_workers"] == 0
+        assert get(servers.http_address, "/ping")[0] == 503
         openai_cluster.run(servers.router.add_worker("decode", openai_cluster.decode_addresses[0]))
         assert get(servers.http_address, "/health")[0] == 200
     finally:

@@ -1,4 +1,4 @@
-"""An ASGI layer in front of the whole HTTP app: the API key on every route but /health (and,
+"""An ASGI layer in front of the whole HTTP app: the API key on every route but /health and /ping (and,
 optionally, /metrics), and the request body cap, before FastAPI parses anything.
 
 A middleware rather than route dependencies so nothing is left open by omission: /docs,
@@ -18,7 +18,7 @@ import json
 
 from router.auth import bearer_ok
 
-OPEN_PATHS = frozenset({"/health"})  # probes carry no key
+OPEN_PATHS = frozenset({"/health", "/ping"})  # probes carry no key
 MIN_DRAIN_BYTES = 64 << 20  # an oversized body read and dropped before its 413, at least
 
 

@@ -3,8 +3,9 @@ same request path as gRPC (``Router.prepare`` then ``Router.generate``).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
 ``"stream": true``), GET /v1/models and /v1/models/{id}, POST /tokenize and /detokenize (vLLM's),
-GET /health (503 until every pool has a ready worker), GET /metrics (Prometheus). Errors use
-OpenAI's shape ``{"error": {message, type, param, code}}``: 400 bad parameter (named in
+GET /health and GET/POST /ping (503 until every pool has a ready worker), GET /version, GET
+/metrics (Prometheus). Errors use OpenAI's shape ``{"error": {message, type, param, code}}``:
+400 bad parameter (named in
 ``param``), 401 bad API key, 404 unknown model or route, 429 overloaded, 500 an engine error of
 the request, 503 workers failed.
 """
@@ -12,6 +13,7 @@ the request, 503 workers failed.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -45,6 +47,16 @@ from router.limits import check_batch_limits
 from router.offload import Offload
 
 log = logging.getLogger("pdserve.router")
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "unknown"
+
+
+_VERSION = _package_version()
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -348,7 +360,6 @@ def build_app(router: Router, api_key: str | None = None) -> FastAPI:
 
 
 def _add_operational_routes(app: FastAPI, router: Router) -> None:
-    @app.get("/health")
     async def health() -> Response:
         body = {
             "status": "ok" if router.ready else "unavailable",
@@ -356,6 +367,15 @@ def _add_operational_routes(app: FastAPI, router: Router) -> None:
             "decode_workers": len(router.decode.routable()),
         }
         return JSONResponse(body, status_code=200 if router.ready else 503)
+
+    # /ping is vLLM's (and SageMaker's) name for the same probe, GET or POST.
+    for path, method in (("/health", "GET"), ("/ping", "GET"), ("/ping", "POST")):
+        name = f"{path[1:]}_{method.lower()}"  # one OpenAPI operation id each
+        app.add_api_route(path, health, methods=[method], operation_id=name)
+
+    @app.get("/version")  # vLLM's: the server's version
+    async def version() -> dict:
+        return {"version": _VERSION}
 
     @app.get("/metrics")
     async def metrics() -> Response:
