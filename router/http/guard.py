@@ -1,5 +1,6 @@
-"""An ASGI layer in front of the whole HTTP app: the API key on every route but /health and /ping (and,
-optionally, /metrics), and the request body cap, before FastAPI parses anything.
+"""An ASGI layer in front of the whole HTTP app: the API key on every route but the probes
+(/health, /ping) and optionally /metrics, and the request body cap, before FastAPI parses
+anything.
 
 A middleware rather than route dependencies so nothing is left open by omission: /docs,
 /openapi.json, /metrics, /tokenize and routes added later all need the key. The body is read
