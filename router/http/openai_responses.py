@@ -294,9 +294,15 @@ class _CallScan:
         self.calls: list[dict] = []
         self.sent = 0  # calls already streamed
         self._pos = 0
+        self._looked = 0  # the text's length at the last look
         self._decoder = json.JSONDecoder()
 
     def advance(self, text: str) -> None:
+        # An object closes only with a '}': without a new one, nothing can parse that did not
+        # before (so the stream's per-token looks do not parse the open object again).
+        fresh, self._looked = text[self._looked :], len(text)
+        if "}" not in fresh:
+            return
         while True:
             start = self._pos
             while start < len(text) and text[start] in self._SKIP:
